@@ -1,0 +1,121 @@
+"""Configuration: TOML file, WSD_* overrides, errors naming file, key and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+
+from wsd.config import GrowthPolicy, WorkspaceConfig, load_config, parse_size
+from wsd.errors import ConfigError
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "wsd.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_without_file():
+    config = load_config(None, env={})
+    assert config.workspace == WorkspaceConfig()
+    assert config.workspace.num_ubatches == 1 and config.workspace.alignment == 256
+    assert config.source == "<defaults>"
+
+
+def test_file_values_are_loaded(tmp_path):
+    path = write(tmp_path, """
+[workspace]
+num_ubatches = 4
+num_lanes = 2
+growth = "granular"
+granularity = "4MiB"
+max_slot_bytes = "1 GiB"
+""")
+    ws = load_config(path, env={}).workspace
+    assert (ws.num_ubatches, ws.num_lanes, ws.growth) == (4, 2, GrowthPolicy.GRANULAR)
+    assert (ws.granularity, ws.max_slot_bytes) == (4 << 20, 1 << 30)
+
+
+def test_environment_overrides_file(tmp_path):
+    path = write(tmp_path, "[workspace]\nnum_ubatches = 4\n")
+    env = {"WSD_WORKSPACE_NUM_UBATCHES": "8", "WSD_WORKSPACE_MAX_SLOT_BYTES": "none",
+           "WSD_ENDPOINT": "ignored: not a config section"}
+    ws = load_config(path, env=env).workspace
+    assert ws.num_ubatches == 8 and ws.max_slot_bytes is None
+
+
+def test_wsd_config_variable_names_the_file(tmp_path):
+    path = write(tmp_path, "[workspace]\nnum_lanes = 3\n")
+    assert load_config(env={"WSD_CONFIG": str(path)}).workspace.num_lanes == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[workspace]\nnum_ubatchez = 2\n", r"unknown key \[workspace\] 'num_ubatchez'; allowed keys: alignment"),
+        ("[worksp]\n", r"unknown section \[worksp\]; allowed sections: \[workspace\]"),
+        ("[workspace]\nnum_ubatches = 0\n", "num_ubatches must be between 1 and 64, got 0"),
+        ("[workspace]\nnum_ubatches = 65\n", "num_ubatches must be between 1 and 64, got 65"),
+        ("[workspace]\nnum_ubatches = \"two\"\n", r"\[workspace\] num_ubatches must be an integer, got 'two'"),
+        ("[workspace]\nnum_ubatches = true\n", "must be an integer, got True"),
+        ("[workspace]\ngrowth = \"double\"\n", "growth must be one of 'exact', 'granular', got 'double'"),
+        ("[workspace]\nalignment = 100\n", "alignment must be a power of two, got 100"),
+        ("[workspace]\ngranularity = \"3 parsecs\"\n", "expected a size"),
+        ("[workspace]\ngranularity = 300\n", "granularity must be a multiple of alignment"),
+        ("workspace = 3\n", "must be a \\[workspace\\] table"),
+        ("[workspace\n", "not valid TOML"),
+    ],
+)
+def test_bad_file_fails_naming_file_key_and_allowed(tmp_path, text, expected):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=expected) as info:
+        load_config(path, env={})
+    assert str(path) in str(info.value)
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="nope.toml: configuration file not found"):
+        load_config(tmp_path / "nope.toml", env={})
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"WSD_WORKSPACE_NUM_UBATCHES": "x"}, "environment variable WSD_WORKSPACE_NUM_UBATCHES: .*must be an integer"),
+        ({"WSD_WORKSPACE_NUM_UBATCHES": "0"}, "environment variable WSD_WORKSPACE_NUM_UBATCHES: .*between 1 and 64"),
+        ({"WSD_WORKSPACE_BOGUS": "1"}, "environment variable WSD_WORKSPACE_BOGUS: unknown key"),
+        ({"WSD_WORKSPACE": "1"}, "WSD_WORKSPACE: names no key"),
+    ],
+)
+def test_bad_environment_is_named(env, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, env=env)
+
+
+def test_parse_size():
+    assert parse_size("2MiB") == 2 << 20
+    assert parse_size("512 kb") == 512_000
+    assert parse_size(4096) == 4096
+    assert parse_size("4096") == 4096
+    for bad in ("-1", "1.5MiB", True, "MiB"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+def test_config_objects_are_frozen_and_keyword_only():
+    with pytest.raises(TypeError):
+        WorkspaceConfig(2)  # type: ignore[misc]
+    config = WorkspaceConfig(num_ubatches=2)
+    with pytest.raises(AttributeError):
+        config.num_ubatches = 3  # type: ignore[misc]
+
+
+def test_manager_from_config_file(tmp_path):
+    torch = pytest.importorskip("torch")
+    from wsd import WorkspaceManager
+
+    path = write(tmp_path, "[workspace]\nnum_ubatches = 3\nnum_lanes = 2\nalignment = 64\n")
+    manager = WorkspaceManager.from_config("cpu", str(path))
+    assert (manager.num_ubatches, manager.num_lanes) == (3, 2)
+    a, b = manager.get_simultaneous(((1,), torch.float32), ((1,), torch.float32))
+    assert b.data_ptr() - a.data_ptr() == 64
+    assert len(manager.stats().slots) == 6

@@ -1,0 +1,77 @@
+"""The installed package: torch-free imports, console scripts, public surface."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import wsd
+
+# Importing these must not need torch: the coordinator and clients run without it.
+TORCH_FREE = ["wsd", "wsd.config", "wsd.errors", "wsd.stats", "wsd.fmt", "wsd.cli", "wsd_client", "wsd_client.wsctl"]
+
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+
+
+def test_client_side_imports_without_torch():
+    """Fails if any client/coordinator-side module imports torch at import time."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # any 'import torch' now raises
+        f"import importlib; [importlib.import_module(m) for m in {TORCH_FREE!r}]\n"
+        "import wsd; wsd.load_config(None, env={})\n"
+        "print('ok')\n"
+    )
+    result = run(sys.executable, "-c", code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_manager_names_load_lazily_from_wsd():
+    assert wsd.WorkspaceManager.__module__ == "wsd.manager"
+    for name in wsd.__all__:
+        assert getattr(wsd, name) is not None
+
+
+def test_public_surface_is_pinned():
+    """A change to what `wsd` exports must be deliberate: update this list with it."""
+    assert wsd.__all__ == sorted([
+        "ConfigError", "GrowthPolicy", "LockViolation", "ManagerStats", "PersistentStats",
+        "SlotOutOfRangeError", "SlotStats", "WorkspaceCaptureError", "WorkspaceConfig",
+        "WorkspaceError", "WorkspaceLimitError", "WorkspaceLockedError", "WorkspaceManager",
+        "WorkspaceNotInitializedError", "WsdConfig", "WsdError", "__version__",
+        "current_lane", "current_ubatch", "current_workspace_manager", "init_workspace_manager",
+        "is_workspace_manager_initialized", "load_config", "lock_workspace",
+        "reset_workspace_manager", "unlock_workspace", "use_lane", "use_ubatch",
+    ])
+
+
+def test_py_typed_is_shipped():
+    assert (Path(wsd.__file__).parent / "py.typed").is_file()
+
+
+def test_console_scripts_run():
+    for script in ("wsd", "wsctl"):
+        result = run(script, "--help")
+        assert result.returncode == 0, result.stderr
+        assert "usage:" in result.stdout
+
+
+def test_wsd_demo_runs_the_manager_through_its_life(tmp_path):
+    config = tmp_path / "wsd.toml"
+    config.write_text("[workspace]\nnum_ubatches = 2\nnum_lanes = 2\n")
+    result = run("wsd", "demo", "--config", str(config), "--steps", "20")
+    assert result.returncode == 0, result.stderr
+    assert "Workspace is locked but allocation from" in result.stdout
+    rows = [line.split() for line in result.stdout.splitlines() if line[:1].isspace() and line.split()[0].isdigit()]
+    assert [(r[0], r[1]) for r in rows] == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+
+
+def test_wsd_demo_bad_config_exits_2_naming_key(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text("[workspace]\nnum_ubatches = 0\n")
+    result = run("wsd", "demo", "--config", str(config))
+    assert result.returncode == 2
+    assert "bad.toml" in result.stderr and "num_ubatches must be between 1 and 64" in result.stderr

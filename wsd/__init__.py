@@ -1,0 +1,95 @@
+"""wsd: a distributed workspace service for GPU inference clusters.
+
+The per-rank manager (``WorkspaceManager`` and vLLM's module functions) needs
+torch and is imported on first use, so that ``import wsd`` and the torch-free
+parts (configuration, protocol, coordinator, clients) work without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from wsd.config import GrowthPolicy, WorkspaceConfig, WsdConfig, load_config
+from wsd.errors import (
+    ConfigError,
+    SlotOutOfRangeError,
+    WorkspaceCaptureError,
+    WorkspaceError,
+    WorkspaceLimitError,
+    WorkspaceLockedError,
+    WorkspaceNotInitializedError,
+    WsdError,
+)
+from wsd.stats import LockViolation, ManagerStats, PersistentStats, SlotStats
+
+__version__ = "0.1.0"
+
+_MANAGER_NAMES = frozenset(
+    {
+        "WorkspaceManager",
+        "current_lane",
+        "current_ubatch",
+        "current_workspace_manager",
+        "init_workspace_manager",
+        "is_workspace_manager_initialized",
+        "lock_workspace",
+        "reset_workspace_manager",
+        "unlock_workspace",
+        "use_lane",
+        "use_ubatch",
+    }
+)
+
+if TYPE_CHECKING:
+    from wsd.manager import (
+        WorkspaceManager,
+        current_lane,
+        current_ubatch,
+        current_workspace_manager,
+        init_workspace_manager,
+        is_workspace_manager_initialized,
+        lock_workspace,
+        reset_workspace_manager,
+        unlock_workspace,
+        use_lane,
+        use_ubatch,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MANAGER_NAMES:
+        return getattr(importlib.import_module("wsd.manager"), name)
+    raise AttributeError(f"module 'wsd' has no attribute {name!r}")
+
+
+__all__ = [
+    "ConfigError",
+    "GrowthPolicy",
+    "LockViolation",
+    "ManagerStats",
+    "PersistentStats",
+    "SlotOutOfRangeError",
+    "SlotStats",
+    "WorkspaceCaptureError",
+    "WorkspaceConfig",
+    "WorkspaceError",
+    "WorkspaceLimitError",
+    "WorkspaceLockedError",
+    "WorkspaceManager",
+    "WorkspaceNotInitializedError",
+    "WsdConfig",
+    "WsdError",
+    "__version__",
+    "current_lane",
+    "current_ubatch",
+    "current_workspace_manager",
+    "init_workspace_manager",
+    "is_workspace_manager_initialized",
+    "load_config",
+    "lock_workspace",
+    "reset_workspace_manager",
+    "unlock_workspace",
+    "use_lane",
+    "use_ubatch",
+]

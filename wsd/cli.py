@@ -1,0 +1,57 @@
+"""``wsd``: the service's own command line.
+
+``wsd demo`` runs a manager sized from configuration through a short engine
+life (warm-up, equalize, lock, steady state, one over-size request) and prints
+its per-slot statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from wsd.errors import ConfigError, WsdError
+
+logger = logging.getLogger("wsd")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="wsd", description="wsd: a distributed workspace service for GPU inference clusters."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    demo = sub.add_parser(
+        "demo", help="run one manager through warm-up, lock and steady state; print its stats"
+    )
+    demo.add_argument("--config", help="TOML configuration file (default: $WSD_CONFIG or defaults)")
+    demo.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    demo.add_argument("--steps", type=int, default=100, help="steady-state steps (default: 100)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if args.command == "demo":
+            from wsd.demo import run_demo
+
+            if args.steps < 1:
+                parser.error("--steps must be at least 1")
+            print(run_demo(args.config, args.device, args.steps))
+            return 0
+    except ConfigError as e:
+        print(f"wsd: configuration error: {e}", file=sys.stderr)
+        return 2
+    except WsdError as e:
+        print(f"wsd: {e}", file=sys.stderr)
+        return 1
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""Configuration: one TOML file, overridden by ``WSD_*`` environment variables.
+
+Each section of the file is a frozen, keyword-only dataclass with a docstring
+under every field and validation at construction. ``load_config`` is the one
+thin loader that turns a file and the environment into those objects; every
+error it raises names the file (or variable), the key and what is allowed.
+
+Environment variables are ``WSD_<SECTION>_<KEY>`` in upper case, for example
+``WSD_WORKSPACE_NUM_UBATCHES=4``; they win over the file. ``WSD_CONFIG`` names
+the file when no path is given.
+
+This module imports no torch: the coordinator and the clients load it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import re
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from wsd.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+__all__ = [
+    "MAX_LANES",
+    "MAX_UBATCHES",
+    "GrowthPolicy",
+    "WorkspaceConfig",
+    "WsdConfig",
+    "load_config",
+    "parse_size",
+]
+
+MAX_UBATCHES = 64
+"""Largest ``num_ubatches`` a manager accepts."""
+MAX_LANES = 64
+"""Largest ``num_lanes`` a manager accepts."""
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as ``"2MiB"``, ``"512 KB"``, ``"4096"``."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size in bytes, got {value!r}")
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise ValueError(
+            f"expected a size such as 4096, \"512KiB\" or \"2MiB\", got {value!r}"
+        )
+    return int(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
+
+
+def _size_field(default: int | None) -> Any:
+    """A field that takes a byte size: an int, or a string with a unit."""
+    return field(default=default, metadata={"size": True})
+
+
+class GrowthPolicy(enum.Enum):
+    """How a slot's buffer grows when a request does not fit."""
+
+    EXACT = "exact"
+    """To exactly the requested total, as vLLM does."""
+    GRANULAR = "granular"
+    """To the requested total rounded up to ``granularity`` bytes."""
+
+
+def _check_range(name: str, value: int, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be between {low} and {high}, got {value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkspaceConfig:
+    """``[workspace]``: the per-rank workspace manager."""
+
+    num_ubatches: int = 1
+    """Micro-batch slots per lane (vLLM's ``num_ubatches``; 1 to MAX_UBATCHES)."""
+    num_lanes: int = 1
+    """Independent slots per ubatch (1 to MAX_LANES)."""
+    alignment: int = 256
+    """Byte alignment of every view in a buffer: a power of two, 16 to 1 MiB."""
+    growth: GrowthPolicy = GrowthPolicy.EXACT
+    """``"exact"`` (vLLM's) or ``"granular"`` (round up to ``granularity``)."""
+    granularity: int = _size_field(2 * 1024 * 1024)
+    """Rounding of ``granular`` growth, in bytes: a multiple of ``alignment``."""
+    max_slot_bytes: int | None = _size_field(None)
+    """Largest buffer one slot may grow to; a larger request is refused. None: no limit."""
+
+    def __post_init__(self) -> None:
+        _check_range("num_ubatches", self.num_ubatches, 1, MAX_UBATCHES)
+        _check_range("num_lanes", self.num_lanes, 1, MAX_LANES)
+        _check_range("alignment", self.alignment, 16, 2**20)
+        if self.alignment & (self.alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {self.alignment}")
+        if not isinstance(self.growth, GrowthPolicy):
+            try:
+                object.__setattr__(self, "growth", GrowthPolicy(self.growth))
+            except ValueError:
+                allowed = ", ".join(repr(p.value) for p in GrowthPolicy)
+                raise ValueError(
+                    f"growth must be one of {allowed}, got {self.growth!r}"
+                ) from None
+        _check_range("granularity", self.granularity, self.alignment, 2**40)
+        if self.granularity % self.alignment:
+            raise ValueError(
+                f"granularity must be a multiple of alignment ({self.alignment}), "
+                f"got {self.granularity}"
+            )
+        if self.max_slot_bytes is not None:
+            _check_range("max_slot_bytes", self.max_slot_bytes, 0, 2**50)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WsdConfig:
+    """The whole file: one attribute per section."""
+
+    workspace: WorkspaceConfig = field(default_factory=WorkspaceConfig)
+    source: str = "<defaults>"
+    """Where the configuration came from, for messages."""
+
+
+_SECTIONS: dict[str, type] = {"workspace": WorkspaceConfig}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, kind: Any, f: dataclasses.Field, from_env: bool) -> Any:
+    """Turn a TOML or environment value into the field's type, or raise ValueError."""
+    optional = False
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(kind))
+        kind = args[0]
+    if from_env and optional and value.strip().lower() in ("", "none"):
+        return None
+    if f.metadata.get("size"):
+        return parse_size(value)
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        allowed = ", ".join(repr(m.value) for m in kind)
+        try:
+            return kind(value)
+        except ValueError:
+            raise ValueError(f"must be one of {allowed}, got {value!r}") from None
+    if kind is bool:
+        if from_env:
+            lowered = value.strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+        elif isinstance(value, bool):
+            return value
+        raise ValueError(f"must be true or false, got {value!r}")
+    if kind is int:
+        if from_env:
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"must be an integer, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"must be an integer, got {value!r}")
+        return value
+    if kind is float:
+        if from_env:
+            try:
+                return float(value)
+            except ValueError:
+                raise ValueError(f"must be a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"must be a number, got {value!r}")
+        return float(value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise ValueError(f"must be a string, got {value!r}")
+        return value
+    if typing.get_origin(kind) is tuple:
+        if from_env:
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"must be a list of strings, got {value!r}")
+        return tuple(value)
+    raise TypeError(f"unsupported configuration field type {kind!r}")  # a bug here
+
+
+def _build(cls: type, raw: Mapping[str, tuple[Any, str, bool]], section: str) -> Any:
+    """Build a section from {key: (value, where, from_env)}, naming where on error."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = _field_types(cls)
+    kwargs: dict[str, Any] = {}
+    for key, (value, where, from_env) in raw.items():
+        if key not in fields:
+            allowed = ", ".join(sorted(fields))
+            raise ConfigError(
+                f"{where}: unknown key [{section}] {key!r}; allowed keys: {allowed}"
+            )
+        try:
+            kwargs[key] = _coerce(value, hints[key], fields[key], from_env)
+        except ValueError as e:
+            raise ConfigError(f"{where}: [{section}] {key} {e}") from None
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        where = ", ".join(sorted({w for _, w, _ in raw.values()})) or "<defaults>"
+        raise ConfigError(f"{where}: [{section}] {e}") from None
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> WsdConfig:
+    """Load the TOML file at ``path`` (or ``$WSD_CONFIG``; none: defaults) and the environment.
+
+    Raises ConfigError naming the file or variable, the key and what is allowed.
+    """
+    env = os.environ if env is None else env
+    if path is None and env.get("WSD_CONFIG"):
+        path = env["WSD_CONFIG"]
+    raw: dict[str, dict[str, tuple[Any, str, bool]]] = {s: {} for s in _SECTIONS}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            with open(path, "rb") as f:
+                document = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"{source}: configuration file not found") from None
+        except OSError as e:
+            raise ConfigError(f"{source}: cannot read configuration file: {e}") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{source}: not valid TOML: {e}") from e
+        for section, body in document.items():
+            if section not in _SECTIONS:
+                allowed = ", ".join(f"[{s}]" for s in _SECTIONS)
+                raise ConfigError(
+                    f"{source}: unknown section [{section}]; allowed sections: {allowed}"
+                )
+            if not isinstance(body, dict):
+                raise ConfigError(f"{source}: {section} must be a [{section}] table")
+            raw[section].update({k: (v, source, False) for k, v in body.items()})
+    for name, value in env.items():
+        if not name.startswith("WSD_"):
+            continue
+        section, _, key = name[4:].lower().partition("_")
+        if section in _SECTIONS:
+            if not key:
+                raise ConfigError(f"environment variable {name}: names no key")
+            raw[section][key] = (value, f"environment variable {name}", True)
+    sections = {s: _build(cls, raw[s], s) for s, cls in _SECTIONS.items()}
+    return WsdConfig(source=source, **sections)

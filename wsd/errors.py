@@ -1,0 +1,105 @@
+"""The error vocabulary of wsd, in one place.
+
+Every error says what went wrong and what the caller should do about it. Errors
+from libraries (zmq, msgpack, torch, tomllib) are translated into these at the
+boundary where they happen, chained with ``from``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "SlotOutOfRangeError",
+    "WorkspaceCaptureError",
+    "WorkspaceError",
+    "WorkspaceLimitError",
+    "WorkspaceLockedError",
+    "WorkspaceNotInitializedError",
+    "WsdError",
+]
+
+_MiB = 1024 * 1024
+
+
+class WsdError(Exception):
+    """Base class of every error wsd raises on purpose."""
+
+
+class ConfigError(WsdError, ValueError):
+    """A configuration file, environment variable or flag is invalid.
+
+    Fix the named file, key or variable and start again.
+    """
+
+
+class WorkspaceError(WsdError):
+    """Base class of the per-rank workspace manager's errors."""
+
+
+class WorkspaceNotInitializedError(WorkspaceError, RuntimeError):
+    """No process-wide manager yet: call ``init_workspace_manager`` first."""
+
+
+class SlotOutOfRangeError(WorkspaceError, IndexError):
+    """A ubatch or lane id outside the configured count.
+
+    The engine selected a slot the manager was not sized for: configure
+    ``num_ubatches``/``num_lanes`` to cover it, or fix the id.
+    """
+
+    def __init__(self, kind: str, value: object, count: int) -> None:
+        self.kind = kind
+        self.value = value
+        self.count = count
+        super().__init__(
+            f"{kind} id {value!r} is out of range: the workspace is configured "
+            f"with {'num_ubatches' if kind == 'ubatch' else 'num_lanes'}={count}, "
+            f"so valid ids are 0..{count - 1}"
+        )
+
+
+class WorkspaceLockedError(WorkspaceError, AssertionError):
+    """A locked workspace was asked to grow or to create something new.
+
+    A subclass of ``AssertionError``, like vLLM's, so an engine that catches
+    that keeps working. Warm up with the largest request (or ``reserve`` it)
+    before locking, or ``unlock`` first.
+    """
+
+    def __init__(
+        self,
+        *,
+        caller: str,
+        ubatch: int,
+        lane: int,
+        requested: int,
+        capacity: int,
+        what: str = "allocation",
+    ) -> None:
+        self.caller = caller
+        self.ubatch = ubatch
+        self.lane = lane
+        self.requested = requested
+        self.capacity = capacity
+        super().__init__(
+            f"Workspace is locked but {what} from '{caller}' requires "
+            f"{requested / _MiB:.2f} MB, current size is {capacity / _MiB:.2f} MB "
+            f"(slot ubatch={ubatch} lane={lane}: requested {requested} bytes, "
+            f"capacity {capacity} bytes). Workspace growth is not allowed after "
+            f"locking: warm up with the largest request, or reserve it, before lock()."
+        )
+
+
+class WorkspaceCaptureError(WorkspaceError, RuntimeError):
+    """The workspace was asked to grow while a CUDA graph is being captured.
+
+    A buffer allocated during capture would be freed or moved under the graph.
+    Warm up (run the largest request eagerly) before capturing.
+    """
+
+
+class WorkspaceLimitError(WorkspaceError, ValueError):
+    """A request larger than the configured ``max_slot_bytes`` of a slot.
+
+    Raise ``[workspace] max_slot_bytes`` or make the request smaller.
+    """

@@ -1,0 +1,45 @@
+"""Human output: sizes in KiB/MiB/GiB and aligned text tables. No torch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["format_bytes", "table"]
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def format_bytes(n: int) -> str:
+    """``1536`` -> ``"1.5 KiB"``; whole bytes below 1 KiB."""
+    value = float(n)
+    for unit in _UNITS:
+        if abs(value) < 1024 or unit == _UNITS[-1]:
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """An aligned table: text columns to the left, numbers to the right."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    numeric = [
+        all(_looks_numeric(row[i]) for row in cells[1:]) and len(cells) > 1
+        for i in range(len(headers))
+    ]
+    lines = []
+    for row in cells:
+        parts = [
+            c.rjust(w) if num else c.ljust(w) for c, w, num in zip(row, widths, numeric)
+        ]
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def _looks_numeric(text: str) -> bool:
+    head = text.split(" ", 1)[0]
+    try:
+        float(head)
+    except ValueError:
+        return text in ("-", "")
+    return True

@@ -1,0 +1,532 @@
+"""The per-rank workspace manager, a drop-in for vLLM's ``WorkspaceManager``.
+
+One ``uint8`` scratch buffer per (ubatch, lane) slot, handed out as typed views
+by ``get_simultaneous``: each request is rounded up to ``alignment`` bytes and
+the views are packed back to back from offset 0, so views of different calls on
+one slot alias ("like ``torch.empty``, valid until the next call on that slot").
+A slot grows exactly to what is asked (or to a granularity), only the asking
+slot grows, and the old buffer is dropped before the new one is allocated, with
+the allocator's cache emptied in between, so a resize never holds both. Once
+locked, nothing grows: a request that does not fit raises
+``WorkspaceLockedError`` naming the caller, the slot and the sizes.
+
+This is the hot path. No I/O, no locks, no logging per call. Another thread (the
+agent) may call ``stats()`` at any time: it only reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from math import prod
+from typing import Any
+
+import torch
+
+from wsd.config import (
+    GrowthPolicy,
+    WorkspaceConfig,
+    WsdConfig,
+    load_config,
+)
+from wsd.errors import (
+    SlotOutOfRangeError,
+    WorkspaceCaptureError,
+    WorkspaceLimitError,
+    WorkspaceLockedError,
+    WorkspaceNotInitializedError,
+)
+from wsd.slots import (
+    LANE_ID,
+    UBATCH_ID,
+    Slot,
+    caller_outside,
+    current_lane,
+    current_ubatch,
+    tensor_bytes,
+    use_lane,
+    use_ubatch,
+)
+from wsd.stats import LockViolation, ManagerStats, PersistentStats, SlotStats
+
+__all__ = [
+    "WorkspaceManager",
+    "current_lane",
+    "current_ubatch",
+    "current_workspace_manager",
+    "init_workspace_manager",
+    "is_workspace_manager_initialized",
+    "lock_workspace",
+    "reset_workspace_manager",
+    "unlock_workspace",
+    "use_lane",
+    "use_ubatch",
+]
+
+logger = logging.getLogger(__name__)
+
+ShapeAndDtype = tuple[Sequence[int], torch.dtype]
+ViolationListener = Callable[[int, int, LockViolation], None]
+
+# Bound views kept per slot; an engine with ever-changing shapes would otherwise
+# grow this without limit. Past it the cache starts again from empty.
+_VIEW_CACHE_LIMIT = 256
+
+
+class WorkspaceManager:
+    """Per-rank scratch buffers, one per (ubatch, lane) slot, vLLM-compatible.
+
+    ``num_ubatches`` and ``num_lanes`` of None mean 1. The current ubatch comes
+    from ``use_ubatch`` or from ``ubatch_id``, a callable the engine passes
+    (vLLM's ``dbo_current_ubatch_id``); the lane from ``use_lane``. Nothing is
+    allocated at construction.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        num_ubatches: int | None = None,
+        num_lanes: int | None = 1,
+        *,
+        alignment: int = 256,
+        growth: GrowthPolicy | str = GrowthPolicy.EXACT,
+        granularity: int = 2 * 1024 * 1024,
+        max_slot_bytes: int | None = None,
+        ubatch_id: Callable[[], int] | None = None,
+    ) -> None:
+        self._config = WorkspaceConfig(
+            num_ubatches=1 if num_ubatches is None else num_ubatches,
+            num_lanes=1 if num_lanes is None else num_lanes,
+            alignment=alignment,
+            growth=growth,
+            granularity=granularity,
+            max_slot_bytes=max_slot_bytes,
+        )
+        self._device = torch.device(device)
+        self._num_ubatches = self._config.num_ubatches
+        self._num_lanes = self._config.num_lanes
+        self._ubatch_id = UBATCH_ID.get if ubatch_id is None else ubatch_id
+        self._locked = False
+        self._slots = [
+            Slot(u, lane) for u in range(self._num_ubatches) for lane in range(self._num_lanes)
+        ]
+        # How each persistent key was first created, so that slots added while
+        # locked can be given theirs up front: key -> (kind, args).
+        self._persistent_specs: dict[str, tuple[str, Any]] = {}
+        self._violation_listeners: list[ViolationListener] = []
+
+    @classmethod
+    def from_config(
+        cls,
+        device: torch.device | str,
+        config: WorkspaceConfig | WsdConfig | str | os.PathLike[str] | None = None,
+        *,
+        ubatch_id: Callable[[], int] | None = None,
+    ) -> WorkspaceManager:
+        """A manager sized from a ``[workspace]`` section, a whole config, or a TOML file path.
+
+        None loads ``$WSD_CONFIG`` (or defaults) with ``WSD_*`` overrides.
+        """
+        if config is None or isinstance(config, (str, os.PathLike)):
+            config = load_config(config)
+        if isinstance(config, WsdConfig):
+            config = config.workspace
+        return cls(
+            device,
+            config.num_ubatches,
+            config.num_lanes,
+            alignment=config.alignment,
+            growth=config.growth,
+            granularity=config.granularity,
+            max_slot_bytes=config.max_slot_bytes,
+            ubatch_id=ubatch_id,
+        )
+
+    # -- properties -------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def num_ubatches(self) -> int:
+        return self._num_ubatches
+
+    @property
+    def num_lanes(self) -> int:
+        return self._num_lanes
+
+    @property
+    def config(self) -> WorkspaceConfig:
+        """The configuration in force (``num_ubatches`` follows ``set_num_ubatches``)."""
+        return self._config
+
+    def __repr__(self) -> str:
+        return (
+            f"WorkspaceManager(device={str(self._device)!r}, num_ubatches={self._num_ubatches}, "
+            f"num_lanes={self._num_lanes}, locked={self._locked})"
+        )
+
+    # -- the hot path -----------------------------------------------------
+
+    def _current_slot(self) -> Slot:
+        ubatch = self._ubatch_id()
+        lane = LANE_ID.get()
+        try:
+            if 0 <= ubatch < self._num_ubatches and 0 <= lane < self._num_lanes:
+                return self._slots[ubatch * self._num_lanes + lane]
+        except TypeError:
+            pass
+        if not (isinstance(ubatch, int) and 0 <= ubatch < self._num_ubatches):
+            raise SlotOutOfRangeError("ubatch", ubatch, self._num_ubatches)
+        raise SlotOutOfRangeError("lane", lane, self._num_lanes)
+
+    def get_simultaneous(self, *shapes_and_dtypes: ShapeAndDtype) -> list[torch.Tensor]:
+        """Views for several tensors at once, packed in the current slot's buffer.
+
+        Each ``(shape, dtype)`` gets a contiguous view of exactly its bytes, at
+        an offset rounded up to ``alignment``, from offset 0: the layout of
+        vLLM's. The views are valid until the next call on the same slot.
+        """
+        slot = self._current_slot()
+        slot.requests += 1
+        # The views of a request are laid out and bound once per buffer (in
+        # _bind); a repeat request only detaches fresh tensors from them, so a
+        # caller that changes a returned tensor's metadata in place
+        # (unsqueeze_, resize_, set_) changes its own tensor, never the cache.
+        try:
+            bound = slot.views[shapes_and_dtypes]
+        except (KeyError, TypeError):  # TypeError: a shape given as a list
+            bound = self._bind(slot, shapes_and_dtypes)
+        return [view.detach() for view in bound]
+
+    def _layout(
+        self, shapes_and_dtypes: Sequence[ShapeAndDtype]
+    ) -> tuple[tuple[tuple[tuple[int, ...], torch.dtype], ...], list[int], list[int], int]:
+        """Normalised request, byte size and offset of each view, and the total."""
+        align = self._config.alignment
+        key = []
+        sizes = []
+        offsets = []
+        total = 0
+        for i, item in enumerate(shapes_and_dtypes):
+            try:
+                shape, dtype = item
+                shape = tuple(int(d) for d in shape)
+            except (TypeError, ValueError):
+                raise TypeError(
+                    f"request {i}: expected a (shape, dtype) pair, got {item!r}"
+                ) from None
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(f"request {i}: dtype must be a torch.dtype, got {dtype!r}")
+            if any(d < 0 for d in shape):
+                raise ValueError(f"request {i}: shape {shape} has a negative dimension")
+            nbytes = prod(shape) * dtype.itemsize
+            key.append((shape, dtype))
+            sizes.append(nbytes)
+            offsets.append(total)
+            total += -(-nbytes // align) * align
+        return tuple(key), sizes, offsets, total
+
+    def _bind(self, slot: Slot, shapes_and_dtypes: Sequence[ShapeAndDtype]) -> tuple[torch.Tensor, ...]:
+        """The slow path: lay a request out, grow the slot if needed, bind its views."""
+        key, sizes, offsets, total = self._layout(shapes_and_dtypes)
+        bound = slot.views.get(key)
+        if bound is not None:
+            return bound
+        slot.peak = max(slot.peak, total)
+        if total > slot.capacity:
+            self._grow(slot, total)
+        if slot.buffer is None:  # a zero-byte request on a slot never grown
+            slot.buffer = torch.empty(0, dtype=torch.uint8, device=self._device)
+        buffer = slot.buffer
+        bound = tuple(
+            buffer[offset : offset + nbytes].view(dtype).reshape(shape)
+            for (shape, dtype), nbytes, offset in zip(key, sizes, offsets)
+        )
+        if len(slot.views) >= _VIEW_CACHE_LIMIT:
+            slot.views = {}
+        slot.views[key] = bound
+        try:
+            slot.views[tuple(shapes_and_dtypes)] = bound
+        except TypeError:
+            pass  # unhashable as given: only the normalised key is cached
+        return bound
+
+    # -- growth -----------------------------------------------------------
+
+    def _refuse_locked(self, slot: Slot, requested: int, what: str) -> WorkspaceLockedError:
+        caller = caller_outside()
+        violation = LockViolation(
+            caller=caller, requested=requested, capacity=slot.capacity, time=time.time()
+        )
+        slot.violations += 1
+        slot.last_violation = violation
+        for listener in self._violation_listeners:
+            try:
+                listener(slot.ubatch, slot.lane, violation)
+            except Exception:  # a listener must not hide the refusal itself
+                logger.exception("workspace lock-violation listener failed")
+        return WorkspaceLockedError(
+            caller=caller, ubatch=slot.ubatch, lane=slot.lane,
+            requested=requested, capacity=slot.capacity, what=what,
+        )
+
+    def _target_size(self, required: int) -> int:
+        config = self._config
+        limit = config.max_slot_bytes
+        if limit is not None and required > limit:
+            raise WorkspaceLimitError(
+                f"workspace request of {required} bytes exceeds max_slot_bytes={limit}"
+            )
+        if config.growth is GrowthPolicy.GRANULAR:
+            rounded = -(-required // config.granularity) * config.granularity
+            return rounded if limit is None else max(required, min(rounded, limit))
+        return required
+
+    def _grow(self, slot: Slot, required: int, what: str = "allocation") -> None:
+        if self._locked:
+            raise self._refuse_locked(slot, required, what)
+        self._allocate(slot, self._target_size(required))
+
+    def _allocate(self, slot: Slot, size: int) -> None:
+        if self._device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise WorkspaceCaptureError(
+                f"workspace slot ubatch={slot.ubatch} lane={slot.lane} must grow from "
+                f"{slot.capacity} to {size} bytes during CUDA graph capture; warm up "
+                f"first: run the largest request eagerly (or reserve it) before capture"
+            )
+        # Free before allocate: the old buffer goes (and the allocator's cache
+        # is emptied) before the new one exists, so a resize never needs both.
+        # Views that callers still hold keep the old memory alive on their own.
+        slot.drop_buffer()
+        self._empty_cache()
+        slot.buffer = torch.empty(size, dtype=torch.uint8, device=self._device)
+        slot.capacity = size
+        slot.resizes += 1
+
+    def _empty_cache(self) -> None:
+        kind = self._device.type
+        if kind == "cpu":
+            return
+        backend = getattr(torch, kind, None)
+        if backend is not None and hasattr(backend, "empty_cache"):
+            backend.empty_cache()
+
+    # -- persistent buffers and resources -----------------------------------
+
+    def get_persistent(
+        self,
+        key: str,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        *,
+        zero_init: bool = False,
+    ) -> torch.Tensor:
+        """A tensor kept for the life of the current slot, created on first use.
+
+        Asking again with another shape or dtype is a ValueError; creating one
+        while locked is refused.
+        """
+        slot = self._current_slot()
+        shape = tuple(int(d) for d in shape)
+        entry = slot.persistent.get(key)
+        if entry is not None:
+            kind, tensor, _ = entry
+            if kind != "tensor":
+                raise ValueError(f"persistent key {key!r} holds a resource, not a tensor")
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                raise ValueError(
+                    f"persistent buffer {key!r} exists with shape {tuple(tensor.shape)} "
+                    f"and dtype {tensor.dtype}, requested shape {shape} and dtype {dtype}"
+                )
+            return tensor
+        if self._locked:
+            raise self._refuse_locked(
+                slot, prod(shape) * dtype.itemsize, f"persistent buffer {key!r}"
+            )
+        self._persistent_specs.setdefault(key, ("tensor", (shape, dtype, zero_init)))
+        return self._create_persistent(slot, key, "tensor", (shape, dtype, zero_init))
+
+    def get_persistent_resource(self, key: str, factory: Callable[[], Any]) -> Any:
+        """An object made once per slot by ``factory()``; refused once locked."""
+        slot = self._current_slot()
+        entry = slot.persistent.get(key)
+        if entry is not None:
+            if entry[0] != "resource":
+                raise ValueError(f"persistent key {key!r} holds a tensor, not a resource")
+            return entry[1]
+        if self._locked:
+            raise self._refuse_locked(slot, 0, f"persistent resource {key!r}")
+        self._persistent_specs.setdefault(key, ("resource", factory))
+        return self._create_persistent(slot, key, "resource", factory)
+
+    def _create_persistent(self, slot: Slot, key: str, kind: str, args: Any) -> Any:
+        if kind == "tensor":
+            shape, dtype, zero_init = args
+            make = torch.zeros if zero_init else torch.empty
+            obj = make(shape, dtype=dtype, device=self._device)
+        else:
+            obj = args()
+        slot.persistent[key] = (kind, obj, tensor_bytes(obj))
+        return obj
+
+    # -- lock and reconfiguration ---------------------------------------------
+
+    def lock(self) -> None:
+        """From now on no buffer grows and nothing new is created."""
+        self._locked = True
+
+    def unlock(self) -> None:
+        """Allow growth again (vLLM uses this for elastic EP rescaling)."""
+        self._locked = False
+
+    def is_locked(self) -> bool:
+        return self._locked
+
+    def set_num_ubatches(self, num_ubatches: int) -> None:
+        """Reconfigure the ubatch count, keeping the slots that remain.
+
+        Removed slots are dropped (their memory frees once no view refers to
+        it). Added slots are empty, or, when locked, pre-sized to the largest
+        slot and given every persistent buffer and resource, so that locked
+        execution on them cannot fail.
+        """
+        config = WorkspaceConfig(**{**self._config.__dict__, "num_ubatches": num_ubatches})
+        lanes = self._num_lanes
+        slots = self._slots[: num_ubatches * lanes]
+        added = [
+            Slot(u, lane)
+            for u in range(self._num_ubatches, num_ubatches)
+            for lane in range(lanes)
+        ]
+        if added and self._locked:
+            largest = max((s.capacity for s in self._slots), default=0)
+            for slot in added:
+                if largest:
+                    self._allocate(slot, largest)
+                for key, (kind, args) in self._persistent_specs.items():
+                    self._create_persistent(slot, key, kind, args)
+        # One assignment, so a concurrent stats() sees the old or the new list.
+        self._slots = slots + added
+        self._num_ubatches = num_ubatches
+        self._config = config
+
+    def reserve(self, *shapes_and_dtypes: ShapeAndDtype) -> None:
+        """Size every slot so that this request fits without growth (unlocked only)."""
+        self.reserve_bytes(self._layout(shapes_and_dtypes)[3])
+
+    def reserve_bytes(self, nbytes: int) -> None:
+        """Grow every slot to at least ``nbytes`` (unlocked only)."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"reserve size must be a non-negative integer, got {nbytes!r}")
+        if self._locked:
+            raise self._refuse_locked(self._current_slot(), nbytes, "reserve")
+        for slot in self._slots:
+            if slot.capacity < nbytes:
+                self._allocate(slot, self._target_size(nbytes))
+
+    def equalize(self) -> None:
+        """Grow every slot to the largest one, so no sibling slot is undersized."""
+        largest = max((s.capacity for s in self._slots), default=0)
+        for slot in self._slots:
+            if slot.capacity < largest:
+                if self._locked:
+                    raise self._refuse_locked(slot, largest, "equalize")
+                self._allocate(slot, largest)
+
+    def trim(self) -> None:
+        """Release every scratch buffer (unlocked only); the next request regrows.
+
+        Persistent buffers and resources stay.
+        """
+        if self._locked:
+            raise self._refuse_locked(self._current_slot(), 0, "trim")
+        for slot in self._slots:
+            slot.drop_buffer()
+        self._empty_cache()
+
+    # -- observation ------------------------------------------------------
+
+    def add_violation_listener(self, listener: ViolationListener) -> None:
+        """Call ``listener(ubatch, lane, violation)`` whenever a locked request is refused."""
+        self._violation_listeners.append(listener)
+
+    def stats(self) -> ManagerStats:
+        """An immutable snapshot; safe to call from another thread."""
+        slots = tuple(self._slots)
+        return ManagerStats(
+            device=str(self._device),
+            num_ubatches=len(slots) // self._num_lanes,
+            num_lanes=self._num_lanes,
+            locked=self._locked,
+            slots=tuple(
+                SlotStats(
+                    ubatch=s.ubatch,
+                    lane=s.lane,
+                    capacity_bytes=s.capacity,
+                    peak_requested_bytes=s.peak,
+                    requests=s.requests,
+                    resizes=s.resizes,
+                    lock_violations=s.violations,
+                    last_violation=s.last_violation,
+                    persistent=tuple(
+                        PersistentStats(key=k, kind=kind, nbytes=n)
+                        for k, (kind, _, n) in list(s.persistent.items())
+                    ),
+                )
+                for s in slots
+            ),
+        )
+
+
+# -- the process-wide manager, as vLLM's module functions ----------------------
+
+_manager: WorkspaceManager | None = None
+
+
+def init_workspace_manager(
+    device: torch.device | str,
+    num_ubatches: int | None = None,
+    num_lanes: int | None = 1,
+    **options: Any,
+) -> WorkspaceManager:
+    """Create the process-wide manager (replacing any earlier one) and return it."""
+    global _manager
+    if _manager is not None:
+        logger.warning(
+            "WorkspaceManager already initialized on device %s, reinitializing on device %s",
+            _manager.device, device,
+        )
+    _manager = WorkspaceManager(device, num_ubatches, num_lanes, **options)
+    return _manager
+
+
+def is_workspace_manager_initialized() -> bool:
+    return _manager is not None
+
+
+def current_workspace_manager() -> WorkspaceManager:
+    """The process-wide manager; WorkspaceNotInitializedError if there is none."""
+    if _manager is None:
+        raise WorkspaceNotInitializedError(
+            "WorkspaceManager not initialized: call init_workspace_manager() with a "
+            "device before using workspace functions"
+        )
+    return _manager
+
+
+def lock_workspace() -> None:
+    current_workspace_manager().lock()
+
+
+def unlock_workspace() -> None:
+    current_workspace_manager().unlock()
+
+
+def reset_workspace_manager() -> None:
+    """Forget the process-wide manager; its buffers free once no view refers to them."""
+    global _manager
+    _manager = None

@@ -1,0 +1,126 @@
+"""Slot selection and per-slot state of the workspace manager.
+
+The current slot is chosen by two context variables, set by ``use_ubatch`` and
+``use_lane``, so that each thread or task of an engine (vLLM's dual-batch
+overlap runs one per ubatch) sees its own choice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from wsd.stats import LockViolation
+
+__all__ = ["Slot", "caller_outside", "current_lane", "current_ubatch", "use_lane", "use_ubatch"]
+
+UBATCH_ID: contextvars.ContextVar[int] = contextvars.ContextVar("wsd_ubatch", default=0)
+LANE_ID: contextvars.ContextVar[int] = contextvars.ContextVar("wsd_lane", default=0)
+
+# Frames in these files are the manager's own; the caller is the first outside.
+_OWN_FILES = frozenset(
+    os.path.normcase(os.path.join(os.path.dirname(os.path.abspath(__file__)), name))
+    for name in ("manager.py", "slots.py")
+)
+
+
+def _check_id(kind: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{kind} id must be a non-negative integer, got {value!r}")
+    return value
+
+
+@contextlib.contextmanager
+def use_ubatch(ubatch: int) -> Iterator[None]:
+    """Within the block, workspace requests use micro-batch slot ``ubatch``."""
+    token = UBATCH_ID.set(_check_id("ubatch", ubatch))
+    try:
+        yield
+    finally:
+        UBATCH_ID.reset(token)
+
+
+@contextlib.contextmanager
+def use_lane(lane: int) -> Iterator[None]:
+    """Within the block, workspace requests use lane ``lane`` of the current ubatch."""
+    token = LANE_ID.set(_check_id("lane", lane))
+    try:
+        yield
+    finally:
+        LANE_ID.reset(token)
+
+
+def current_ubatch() -> int:
+    """The ubatch id ``use_ubatch`` selected (0 outside any block)."""
+    return UBATCH_ID.get()
+
+
+def current_lane() -> int:
+    """The lane id ``use_lane`` selected (0 outside any block)."""
+    return LANE_ID.get()
+
+
+def caller_outside() -> str:
+    """``file:line:function`` of the first frame outside the manager's own modules."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.normcase(frame.f_code.co_filename) in _OWN_FILES:
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}:{frame.f_code.co_name}"
+
+
+def tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(o) for o in obj if isinstance(o, torch.Tensor))
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(o) for o in obj.values() if isinstance(o, torch.Tensor))
+    return 0
+
+
+class Slot:
+    """One (ubatch, lane) slot: its buffer, the views bound to it, its counters."""
+
+    __slots__ = (
+        "buffer",
+        "capacity",
+        "lane",
+        "last_violation",
+        "peak",
+        "persistent",
+        "requests",
+        "resizes",
+        "ubatch",
+        "views",
+        "violations",
+    )
+
+    def __init__(self, ubatch: int, lane: int) -> None:
+        self.ubatch = ubatch
+        self.lane = lane
+        self.buffer: torch.Tensor | None = None
+        self.capacity = 0
+        # Request -> views of the current buffer, laid out once; see get_simultaneous.
+        self.views: dict[Any, tuple[torch.Tensor, ...]] = {}
+        self.requests = 0
+        self.peak = 0
+        self.resizes = 0
+        self.violations = 0
+        self.last_violation: LockViolation | None = None
+        # key -> (kind, object, bytes)
+        self.persistent: dict[str, tuple[str, Any, int]] = {}
+
+    def drop_buffer(self) -> None:
+        # The bound views hold the storage too: forget them first, or the
+        # old buffer outlives the resize.
+        self.views = {}
+        self.buffer = None
+        self.capacity = 0

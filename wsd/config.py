@@ -35,6 +35,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 __all__ = [
     "MAX_LANES",
     "MAX_UBATCHES",
+    "AgentConfig",
+    "CoordinatorConfig",
     "GrowthPolicy",
     "WorkspaceConfig",
     "WsdConfig",
@@ -128,16 +130,107 @@ class WorkspaceConfig:
             _check_range("max_slot_bytes", self.max_slot_bytes, 0, 2**50)
 
 
+def _check_positive(name: str, value: float, high: float = 86400.0) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= high:
+        raise ValueError(f"{name} must be a number of seconds in (0, {high:g}], got {value!r}")
+
+
+def _check_endpoint(name: str, value: str) -> None:
+    if not isinstance(value, str) or not re.match(r"^(tcp|ipc|inproc)://.+", value):
+        raise ValueError(
+            f"{name} must be a ZeroMQ endpoint such as tcp://127.0.0.1:7600, got {value!r}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorConfig:
+    """``[coordinator]``: the coordinator's sockets, timing and state."""
+
+    agent_endpoint: str = "tcp://127.0.0.1:7600"
+    """Where agents connect (the coordinator binds it; use tcp://0.0.0.0:PORT across nodes)."""
+    client_endpoint: str = "tcp://127.0.0.1:7601"
+    """Where wsctl and clients connect; loopback unless you mean otherwise."""
+    heartbeat_interval: float = 1.0
+    """Seconds between heartbeats, both ways."""
+    heartbeat_timeout: float = 5.0
+    """Seconds without a heartbeat after which a rank (or the coordinator) is lost."""
+    command_timeout: float = 10.0
+    """Seconds a command waits for every live rank's acknowledgement."""
+    stats_timeout: float = 2.0
+    """Seconds a stats request waits for every live rank's snapshot."""
+    state_file: str = "wsd-coordinator.state"
+    """Desired state, sequence number and command log; written atomically."""
+    world_size: int | None = None
+    """Ranks expected; None: taken from the first rank that registers."""
+    tp_size: int | None = None
+    """Tensor-parallel group size expected; None: from the first registration."""
+    max_message_bytes: int = _size_field(1 << 20)
+    """Largest message accepted from a client (ZeroMQ MAXMSGSIZE)."""
+    high_water_mark: int = 10_000
+    """Messages queued per peer before sends to it are dropped."""
+    event_capacity: int = 10_000
+    """Events kept in the log; older ones are dropped first."""
+    log_capacity: int = 4096
+    """Commands kept for replay to agents that missed them."""
+
+    def __post_init__(self) -> None:
+        _check_endpoint("agent_endpoint", self.agent_endpoint)
+        _check_endpoint("client_endpoint", self.client_endpoint)
+        _check_positive("heartbeat_interval", self.heartbeat_interval)
+        _check_positive("heartbeat_timeout", self.heartbeat_timeout)
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError(
+                f"heartbeat_timeout ({self.heartbeat_timeout}) must be larger than "
+                f"heartbeat_interval ({self.heartbeat_interval})"
+            )
+        _check_positive("command_timeout", self.command_timeout, 3600.0)
+        _check_positive("stats_timeout", self.stats_timeout, 3600.0)
+        if not isinstance(self.state_file, str) or not self.state_file:
+            raise ValueError(f"state_file must be a path, got {self.state_file!r}")
+        if self.world_size is not None:
+            _check_range("world_size", self.world_size, 1, 1 << 20)
+        if self.tp_size is not None:
+            _check_range("tp_size", self.tp_size, 1, 1 << 20)
+            if self.world_size is not None and self.world_size % self.tp_size:
+                raise ValueError(
+                    f"world_size ({self.world_size}) must be a multiple of tp_size ({self.tp_size})"
+                )
+        _check_range("max_message_bytes", self.max_message_bytes, 1024, 1 << 30)
+        _check_range("high_water_mark", self.high_water_mark, 1, 10_000_000)
+        _check_range("event_capacity", self.event_capacity, 1, 10_000_000)
+        _check_range("log_capacity", self.log_capacity, 1, 10_000_000)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """``[agent]``: the agent inside each worker process."""
+
+    apply_every: int = 1
+    """Apply commands at every k-th ``step()`` (the TP group agrees then)."""
+    connect_timeout: float = 10.0
+    """Seconds ``Agent.start`` waits for its I/O thread to come up."""
+
+    def __post_init__(self) -> None:
+        _check_range("apply_every", self.apply_every, 1, 1_000_000)
+        _check_positive("connect_timeout", self.connect_timeout, 3600.0)
+
+
 @dataclass(frozen=True, kw_only=True)
 class WsdConfig:
     """The whole file: one attribute per section."""
 
     workspace: WorkspaceConfig = field(default_factory=WorkspaceConfig)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     source: str = "<defaults>"
     """Where the configuration came from, for messages."""
 
 
-_SECTIONS: dict[str, type] = {"workspace": WorkspaceConfig}
+_SECTIONS: dict[str, type] = {
+    "workspace": WorkspaceConfig,
+    "coordinator": CoordinatorConfig,
+    "agent": AgentConfig,
+}
 
 
 def _field_types(cls: type) -> dict[str, Any]:

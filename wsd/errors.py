@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "ConfigError",
     "SlotOutOfRangeError",
+    "StateFileError",
     "WorkspaceCaptureError",
     "WorkspaceError",
     "WorkspaceLimitError",
@@ -102,4 +103,12 @@ class WorkspaceLimitError(WorkspaceError, ValueError):
     """A request larger than the configured ``max_slot_bytes`` of a slot.
 
     Raise ``[workspace] max_slot_bytes`` or make the request smaller.
+    """
+
+
+class StateFileError(WsdError):
+    """The coordinator's state file cannot be read or written.
+
+    The coordinator refuses to start rather than lose the command log: repair
+    or move the named file (start afresh only if you mean to forget it).
     """

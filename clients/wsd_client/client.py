@@ -1,0 +1,205 @@
+"""The Python client of a wsd coordinator. Imports no torch.
+
+One method per operation; every call has a timeout. Read-only operations are
+retried with a fresh socket when no reply comes (the "lazy pirate" pattern);
+state-changing ones are not, since each would be a new command. Errors are
+raised as ``ClientError`` with the coordinator's code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from wsd import protocol as p
+from wsd.errors import WsdError
+from wsd.protocol import ErrorCode, Op
+
+__all__ = ["DEFAULT_ENDPOINT", "Client", "ClientError", "CommandResult", "Unavailable"]
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:7601"
+# Of a call's timeout, what the coordinator may spend waiting on ranks, so that
+# its partial answer arrives before the client gives up.
+_SERVER_SHARE = 0.8
+
+
+class ClientError(WsdError):
+    """The coordinator answered with an error; ``code`` is an ``ErrorCode``."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class Unavailable(ClientError):
+    """No reply in time: check the coordinator runs and the endpoint (WSD_ENDPOINT)."""
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """The outcome of a state-changing command."""
+
+    seq: int
+    action: str
+    group: int | None
+    waited: bool
+    complete: bool
+    """Every expected rank acknowledged."""
+    acked: tuple[dict[str, Any], ...] = ()
+    """``{rank, step, ok, error}`` per acknowledging rank."""
+    failed: tuple[int, ...] = ()
+    same_step: dict[str, bool] | None = None
+    """Per TP group: did all its ranks apply it at the same step."""
+    pending: tuple[int, ...] = ()
+    lost: tuple[int, ...] = ()
+    missing: tuple[dict[str, Any], ...] = ()
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CommandResult:
+        return cls(
+            seq=d["seq"], action=d["action"], group=d.get("group"), waited=d.get("waited", True),
+            complete=d.get("complete", False), acked=tuple(d.get("acked", ())),
+            failed=tuple(d.get("failed", ())), same_step=d.get("same_step"),
+            pending=tuple(d.get("pending", ())), lost=tuple(d.get("lost", ())),
+            missing=tuple(d.get("missing", ())),
+        )
+
+    def steps(self) -> dict[int, int]:
+        return {a["rank"]: a["step"] for a in self.acked}
+
+
+class Client:
+    """A connection to one coordinator's client endpoint."""
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        timeout: float = 5.0,
+        retries: int = 2,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        self.endpoint = endpoint or os.environ.get("WSD_ENDPOINT") or DEFAULT_ENDPOINT
+        self.timeout = timeout
+        self.retries = retries
+        self._context = context or zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+        self._ids = itertools.count(1)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            sock = self._context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            try:
+                sock.connect(self.endpoint)
+            except zmq.ZMQError as e:
+                sock.close(linger=0)
+                raise ClientError(ErrorCode.UNAVAILABLE, f"cannot connect to {self.endpoint}: {e}") from e
+            self._sock = sock
+        return self._sock
+
+    def call(self, op: Op, body: dict[str, Any] | None = None, *, timeout: float | None = None) -> Any:
+        """Send one request and return its result, or raise ClientError/Unavailable."""
+        timeout = self.timeout if timeout is None else timeout
+        attempts = 1 + (self.retries if op in p.READ_ONLY_OPS else 0)
+        for _ in range(attempts):
+            request_id = next(self._ids)
+            sock = self._socket()
+            try:
+                sock.send(p.encode(op, body, request_id), zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # no connection yet: wait for the reply we will not get, then retry
+            reply = self._await(sock, request_id, time.monotonic() + timeout)
+            if reply is not None:
+                if not reply.ok:
+                    raise ClientError(reply.code or ErrorCode.INTERNAL, reply.message)
+                return reply.result
+            self.close()  # lazy pirate: a fresh socket for the next attempt
+        raise Unavailable(
+            ErrorCode.UNAVAILABLE,
+            f"no reply from {self.endpoint} to {op} within {timeout:g} s "
+            f"({attempts} attempt{'s' if attempts > 1 else ''})",
+        )
+
+    @staticmethod
+    def _await(sock: zmq.Socket, request_id: int, deadline: float) -> p.Reply | None:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(left * 1000, zmq.POLLIN):
+                return None
+            try:
+                reply = p.decode_reply(sock.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                continue
+            except p.ProtocolError as e:
+                raise ClientError(e.code, f"bad reply from the coordinator: {e}") from e
+            if reply.id == request_id or (reply.id == 0 and not reply.ok):
+                return reply
+            # a late reply to an earlier attempt: drop it
+
+    # -- read-only ---------------------------------------------------------------
+
+    def ping(self) -> dict[str, Any]:
+        return self.call(Op.PING)
+
+    def status(self) -> dict[str, Any]:
+        return self.call(Op.STATUS)
+
+    def ranks(self) -> dict[str, Any]:
+        return self.call(Op.RANKS)
+
+    def stats(self, group: int | None = None, *, timeout: float | None = None) -> dict[str, Any]:
+        """Per rank, slot and TP group; ``complete`` is False and ``missing`` says who is absent."""
+        timeout = self.timeout if timeout is None else timeout
+        return self.call(Op.STATS, {"group": group, "timeout": timeout * _SERVER_SHARE}, timeout=timeout)
+
+    def events(self, cursor: int = 0, limit: int = 100) -> dict[str, Any]:
+        """Events after ``cursor``; pass back the returned ``cursor`` to follow."""
+        return self.call(Op.EVENTS, {"cursor": cursor, "limit": limit})
+
+    # -- state-changing ------------------------------------------------------------
+
+    def _command(self, op: Op, extra: dict[str, Any], group: int | None, wait: bool,
+                 timeout: float | None) -> CommandResult:
+        timeout = self.timeout if timeout is None else timeout
+        body = {**extra, "group": group, "wait": wait, "timeout": timeout * _SERVER_SHARE}
+        return CommandResult.from_dict(self.call(op, body, timeout=timeout))
+
+    def lock(self, group: int | None = None, *, wait: bool = True, timeout: float | None = None) -> CommandResult:
+        return self._command(Op.LOCK, {}, group, wait, timeout)
+
+    def unlock(self, group: int | None = None, *, wait: bool = True, timeout: float | None = None) -> CommandResult:
+        return self._command(Op.UNLOCK, {}, group, wait, timeout)
+
+    def set_ubatches(self, n: int, group: int | None = None, *, wait: bool = True,
+                     timeout: float | None = None) -> CommandResult:
+        return self._command(Op.SET_UBATCHES, {"n": n}, group, wait, timeout)
+
+    def reserve(self, nbytes: int, group: int | None = None, *, wait: bool = True,
+                timeout: float | None = None) -> CommandResult:
+        return self._command(Op.RESERVE, {"bytes": nbytes}, group, wait, timeout)
+
+    def equalize(self, group: int | None = None, *, wait: bool = True, timeout: float | None = None) -> CommandResult:
+        return self._command(Op.EQUALIZE, {}, group, wait, timeout)
+
+    def trim(self, group: int | None = None, *, wait: bool = True, timeout: float | None = None) -> CommandResult:
+        return self._command(Op.TRIM, {}, group, wait, timeout)

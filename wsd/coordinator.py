@@ -1,0 +1,426 @@
+"""The coordinator's logic: registry, commands, stats gathering, events.
+
+``CoordinatorCore`` makes every decision as plain methods with no I/O:
+``handle_agent(route, frame)``, ``handle_client(route, frame)`` and ``tick()``
+each return the frames to send as ``(AGENT | CLIENT, route, frame)``. The
+socket loop that drives it is ``wsd.server.Coordinator``. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from wsd import protocol as p
+from wsd.aggregate import aggregate_stats
+from wsd.commandlog import Command, CommandLog
+from wsd.config import CoordinatorConfig
+from wsd.errors import StateFileError
+from wsd.events import EventKind, EventLog
+from wsd.protocol import ErrorCode, Op, ProtocolError
+from wsd.registry import RankState, RegistrationError, Registry
+
+__all__ = ["AGENT", "CLIENT", "CoordinatorCore", "Out"]
+
+logger = logging.getLogger(__name__)
+
+AGENT = "agent"
+CLIENT = "client"
+Route = tuple[bytes, ...]
+Out = tuple[str, Route, bytes]
+
+
+@dataclass
+class _PendingCommand:
+    command: Command
+    route: Route | None  # None: the client did not wait
+    request_id: int
+    targets: set[int]
+    deadline: float
+    missing: dict[int, str]
+    acks: dict[int, dict[str, Any]] = field(default_factory=dict)
+    lost: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _PendingStats:
+    route: Route
+    request_id: int
+    group: int | None
+    targets: set[int]
+    deadline: float
+    replies: dict[int, tuple[int, int, dict[str, Any]]] = field(default_factory=dict)
+    lost: set[int] = field(default_factory=set)
+
+
+class CoordinatorCore:
+    """Every decision of the coordinator, driven by messages and a clock."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.wall = wall
+        self.epoch = uuid.uuid4().hex
+        self.registry = Registry(config.world_size, config.tp_size, config.heartbeat_timeout)
+        self.log = CommandLog(config.state_file, config.log_capacity)
+        self.recovered = self.log.load()
+        self.events = EventLog(config.event_capacity)
+        self.started = wall()
+        self.events.add(EventKind.STARTED, self.started, seq=self.log.seq, recovered=self.recovered)
+        self._commands: dict[int, _PendingCommand] = {}
+        self._stats: dict[int, _PendingStats] = {}
+        self._stats_ids = 0
+        self._next_pulse = clock()
+        # The sequence number fresh processes of a TP group start from, so that
+        # members registering a moment apart still see the same commands.
+        self._baselines: dict[int, int] = {}
+        self._inconsistent: set[int] = set()
+        self.dropped_bad_agent_frames = 0
+        self._client_ops: dict[Op, Callable[[Route, p.Message], list[Out]]] = {
+            Op.PING: self._ping,
+            Op.STATUS: self._status,
+            Op.RANKS: self._ranks,
+            Op.STATS: self._stats_request,
+            Op.EVENTS: self._events,
+            **{op: self._command for op in p.COMMAND_OPS},
+        }
+        self._agent_ops: dict[Op, Callable[[bytes, dict[str, Any]], list[Out]]] = {
+            Op.REGISTER: self._register,
+            Op.HEARTBEAT: self._heartbeat,
+            Op.ACK: self._ack,
+            Op.STATS_REPLY: self._stats_reply,
+            Op.EVENT: self._agent_event,
+        }
+
+    # -- entry points --------------------------------------------------------
+
+    def handle_client(self, route: Route, frame: bytes) -> list[Out]:
+        request_id: int | None = None
+        try:
+            if len(frame) > self.config.max_message_bytes:
+                raise ProtocolError(
+                    ErrorCode.TOO_LARGE,
+                    f"message of {len(frame)} bytes exceeds max_message_bytes={self.config.max_message_bytes}",
+                )
+            message = p.decode(frame, p.CLIENT_OPS)
+            request_id = message.id
+            return self._client_ops[message.op](route, message)
+        except ProtocolError as e:
+            return [(CLIENT, route, p.error_reply(e.request_id, e.code, str(e)))]
+        except StateFileError as e:
+            logger.error("%s", e)
+            return [(CLIENT, route, p.error_reply(request_id, ErrorCode.INTERNAL, str(e)))]
+        except Exception as e:  # a bug: the client gets an answer and the loop goes on
+            logger.exception("coordinator failed on a client request")
+            return [(CLIENT, route, p.error_reply(request_id, ErrorCode.INTERNAL, f"internal error: {e!r}"))]
+
+    def handle_agent(self, route: Route, frame: bytes) -> list[Out]:
+        peer = route[0]
+        try:
+            message = p.decode(frame, p.AGENT_OPS)
+            return self._agent_ops[message.op](peer, message.body)
+        except ProtocolError as e:
+            self.dropped_bad_agent_frames += 1
+            logger.warning("bad message from agent %s: %s", peer.hex(), e)
+            return [(AGENT, (peer,), p.encode(Op.REJECTED, {"code": str(e.code), "message": str(e)}))]
+        except StateFileError as e:
+            logger.error("%s", e)
+            return []
+        except Exception:
+            logger.exception("coordinator failed on an agent message")
+            return []
+
+    def tick(self) -> list[Out]:
+        """Time-driven work: lost ranks, timeouts, pulses to agents."""
+        now = self.clock()
+        out: list[Out] = []
+        for info in self.registry.expire(now):
+            self.events.add(EventKind.LOST, self.wall(), rank=info.rank, tp_group=info.tp_group,
+                            last_step=info.step, silent_for=round(now - info.last_seen, 3))
+            out += self._rank_gone(info.rank)
+            if not self.registry.live(info.tp_group):
+                self._baselines.pop(info.tp_group, None)
+        for seq, pending in list(self._commands.items()):
+            if now >= pending.deadline:
+                out += self._finish_command(seq)
+        for request, pending in list(self._stats.items()):
+            if now >= pending.deadline:
+                out += self._finish_stats(request)
+        if now >= self._next_pulse:
+            self._next_pulse = now + self.config.heartbeat_interval
+            pulse = p.encode(Op.PULSE, {"epoch": self.epoch})
+            out += [(AGENT, (i.peer,), pulse) for i in self.registry.live()]
+        return out
+
+    def next_deadline(self) -> float:
+        """When ``tick`` next has something to do (monotonic clock)."""
+        deadlines = [self._next_pulse]
+        deadlines += [c.deadline for c in self._commands.values()]
+        deadlines += [s.deadline for s in self._stats.values()]
+        deadlines += [i.last_seen + self.registry.timeout for i in self.registry.live()]
+        return min(deadlines)
+
+    # -- agents -------------------------------------------------------------
+
+    def _register(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
+        now = self.clock()
+        try:
+            info, old = self.registry.register(peer, body, now)
+        except RegistrationError as e:
+            self.events.add(EventKind.REJECTED, self.wall(), rank=body["rank"], reason=str(e))
+            return [(AGENT, (peer,), p.encode(Op.REJECTED, {"code": str(ErrorCode.MISMATCH), "message": str(e)}))]
+        group = info.tp_group
+        if body["applied_seq"] is None:  # a fresh process
+            live_peers = [i for i in self.registry.live(group) if i.rank != info.rank]
+            baseline = self._baselines.get(group) if live_peers else None
+            baseline = self.log.seq if baseline is None else baseline
+        else:
+            baseline = body["applied_seq"]
+            if baseline > self.log.seq:  # this coordinator forgot numbers agents applied
+                self.log.bump_to(baseline)
+        self._baselines.setdefault(group, baseline)
+        info.applied_seq = info.held_seq = baseline
+        kind = EventKind.JOINED
+        if old is not None:
+            kind = EventKind.BACK if old.state is RankState.LOST else EventKind.SUPERSEDED
+        self.events.add(kind, self.wall(), rank=info.rank, tp_group=group, host=info.host,
+                        pid=info.pid, applied_seq=baseline)
+        out: list[Out] = [(AGENT, (peer,), p.encode(Op.REGISTERED, {
+            "epoch": self.epoch,
+            "baseline_seq": baseline,
+            "heartbeat_interval": self.config.heartbeat_interval,
+            "heartbeat_timeout": self.config.heartbeat_timeout,
+        }))]
+        missed = self.log.since(baseline)
+        if missed and missed[0].seq != baseline + 1:
+            self.events.add(EventKind.REPLAY_GAP, self.wall(), rank=info.rank,
+                            applied_seq=baseline, oldest_kept=missed[0].seq)
+        out += [(AGENT, (peer,), p.encode(Op.COMMAND, c.to_wire())) for c in missed]
+        for ack in body["acks"]:  # acknowledgements sent while we could not hear them
+            if isinstance(ack, list) and len(ack) == 4:
+                out += self._record_ack(info.rank, *ack)
+        return out
+
+    def _heartbeat(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
+        info = self.registry.heartbeat(peer, body, self.clock())
+        if info is None:  # e.g. we restarted: ask the agent to register again
+            return [(AGENT, (peer,), p.encode(Op.PULSE, {"epoch": self.epoch, "registered": False}))]
+        self._check_group(info.tp_group)
+        return []
+
+    def _check_group(self, group: int) -> None:
+        members = self.registry.live(group)
+        settled = len({i.applied_seq for i in members}) == 1
+        states = {(i.manager_state.get("locked"), i.manager_state.get("num_ubatches")) for i in members}
+        if settled and len(states) > 1 and group not in self._inconsistent:
+            self._inconsistent.add(group)
+            self.events.add(EventKind.GROUP_INCONSISTENT, self.wall(), tp_group=group, ranks={
+                str(i.rank): {"locked": i.manager_state.get("locked"),
+                              "num_ubatches": i.manager_state.get("num_ubatches")} for i in members})
+        elif len(states) <= 1 and group in self._inconsistent:
+            self._inconsistent.discard(group)
+            self.events.add(EventKind.GROUP_CONSISTENT, self.wall(), tp_group=group)
+
+    def _ack(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
+        info = self.registry.touch(peer, self.clock())
+        if info is None or info.rank != body["rank"]:
+            return []
+        return self._record_ack(info.rank, body["seq"], body["step"], body["ok"], body["error"])
+
+    def _record_ack(self, rank: int, seq: Any, step: Any, ok: Any, error: Any) -> list[Out]:
+        pending = self._commands.get(seq) if isinstance(seq, int) else None
+        if pending is None or rank not in pending.targets or rank in pending.acks:
+            return []
+        pending.acks[rank] = {"rank": rank, "step": step, "ok": bool(ok), "error": error}
+        if not ok:
+            self.events.add(EventKind.COMMAND_FAILED, self.wall(), rank=rank, seq=seq,
+                            action=pending.command.action, error=error)
+        if pending.targets <= set(pending.acks) | pending.lost:
+            return self._finish_command(seq)
+        return []
+
+    def _stats_reply(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
+        info = self.registry.touch(peer, self.clock())
+        pending = self._stats.get(body["request"])
+        if info is None or pending is None or info.rank not in pending.targets:
+            return []
+        pending.replies[info.rank] = (info.tp_group, body["step"], body["stats"])
+        if pending.targets <= set(pending.replies) | pending.lost:
+            return self._finish_stats(body["request"])
+        return []
+
+    def _agent_event(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
+        info = self.registry.touch(peer, self.clock())
+        if info is None:
+            return []
+        kind = EventKind.LOCK_VIOLATION if body["kind"] == "lock_violation" else EventKind.AGENT_EVENT
+        detail = {k: v for k, v in body["detail"].items() if isinstance(k, str)}
+        self.events.add(kind, self.wall(), rank=info.rank, tp_group=info.tp_group,
+                        agent_kind=body["kind"], **{k: v for k, v in detail.items() if k not in ("id", "time", "kind")})
+        return []
+
+    def _rank_gone(self, rank: int) -> list[Out]:
+        out: list[Out] = []
+        for seq, pending in list(self._commands.items()):
+            if rank in pending.targets and rank not in pending.acks:
+                pending.lost.add(rank)
+                if pending.targets <= set(pending.acks) | pending.lost:
+                    out += self._finish_command(seq)
+        for request, stats in list(self._stats.items()):
+            if rank in stats.targets and rank not in stats.replies:
+                stats.lost.add(rank)
+                if stats.targets <= set(stats.replies) | stats.lost:
+                    out += self._finish_stats(request)
+        return out
+
+    # -- clients ----------------------------------------------------------
+
+    def _ping(self, route: Route, message: p.Message) -> list[Out]:
+        return [(CLIENT, route, p.ok_reply(message.id, {"epoch": self.epoch, "time": self.wall(), "seq": self.log.seq}))]
+
+    def _check_group_arg(self, group: int | None) -> None:
+        groups = self.registry.groups()
+        if group is not None and self.registry.world_size is not None and group not in groups:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"group: no TP group {group} (groups are 0..{len(groups) - 1})")
+
+    def _command(self, route: Route, message: p.Message) -> list[Out]:
+        body = message.body
+        group = body["group"]
+        self._check_group_arg(group)
+        action = str(message.op)
+        if message.op in (Op.RESERVE, Op.TRIM):
+            # The manager refuses these while locked; say so before numbering one.
+            scope = self.registry.groups() if group is None else [group]
+            locked = [g for g in scope if self.log.desired(g)["locked"]]
+            if locked or (group is None and not scope and self.log.default["locked"]):
+                raise ProtocolError(ErrorCode.CONFLICT, f"{action}: TP group(s) {locked} are locked; unlock first")
+        args = {k: v for k, v in body.items() if k not in ("group", "wait", "timeout")}
+        now = self.clock()
+        command = self.log.append(action, args, group, self.wall())
+        self.events.add(EventKind.COMMAND, self.wall(), seq=command.seq, action=action, group=group, args=args)
+        frame = p.encode(Op.COMMAND, command.to_wire())
+        live = self.registry.live()
+        out: list[Out] = [(AGENT, (i.peer,), frame) for i in live]  # every rank holds every seq
+        targets = {i.rank for i in live if command.targets(i.tp_group)}
+        pending = _PendingCommand(
+            command=command, route=route if body["wait"] else None, request_id=message.id,
+            targets=targets, deadline=now + (body["timeout"] or self.config.command_timeout),
+            missing=self.registry.missing(group),
+        )
+        self._commands[command.seq] = pending
+        if not body["wait"]:
+            out.append((CLIENT, route, p.ok_reply(message.id, {"seq": command.seq, "action": action,
+                                                                "group": group, "waited": False})))
+        if not targets:
+            out += self._finish_command(command.seq)
+        return out
+
+    def _finish_command(self, seq: int) -> list[Out]:
+        pending = self._commands.pop(seq)
+        command = pending.command
+        acks = [pending.acks[r] for r in sorted(pending.acks)]
+        steps_by_group: dict[int, set[int]] = {}
+        for ack in acks:
+            steps_by_group.setdefault(self.registry.ranks[ack["rank"]].tp_group, set()).add(ack["step"])
+        waiting = sorted(pending.targets - set(pending.acks) - pending.lost)
+        result = {
+            "seq": seq,
+            "action": command.action,
+            "group": command.group,
+            "waited": pending.route is not None,
+            "complete": not waiting and not pending.lost and not pending.missing,
+            "acked": acks,
+            "failed": [a["rank"] for a in acks if not a["ok"]],
+            "same_step": {str(g): len(s) == 1 for g, s in sorted(steps_by_group.items())},
+            "pending": waiting,
+            "lost": sorted(pending.lost),
+            "missing": [{"rank": r, "reason": why} for r, why in sorted(pending.missing.items())],
+        }
+        self.events.add(EventKind.COMMAND_APPLIED, self.wall(), seq=seq, action=command.action,
+                        group=command.group, steps={str(a["rank"]): a["step"] for a in acks},
+                        pending=waiting, complete=result["complete"])
+        if pending.route is None:
+            return []
+        return [(CLIENT, pending.route, p.ok_reply(pending.request_id, result))]
+
+    def _stats_request(self, route: Route, message: p.Message) -> list[Out]:
+        group = message.body["group"]
+        self._check_group_arg(group)
+        self._stats_ids += 1
+        request = self._stats_ids
+        live = self.registry.live(group)
+        self._stats[request] = _PendingStats(
+            route=route, request_id=message.id, group=group, targets={i.rank for i in live},
+            deadline=self.clock() + (message.body["timeout"] or self.config.stats_timeout),
+        )
+        frame = p.encode(Op.STATS_REQUEST, {"request": request})
+        out: list[Out] = [(AGENT, (i.peer,), frame) for i in live]
+        if not live:
+            out += self._finish_stats(request)
+        return out
+
+    def _finish_stats(self, request: int) -> list[Out]:
+        pending = self._stats.pop(request)
+        groups = self.registry.groups() if pending.group is None else [pending.group]
+        expected = {g: self.registry.expected(g) for g in groups}
+        missing = self.registry.missing(pending.group)
+        for rank in pending.targets - set(pending.replies):
+            missing[rank] = "lost while asked" if rank in pending.lost else "no reply within the stats timeout"
+        result = aggregate_stats(pending.replies, expected, missing)
+        return [(CLIENT, pending.route, p.ok_reply(pending.request_id, result))]
+
+    def _events(self, route: Route, message: p.Message) -> list[Out]:
+        events, cursor = self.events.since(message.body["cursor"], message.body["limit"])
+        return [(CLIENT, route, p.ok_reply(message.id, {"events": events, "cursor": cursor}))]
+
+    def _ranks(self, route: Route, message: p.Message) -> list[Out]:
+        ranks = [i.public() for _, i in sorted(self.registry.ranks.items())]
+        missing = [{"rank": r, "reason": why} for r, why in self.registry.missing().items()
+                   if why == "never registered"]
+        return [(CLIENT, route, p.ok_reply(message.id, {"ranks": ranks, "never_registered": missing}))]
+
+    def _status(self, route: Route, message: p.Message) -> list[Out]:
+        registry = self.registry
+        groups = []
+        for g in registry.groups():
+            members = [registry.ranks[r] for r in registry.expected(g) if r in registry.ranks]
+            live = [i for i in members if i.state is RankState.LIVE]
+            groups.append({
+                "tp_group": g,
+                "ranks": registry.expected(g),
+                "live": [i.rank for i in live],
+                "missing": [{"rank": r, "reason": why} for r, why in registry.missing(g).items()],
+                "desired": self.log.desired(g),
+                "applied_seq": sorted({i.applied_seq for i in live}),
+                "consistent": g not in self._inconsistent,
+                "locked": sorted({i.manager_state.get("locked") for i in live}, key=str),
+                "num_ubatches": sorted({i.manager_state.get("num_ubatches") for i in live}, key=str),
+            })
+        states = [i.state for i in registry.ranks.values()]
+        result = {
+            "epoch": self.epoch,
+            "started": self.started,
+            "recovered": self.recovered,
+            "seq": self.log.seq,
+            "world_size": registry.world_size,
+            "tp_size": registry.tp_size,
+            "desired": self.log.default,
+            "ranks": {
+                "live": states.count(RankState.LIVE),
+                "lost": states.count(RankState.LOST),
+                "never_registered": sum(1 for w in registry.missing().values() if w == "never registered"),
+            },
+            "pending_commands": sorted(self._commands),
+            "groups": groups,
+        }
+        return [(CLIENT, route, p.ok_reply(message.id, result))]

@@ -1,0 +1,182 @@
+"""The coordinator's registry of ranks: who is registered, live or lost, and since when.
+
+Plain logic with an injected clock; no sockets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from wsd.protocol import StrEnum
+
+__all__ = ["RankInfo", "RankState", "Registry", "RegistrationError"]
+
+
+class RankState(StrEnum):
+    LIVE = "live"
+    LOST = "lost"
+
+
+class RegistrationError(Exception):
+    """A registration that does not match the expected world; the message says how."""
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    peer: bytes
+    tp_group: int
+    host: str
+    pid: int
+    device: str
+    idle: bool
+    state: RankState = RankState.LIVE
+    registered_at: float = 0.0
+    last_seen: float = 0.0
+    lost_at: float | None = None
+    step: int = 0
+    applied_seq: int = 0
+    held_seq: int = 0
+    manager_state: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def public(self) -> dict[str, Any]:
+        """What ``ranks`` shows of this rank."""
+        return {
+            "rank": self.rank,
+            "state": str(self.state),
+            "tp_group": self.tp_group,
+            "host": self.host,
+            "pid": self.pid,
+            "device": self.device,
+            "idle": self.idle,
+            "step": self.step,
+            "applied_seq": self.applied_seq,
+            "registered_at": self.registered_at,
+            "last_seen": self.last_seen,
+            "lost_at": self.lost_at,
+            "locked": self.manager_state.get("locked"),
+            "num_ubatches": self.manager_state.get("num_ubatches"),
+        }
+
+
+class Registry:
+    """Ranks by number and by ZeroMQ peer identity, checked against the expected world."""
+
+    def __init__(self, world_size: int | None, tp_size: int | None, timeout: float) -> None:
+        self.world_size = world_size
+        self.tp_size = tp_size
+        self.timeout = timeout
+        self.ranks: dict[int, RankInfo] = {}
+        self._by_peer: dict[bytes, int] = {}
+
+    def check(self, body: dict[str, Any]) -> None:
+        """Raise RegistrationError unless the registration fits the world."""
+        world, tp, rank, group = body["world_size"], body["tp_size"], body["rank"], body["tp_group"]
+        if self.world_size is not None and world != self.world_size:
+            raise RegistrationError(
+                f"rank {rank} reports world_size={world}, the coordinator expects {self.world_size}"
+            )
+        if self.tp_size is not None and tp != self.tp_size:
+            raise RegistrationError(
+                f"rank {rank} reports tp_size={tp}, the coordinator expects {self.tp_size}"
+            )
+        if rank >= world:
+            raise RegistrationError(f"rank {rank} is not below its world_size={world}")
+        if world % tp:
+            raise RegistrationError(f"rank {rank}: world_size={world} is not a multiple of tp_size={tp}")
+        if group != rank // tp:
+            raise RegistrationError(
+                f"rank {rank} reports tp_group={group}, but with tp_size={tp} it belongs to "
+                f"group {rank // tp}"
+            )
+
+    def register(self, peer: bytes, body: dict[str, Any], now: float) -> tuple[RankInfo, RankInfo | None]:
+        """Record a (re-)registration; returns it and the record it superseded, if any."""
+        self.check(body)
+        if self.world_size is None:
+            self.world_size = body["world_size"]
+        if self.tp_size is None:
+            self.tp_size = body["tp_size"]
+        old = self.ranks.get(body["rank"])
+        if old is not None and old.peer != peer:
+            self._by_peer.pop(old.peer, None)
+        info = RankInfo(
+            rank=body["rank"], peer=peer, tp_group=body["tp_group"], host=body["host"],
+            pid=body["pid"], device=body["device"], idle=body["idle"],
+            registered_at=now, last_seen=now, step=body["step"],
+            applied_seq=body["applied_seq"] or 0, held_seq=body["applied_seq"] or 0,
+            manager_state=body["state"], config=body["config"],
+        )
+        self.ranks[info.rank] = info
+        self._by_peer[peer] = info.rank
+        return info, old
+
+    def by_peer(self, peer: bytes) -> RankInfo | None:
+        rank = self._by_peer.get(peer)
+        return None if rank is None else self.ranks.get(rank)
+
+    def heartbeat(self, peer: bytes, body: dict[str, Any], now: float) -> RankInfo | None:
+        """Note a heartbeat; None if the peer is not (or no longer) registered."""
+        info = self.by_peer(peer)
+        if info is None or info.rank != body["rank"] or info.state is RankState.LOST:
+            return None
+        info.last_seen = now
+        info.step = body["step"]
+        info.applied_seq = body["applied_seq"]
+        info.held_seq = body["held_seq"]
+        if body["state"]:
+            info.manager_state = body["state"]
+        return info
+
+    def touch(self, peer: bytes, now: float) -> RankInfo | None:
+        """Any message from a live registered peer counts as a sign of life."""
+        info = self.by_peer(peer)
+        if info is not None and info.state is RankState.LIVE:
+            info.last_seen = now
+            return info
+        return None
+
+    def expire(self, now: float) -> list[RankInfo]:
+        """Mark lost every live rank silent for longer than the timeout; return them."""
+        lost = []
+        for info in self.ranks.values():
+            if info.state is RankState.LIVE and now - info.last_seen > self.timeout:
+                info.state = RankState.LOST
+                info.lost_at = now
+                self._by_peer.pop(info.peer, None)
+                lost.append(info)
+        return lost
+
+    def live(self, group: int | None = None) -> list[RankInfo]:
+        return [
+            i for i in self.ranks.values()
+            if i.state is RankState.LIVE and (group is None or i.tp_group == group)
+        ]
+
+    def expected(self, group: int | None = None) -> list[int]:
+        """Every rank the world should have (those known, if the world size is not yet known)."""
+        if self.world_size is None:
+            ranks = sorted(self.ranks)
+        else:
+            ranks = list(range(self.world_size))
+        if group is None or self.tp_size is None:
+            return ranks if group is None else [r for r in ranks if r in self.ranks and self.ranks[r].tp_group == group]
+        return [r for r in ranks if r // self.tp_size == group]
+
+    def groups(self) -> list[int]:
+        if self.world_size is None or self.tp_size is None:
+            return sorted({i.tp_group for i in self.ranks.values()})
+        return list(range(self.world_size // self.tp_size))
+
+    def missing(self, group: int | None = None) -> dict[int, str]:
+        """Expected ranks that are not live, with why: ``lost`` or ``never registered``."""
+        out = {}
+        for rank in self.expected(group):
+            info = self.ranks.get(rank)
+            if info is None:
+                out[rank] = "never registered"
+            elif info.state is RankState.LOST:
+                out[rank] = f"lost at {info.lost_at:.3f} (last step {info.step})"
+        return out

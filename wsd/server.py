@@ -1,0 +1,135 @@
+"""The coordinator's socket loop: two ROUTER sockets driving ``CoordinatorCore``.
+
+Agents connect (DEALER) to the agent ROUTER, clients to the client ROUTER. The
+loop only moves frames between the sockets and the core; every decision is
+the core's. It runs in the foreground (``serve``) or in a thread (``start``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import zmq
+
+from wsd.config import CoordinatorConfig
+from wsd.coordinator import AGENT, CoordinatorCore, Out
+from wsd.errors import WsdError
+from wsd.protocol import ErrorCode, error_reply
+from wsd.transport import bind, make_socket, send_nowait
+
+__all__ = ["Coordinator"]
+
+logger = logging.getLogger(__name__)
+
+# Frames handled per socket before the loop looks at the other one and the clock.
+_BATCH = 256
+# A frame up to this many times max_message_bytes is read and refused with a
+# TOO_LARGE reply; beyond it ZeroMQ drops the connection (MAXMSGSIZE) so that a
+# hostile client cannot make the coordinator buffer gigabytes.
+_HARD_LIMIT_FACTOR = 4
+# The loop wakes at least this often to notice stop().
+_MAX_POLL = 0.1
+
+
+class Coordinator:
+    """Binds the configured endpoints and serves until stopped."""
+
+    def __init__(self, config: CoordinatorConfig, *, context: zmq.Context | None = None) -> None:
+        self.config = config
+        self.core = CoordinatorCore(config)
+        self._own_context = context is None
+        self._context = context or zmq.Context()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._agents = make_socket(self._context, zmq.ROUTER, hwm=config.high_water_mark)
+        self._clients = make_socket(self._context, zmq.ROUTER, hwm=config.high_water_mark)
+        for sock in (self._agents, self._clients):
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._clients.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes * _HARD_LIMIT_FACTOR)
+        try:
+            self.agent_endpoint = bind(self._agents, config.agent_endpoint)
+            self.client_endpoint = bind(self._clients, config.client_endpoint)
+        except WsdError:
+            self._close()
+            raise
+        self.dropped_sends = 0
+        logger.info("coordinator %s: agents on %s, clients on %s (seq %d%s)",
+                    self.core.epoch[:8], self.agent_endpoint, self.client_endpoint,
+                    self.core.log.seq, ", recovered" if self.core.recovered else "")
+
+    def start(self) -> Coordinator:
+        """Serve in a background thread; returns self."""
+        self._thread = threading.Thread(target=self.serve, name="wsd-coordinator", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop serving and close the sockets; waits at most ``timeout`` for the loop."""
+        self._stop.set()
+        if self._thread is None:
+            self._close()  # never served: nothing else will close the sockets
+            return
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise WsdError(f"coordinator loop did not stop within {timeout} s")
+        self._thread = None
+
+    def serve(self) -> None:
+        """Serve in this thread until ``stop()``."""
+        poller = zmq.Poller()
+        poller.register(self._agents, zmq.POLLIN)
+        poller.register(self._clients, zmq.POLLIN)
+        core = self.core
+        try:
+            while not self._stop.is_set():
+                wait = min(max(core.next_deadline() - time.monotonic(), 0.0), _MAX_POLL)
+                ready = dict(poller.poll(wait * 1000))
+                out: list[Out] = []
+                if self._agents in ready:
+                    for route, frame in self._drain(self._agents):
+                        out += core.handle_agent(route, frame)
+                if self._clients in ready:
+                    for route, frame in self._drain(self._clients):
+                        out += self._client_frame(route, frame)
+                out += core.tick()
+                self._send(out)
+        finally:
+            self._close()
+
+    def _client_frame(self, route: tuple[bytes, ...], frame: bytes) -> list[Out]:
+        if not route:
+            return []
+        if len(route) > 2 or (len(route) == 2 and route[1] != b""):
+            # Neither DEALER ([id, msg]) nor REQ ([id, "", msg]) framing.
+            reply = error_reply(None, ErrorCode.BAD_MESSAGE, "expected one frame per message")
+            return [("client", route[:1], reply)]
+        return self.core.handle_client(route, frame)
+
+    @staticmethod
+    def _drain(sock: zmq.Socket) -> list[tuple[tuple[bytes, ...], bytes]]:
+        frames = []
+        for _ in range(_BATCH):
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if len(parts) >= 2:
+                frames.append((tuple(parts[:-1]), parts[-1]))
+        return frames
+
+    def _send(self, out: list[Out]) -> None:
+        for kind, route, frame in out:
+            sock = self._agents if kind == AGENT else self._clients
+            if not send_nowait(sock, [*route, frame]):
+                self.dropped_sends += 1
+                logger.debug("dropped a %s frame to %s: peer gone or queue full", kind, route[0].hex())
+
+    def _close(self) -> None:
+        if self._agents.closed:
+            return
+        self._agents.close(linger=0)
+        self._clients.close(linger=0)
+        if self._own_context:
+            self._context.term()

@@ -1,0 +1,57 @@
+"""ZeroMQ plumbing shared by the coordinator, the agent and the clients.
+
+Socket options in one place, endpoints with port 0 resolved to the port the
+kernel chose, and zmq's errors translated into wsd's at this boundary.
+"""
+
+from __future__ import annotations
+
+import re
+
+import zmq
+
+from wsd.errors import WsdError
+
+__all__ = ["TransportError", "bind", "connect", "make_socket", "send_nowait"]
+
+
+class TransportError(WsdError):
+    """A socket could not be bound or connected; the message names the endpoint."""
+
+
+def make_socket(context: zmq.Context, kind: int, *, hwm: int = 10_000) -> zmq.Socket:
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)  # close never waits on undelivered messages
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    return sock
+
+
+def bind(sock: zmq.Socket, endpoint: str) -> str:
+    """Bind, with ``:0`` meaning a free port; returns the endpoint actually bound."""
+    wanted = re.sub(r":0$", ":*", endpoint) if endpoint.startswith("tcp://") else endpoint
+    try:
+        sock.bind(wanted)
+    except zmq.ZMQError as e:
+        raise TransportError(f"cannot bind {endpoint}: {e}") from e
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def connect(sock: zmq.Socket, endpoint: str) -> None:
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as e:
+        raise TransportError(f"cannot connect to {endpoint}: {e}") from e
+
+
+def send_nowait(sock: zmq.Socket, parts: list[bytes]) -> bool:
+    """Send without ever blocking; False if the peer is gone or its queue is full."""
+    try:
+        sock.send_multipart(parts, zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    except zmq.ZMQError as e:
+        if e.errno == zmq.EHOSTUNREACH:  # ROUTER_MANDATORY: that peer is not connected
+            return False
+        raise
+    return True

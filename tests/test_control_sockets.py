@@ -1,0 +1,171 @@
+"""The real coordinator on random loopback ports with in-process agents and the client."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+import zmq
+from conftest import wait_until
+
+from wsd import WorkspaceLockedError, WorkspaceManager, use_ubatch
+from wsd.agent import Agent
+from wsd.protocol import ErrorCode
+from wsd_client.client import Client, ClientError, Unavailable
+
+
+@pytest.fixture
+def agents():
+    made: list[Agent] = []
+
+    def make(coordinator, rank: int, world: int, *, idle: bool = True, ubatches: int = 2) -> Agent:
+        agent = Agent(WorkspaceManager("cpu", ubatches), endpoint=coordinator.agent_endpoint,
+                      rank=rank, world_size=world, idle=idle,
+                      heartbeat_interval=0.2, heartbeat_timeout=1.0).start()
+        made.append(agent)
+        return agent
+
+    yield make
+    for agent in made:
+        agent.stop(timeout=10)
+
+
+def registered(coordinator, *agents_: Agent) -> None:
+    for agent in agents_:
+        assert agent.wait_registered(10), f"rank {agent.rank} did not register"
+
+
+def test_idle_agents_apply_commands_on_receipt(start_coordinator, agents):
+    coordinator = start_coordinator()
+    a0, a1 = agents(coordinator, 0, 2), agents(coordinator, 1, 2)
+    registered(coordinator, a0, a1)
+    with Client(coordinator.client_endpoint, timeout=5) as client:
+        result = client.lock()
+        assert result.complete and result.seq == 1 and sorted(result.steps()) == [0, 1]
+        assert a0.manager.is_locked() and a1.manager.is_locked()
+        assert client.unlock().seq == 2
+        assert not a0.manager.is_locked()
+        result = client.set_ubatches(4)
+        assert result.complete and a1.manager.num_ubatches == 4
+        assert client.reserve(4096).complete
+        assert all(s.capacity_bytes == 4096 for s in a0.manager.stats().slots)
+        assert client.trim().complete
+        assert a0.manager.stats().total_bytes == 0
+
+
+def test_stepping_agent_applies_only_at_step(start_coordinator, agents):
+    coordinator = start_coordinator()
+    agent = agents(coordinator, 0, 1, idle=False)
+    registered(coordinator, agent)
+    with Client(coordinator.client_endpoint, timeout=5) as client:
+        result = client.lock(wait=False)
+        assert not result.waited and result.seq == 1
+        wait_until(lambda: agent.held_seq == 1, 5, "the command to arrive")
+        assert not agent.manager.is_locked()  # received, not yet applied
+        agent.step()
+        assert agent.step() == []
+        assert agent.manager.is_locked() and agent.applied_seq == 1
+
+
+def test_stats_per_rank_and_slot(start_coordinator, agents):
+    coordinator = start_coordinator()
+    a0, a1 = agents(coordinator, 0, 2), agents(coordinator, 1, 2)
+    registered(coordinator, a0, a1)
+    with use_ubatch(1):
+        a0.manager.get_simultaneous(((1000,), torch.float32))
+    a1.manager.get_simultaneous(((10,), torch.float32))
+    with Client(coordinator.client_endpoint, timeout=5) as client:
+        stats = client.stats()
+    assert stats["complete"] and stats["missing"] == []
+    by_rank = {r["rank"]: r for r in stats["ranks"]}
+    assert [s["capacity_bytes"] for s in by_rank[0]["slots"]] == [0, 4096]
+    assert [s["requests"] for s in by_rank[1]["slots"]] == [1, 0]
+    assert stats["total_bytes"] == 4096 + 256
+
+
+def test_lock_violation_reaches_the_event_log(start_coordinator, agents):
+    coordinator = start_coordinator()
+    agent = agents(coordinator, 0, 1)
+    registered(coordinator, agent)
+    agent.manager.lock()
+    with pytest.raises(WorkspaceLockedError):
+        agent.manager.get_simultaneous(((64,), torch.float32))
+    with Client(coordinator.client_endpoint, timeout=5) as client:
+        def violation():
+            events = client.events()["events"]
+            return [e for e in events if e["kind"] == "lock_violation"]
+        (event,) = wait_until(violation, 5, "the lock violation event")
+    assert event["rank"] == 0 and event["requested"] == 256 and event["capacity"] == 0
+    assert event["caller"].endswith("test_lock_violation_reaches_the_event_log")
+
+
+def test_events_cursor_follows(start_coordinator, agents):
+    coordinator = start_coordinator()
+    with Client(coordinator.client_endpoint, timeout=5) as client:
+        first = client.events()
+        agent = agents(coordinator, 0, 1)
+        registered(coordinator, agent)
+        later = wait_until(lambda: client.events(first["cursor"])["events"], 5, "a new event")
+    assert [e["kind"] for e in later] == ["joined"]
+    assert all(e["id"] > first["cursor"] for e in later)
+
+
+def test_agent_reregisters_after_coordinator_restart(start_coordinator, agents, tmp_path):
+    coordinator = start_coordinator()
+    agent = agents(coordinator, 0, 1)
+    registered(coordinator, agent)
+    with Client(coordinator.client_endpoint, timeout=5) as client:
+        client.lock()
+    agent_endpoint, client_endpoint = coordinator.agent_endpoint, coordinator.client_endpoint
+    first_epoch = agent.epoch
+    coordinator.stop()
+    again = start_coordinator(agent_endpoint=agent_endpoint, client_endpoint=client_endpoint)
+    assert again.core.recovered and again.core.log.seq == 1
+    wait_until(lambda: agent.registered.is_set() and agent.epoch != first_epoch, 10, "re-registration")
+    with Client(client_endpoint, timeout=5) as client:
+        assert client.unlock().seq == 2
+    assert agent.applied_seq == 2 and not agent.manager.is_locked()
+
+
+def test_client_times_out_without_coordinator():
+    with zmq.Context() as ctx:
+        sock = ctx.socket(zmq.ROUTER)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")  # bound, never answers
+        try:
+            client = Client(f"tcp://127.0.0.1:{port}", timeout=0.3, retries=1, context=ctx)
+            with pytest.raises(Unavailable, match="2 attempts"):
+                client.ping()
+            client.close()
+        finally:
+            sock.close(linger=0)
+
+
+def test_bad_client_frames_get_error_replies_and_service_goes_on(start_coordinator):
+    coordinator = start_coordinator()
+    with zmq.Context() as ctx:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(coordinator.client_endpoint)
+        try:
+            for frame, code in [
+                (b"\xc1garbage", ErrorCode.BAD_MESSAGE),
+                (msgpack.packb({"v": 1, "op": "explode", "id": 3}), ErrorCode.UNKNOWN_OP),
+                (msgpack.packb({"v": 1, "op": "set_ubatches", "id": 4, "body": {"n": 0}}), ErrorCode.BAD_FIELD),
+                (b"\x00" * (2 << 20), ErrorCode.TOO_LARGE),
+            ]:
+                sock.send(frame)
+                assert sock.poll(5000), f"no reply to {frame[:20]!r}"
+                reply = msgpack.unpackb(sock.recv())
+                assert reply["ok"] is False and reply["error"]["code"] == code
+        finally:
+            sock.close(linger=0)
+    with Client(coordinator.client_endpoint, timeout=5) as client:
+        assert client.ping()["seq"] == 0
+
+
+def test_client_error_carries_code(start_coordinator):
+    coordinator = start_coordinator(world_size=2, tp_size=1)
+    with Client(coordinator.client_endpoint, timeout=5) as client:
+        with pytest.raises(ClientError) as info:
+            client.lock(group=7)
+    assert info.value.code == ErrorCode.BAD_FIELD and "group" in info.value.message

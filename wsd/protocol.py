@@ -268,7 +268,8 @@ def _envelope(data: dict[Any, Any]) -> int:
     if isinstance(request_id, bool) or not isinstance(request_id, int) or not 0 <= request_id <= _INT_MAX:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"id: expected a non-negative integer, got {request_id!r}")
     version = data.get("v")
-    if version != PROTOCOL_VERSION:
+    # Exactly the integer: True == 1 and 1.0 == 1 in Python, but neither is a version.
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(
             ErrorCode.BAD_VERSION,
             f"v: protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})",

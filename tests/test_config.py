@@ -119,3 +119,79 @@ def test_manager_from_config_file(tmp_path):
     a, b = manager.get_simultaneous(((1,), torch.float32), ((1,), torch.float32))
     assert b.data_ptr() - a.data_ptr() == 64
     assert len(manager.stats().slots) == 6
+
+
+def test_worker_workload_and_coordinator_mode_keys_load(tmp_path):
+    from wsd.config import Backend, CoordinatorMode, WorkloadDtype
+
+    path = write(tmp_path, """
+[coordinator]
+mode = "embedded"
+connect_endpoint = "tcp://head:7600"
+[worker]
+tp_size = 4
+backend = "gloo"
+collective_timeout = 60
+[workload]
+hidden_size = 64
+ffn_size = 128
+layers = 3
+dtype = "bfloat16"
+max_tokens = 32
+warmup_steps = 4
+lock = false
+steps = 10
+pace = 0
+oversize_chance = 0.5
+seed = 7
+""")
+    config = load_config(path, env={"WSD_WORKLOAD_STEPS": "20", "WSD_WORKER_TP_SIZE": "none"})
+    assert config.coordinator.mode is CoordinatorMode.EMBEDDED
+    assert config.coordinator.connect_endpoint == "tcp://head:7600"
+    assert (config.worker.tp_size, config.worker.backend) == (None, Backend.GLOO)
+    assert config.worker.collective_timeout == 60.0
+    w = config.workload
+    assert (w.hidden_size, w.ffn_size, w.layers, w.dtype) == (64, 128, 3, WorkloadDtype.BFLOAT16)
+    assert (w.max_tokens, w.warmup_steps, w.lock, w.steps) == (32, 4, False, 20)
+    assert (w.pace, w.oversize_chance, w.seed) == (0, 0.5, 7)
+
+
+def test_new_section_defaults():
+    """The defaults `wsd up` relies on: an external coordinator, TP per node, a locking warm-up."""
+    from wsd.config import Backend, CoordinatorMode
+
+    config = load_config(None, env={})
+    assert config.coordinator.mode is CoordinatorMode.EXTERNAL and config.coordinator.connect_endpoint is None
+    assert config.worker.tp_size is None and config.worker.backend is Backend.AUTO
+    assert config.workload.lock and config.workload.steps == 0 and config.workload.oversize_chance == 0.0
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[coordinator]\nmode = \"inline\"\n", "mode must be one of 'external', 'embedded', got 'inline'"),
+        ("[coordinator]\nconnect_endpoint = \"head:7600\"\n", "connect_endpoint must be a ZeroMQ endpoint"),
+        ("[worker]\ntp_size = 0\n", r"\[worker\] tp_size must be between 1 and"),
+        ("[worker]\nbackend = \"mpi\"\n", "backend must be one of 'auto', 'nccl', 'gloo', got 'mpi'"),
+        ("[worker]\ncollective_timeout = 0\n", "collective_timeout must be a number of seconds"),
+        ("[worker]\nthreads = 2\n", r"unknown key \[worker\] 'threads'; allowed keys: backend"),
+        ("[workload]\ndtype = \"int8\"\n", "dtype must be one of 'float32', 'bfloat16', 'float16'"),
+        ("[workload]\nmax_tokens = 0\n", "max_tokens must be between 1 and"),
+        ("[workload]\nmax_tokens = 4\nwarmup_steps = 8\n", r"warmup_steps \(8\) must not exceed max_tokens \(4\)"),
+        ("[workload]\nsteps = -1\n", "steps must be between 0 and"),
+        ("[workload]\npace = -0.1\n", r"pace must be a number of seconds in \[0, 3600\]"),
+        ("[workload]\noversize_chance = 1.5\n", r"oversize_chance must be a number in \[0, 1\], got 1.5"),
+        ("[workload]\nlock = \"yes\"\n", r"\[workload\] lock must be true or false"),
+        ("[workload]\nlayers = 2.5\n", r"\[workload\] layers must be an integer"),
+    ],
+)
+def test_bad_worker_and_workload_keys_name_file_key_and_allowed(tmp_path, text, expected):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=expected) as info:
+        load_config(path, env={})
+    assert str(path) in str(info.value)
+
+
+def test_bad_workload_environment_is_named():
+    with pytest.raises(ConfigError, match="environment variable WSD_WORKLOAD_OVERSIZE_CHANCE: .*must be a number"):
+        load_config(None, env={"WSD_WORKLOAD_OVERSIZE_CHANCE": "often"})

@@ -36,8 +36,13 @@ __all__ = [
     "MAX_LANES",
     "MAX_UBATCHES",
     "AgentConfig",
+    "Backend",
     "CoordinatorConfig",
+    "CoordinatorMode",
     "GrowthPolicy",
+    "WorkerConfig",
+    "WorkloadConfig",
+    "WorkloadDtype",
     "WorkspaceConfig",
     "WsdConfig",
     "load_config",
@@ -89,6 +94,18 @@ def _check_range(name: str, value: int, low: int, high: int) -> None:
         raise ValueError(f"{name} must be between {low} and {high}, got {value}")
 
 
+def _coerce_enum(obj: Any, name: str, kind: type[enum.Enum]) -> None:
+    """Turn a frozen dataclass's string field into its enum, or raise naming what is allowed."""
+    value = getattr(obj, name)
+    if isinstance(value, kind):
+        return
+    try:
+        object.__setattr__(obj, name, kind(value))
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in kind)
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}") from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class WorkspaceConfig:
     """``[workspace]``: the per-rank workspace manager."""
@@ -112,14 +129,7 @@ class WorkspaceConfig:
         _check_range("alignment", self.alignment, 16, 2**20)
         if self.alignment & (self.alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {self.alignment}")
-        if not isinstance(self.growth, GrowthPolicy):
-            try:
-                object.__setattr__(self, "growth", GrowthPolicy(self.growth))
-            except ValueError:
-                allowed = ", ".join(repr(p.value) for p in GrowthPolicy)
-                raise ValueError(
-                    f"growth must be one of {allowed}, got {self.growth!r}"
-                ) from None
+        _coerce_enum(self, "growth", GrowthPolicy)
         _check_range("granularity", self.granularity, self.alignment, 2**40)
         if self.granularity % self.alignment:
             raise ValueError(
@@ -142,9 +152,26 @@ def _check_endpoint(name: str, value: str) -> None:
         )
 
 
+class CoordinatorMode(enum.Enum):
+    """Who starts the coordinator the workers' agents connect to."""
+
+    EXTERNAL = "external"
+    """Someone else (``wsd coordinator``, ``wsd up``, a sidecar); agents connect to it."""
+    EMBEDDED = "embedded"
+    """The worker of global rank 0 starts it as its own process beside the job."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class CoordinatorConfig:
     """``[coordinator]``: the coordinator's sockets, timing and state."""
+
+    mode: CoordinatorMode = CoordinatorMode.EXTERNAL
+    """``"external"`` (agents connect to a running coordinator) or ``"embedded"``
+    (global rank 0 starts one as a child process; the job's agents find it by itself)."""
+    connect_endpoint: str | None = None
+    """Where agents connect, when that differs from ``agent_endpoint`` (a coordinator
+    bound to tcp://0.0.0.0:7600 is reached at tcp://HOST:7600). None: ``agent_endpoint``,
+    or, when embedded, what rank 0's coordinator actually bound, on rank 0's host."""
 
     agent_endpoint: str = "tcp://127.0.0.1:7600"
     """Where agents connect (the coordinator binds it; use tcp://0.0.0.0:PORT across nodes)."""
@@ -174,6 +201,9 @@ class CoordinatorConfig:
     """Commands kept for replay to agents that missed them."""
 
     def __post_init__(self) -> None:
+        _coerce_enum(self, "mode", CoordinatorMode)
+        if self.connect_endpoint is not None:
+            _check_endpoint("connect_endpoint", self.connect_endpoint)
         _check_endpoint("agent_endpoint", self.agent_endpoint)
         _check_endpoint("client_endpoint", self.client_endpoint)
         _check_positive("heartbeat_interval", self.heartbeat_interval)
@@ -215,6 +245,101 @@ class AgentConfig:
         _check_positive("connect_timeout", self.connect_timeout, 3600.0)
 
 
+class Backend(enum.Enum):
+    """The ``torch.distributed`` backend of the workers' compute collectives."""
+
+    AUTO = "auto"
+    """nccl when CUDA is available, else gloo."""
+    NCCL = "nccl"
+    GLOO = "gloo"
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """``[worker]``: the worker process ``python -m wsd.worker`` run by torchrun."""
+
+    tp_size: int | None = None
+    """Ranks per tensor-parallel group, contiguous global ranks (0..tp_size-1 is group 0).
+    None: LOCAL_WORLD_SIZE, one TP group per node. WORLD_SIZE must be a multiple of it."""
+    backend: Backend = Backend.AUTO
+    """``"auto"``, ``"nccl"`` (device cuda:LOCAL_RANK) or ``"gloo"`` (device cpu)."""
+    collective_timeout: float = 300.0
+    """Seconds a collective may wait for the other ranks before it fails."""
+    coordinator_start_timeout: float = 30.0
+    """Seconds rank 0 waits for an embedded coordinator to be ready."""
+
+    def __post_init__(self) -> None:
+        if self.tp_size is not None:
+            _check_range("tp_size", self.tp_size, 1, 1 << 20)
+        _coerce_enum(self, "backend", Backend)
+        _check_positive("collective_timeout", self.collective_timeout)
+        _check_positive("coordinator_start_timeout", self.coordinator_start_timeout, 3600.0)
+
+
+class WorkloadDtype(enum.Enum):
+    """Element type of the built-in workload's weights and activations."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkloadConfig:
+    """``[workload]``: the built-in engine loop, a tensor-parallel MLP stack.
+
+    Each step runs every ubatch slot in turn through ``layers`` column- then
+    row-parallel MLP layers, with every intermediate buffer from the workspace.
+    """
+
+    hidden_size: int = 256
+    """Model width: the replicated activations are ``tokens x hidden_size``."""
+    ffn_size: int = 1024
+    """MLP inner width, split across the TP group: a multiple of the TP size."""
+    layers: int = 2
+    """MLP layers per ubatch per step (one all_reduce over the TP group each)."""
+    dtype: WorkloadDtype = WorkloadDtype.FLOAT32
+    """``"float32"``, ``"bfloat16"`` or ``"float16"``."""
+    max_tokens: int = 256
+    """Largest token count of warm-up and steady steps."""
+    warmup_steps: int = 8
+    """Warm-up steps over rising token counts, the last at ``max_tokens``."""
+    lock: bool = True
+    """Lock the workspace after warm-up, as an engine does before CUDA-graph capture."""
+    steps: int = 0
+    """Steady steps after warm-up; 0: run until stopped."""
+    pace: float = 0.05
+    """Least seconds per step (a sleep fills the rest); 0: as fast as the machine goes."""
+    oversize_chance: float = 0.0
+    """Chance (0 to 1) that a steady step, while locked, asks for more tokens than
+    warm-up reached, so that lock violations show in operation."""
+    seed: int = 0
+    """Seed of the token counts; every rank draws the same, as the TP collectives need."""
+
+    def __post_init__(self) -> None:
+        _check_range("hidden_size", self.hidden_size, 1, 1 << 20)
+        _check_range("ffn_size", self.ffn_size, 1, 1 << 24)
+        _check_range("layers", self.layers, 1, 1024)
+        _coerce_enum(self, "dtype", WorkloadDtype)
+        _check_range("max_tokens", self.max_tokens, 1, 1 << 24)
+        _check_range("warmup_steps", self.warmup_steps, 1, 1_000_000)
+        if self.warmup_steps > self.max_tokens:
+            raise ValueError(
+                f"warmup_steps ({self.warmup_steps}) must not exceed max_tokens "
+                f"({self.max_tokens}): each warm-up step must ask for more tokens"
+            )
+        if not isinstance(self.lock, bool):
+            raise ValueError(f"lock must be true or false, got {self.lock!r}")
+        _check_range("steps", self.steps, 0, 1 << 62)
+        if isinstance(self.pace, bool) or not isinstance(self.pace, (int, float)) \
+                or not 0 <= self.pace <= 3600:
+            raise ValueError(f"pace must be a number of seconds in [0, 3600], got {self.pace!r}")
+        if isinstance(self.oversize_chance, bool) or not isinstance(self.oversize_chance, (int, float)) \
+                or not 0 <= self.oversize_chance <= 1:
+            raise ValueError(f"oversize_chance must be a number in [0, 1], got {self.oversize_chance!r}")
+        _check_range("seed", self.seed, 0, 2**63 - 1)
+
+
 @dataclass(frozen=True, kw_only=True)
 class WsdConfig:
     """The whole file: one attribute per section."""
@@ -222,6 +347,8 @@ class WsdConfig:
     workspace: WorkspaceConfig = field(default_factory=WorkspaceConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     source: str = "<defaults>"
     """Where the configuration came from, for messages."""
 
@@ -230,6 +357,8 @@ _SECTIONS: dict[str, type] = {
     "workspace": WorkspaceConfig,
     "coordinator": CoordinatorConfig,
     "agent": AgentConfig,
+    "worker": WorkerConfig,
+    "workload": WorkloadConfig,
 }
 
 

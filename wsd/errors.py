@@ -9,8 +9,10 @@ from __future__ import annotations
 
 __all__ = [
     "ConfigError",
+    "LaunchError",
     "SlotOutOfRangeError",
     "StateFileError",
+    "TorchrunEnvError",
     "WorkspaceCaptureError",
     "WorkspaceError",
     "WorkspaceLimitError",
@@ -30,6 +32,21 @@ class ConfigError(WsdError, ValueError):
     """A configuration file, environment variable or flag is invalid.
 
     Fix the named file, key or variable and start again.
+    """
+
+
+class TorchrunEnvError(ConfigError):
+    """A torchrun environment variable (RANK, WORLD_SIZE, ...) is missing or malformed.
+
+    Start the worker under ``torchrun`` (or ``wsd up``), which sets them, or
+    set the named variable yourself.
+    """
+
+
+class LaunchError(WsdError):
+    """A process wsd starts (coordinator, torchrun) failed to come up in time.
+
+    The message names the process and what it printed; fix that and start again.
     """
 
 

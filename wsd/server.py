@@ -65,6 +65,11 @@ class Coordinator:
         self._thread.start()
         return self
 
+    @property
+    def serving(self) -> bool:
+        """True while the loop started by ``start()`` runs; False once it ended, for any reason."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self, timeout: float = 10.0) -> None:
         """Stop serving and close the sockets; waits at most ``timeout`` for the loop."""
         self._stop.set()

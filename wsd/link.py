@@ -1,0 +1,232 @@
+"""One rank's side of the agent protocol: no sockets, no threads of its own, no torch.
+
+``AgentLink`` holds what a rank has registered, received and applied, and turns
+each frame from the coordinator, and the passing of time, into the frames to
+send back. The real agent (``wsd.agent``) drives one from its I/O thread beside
+a ``WorkspaceManager``; simulated ranks (``wsd.simulated``) drive many from one
+loop. What the rank *is* (its manager state, snapshot and how it applies a
+command) comes from a ``Backend``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from wsd import protocol as p
+from wsd.protocol import Op
+
+__all__ = ["AgentLink", "Backend"]
+
+logger = logging.getLogger(__name__)
+
+# (seq, step, ok, error) of the last commands applied, resent on re-registration
+# so that acknowledgements lost with a connection still reach the coordinator.
+_ACK_MEMORY = 64
+
+
+class Backend(Protocol):
+    """What a rank is, as the protocol needs it."""
+
+    device: str
+
+    def state(self) -> dict[str, Any]:
+        """``{"locked": bool, "num_ubatches": int}`` for heartbeats."""
+        ...
+
+    def snapshot(self) -> dict[str, Any]:
+        """``ManagerStats.to_dict()`` of the rank's manager, for stats requests."""
+        ...
+
+    def apply(self, action: str, args: dict[str, Any]) -> None:
+        """Apply one command; an exception is reported in its acknowledgement."""
+        ...
+
+
+class AgentLink:
+    """One rank's registration, timers and command bookkeeping.
+
+    Thread use: ``on_frame`` and ``on_time`` run on one I/O thread;
+    ``apply_up_to`` and ``steps`` belong to the engine thread (to the I/O
+    thread in idle mode). ``held`` is written by the I/O thread only,
+    ``applied`` by the applying thread only; the received commands are shared
+    under a lock.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        rank: int,
+        world_size: int,
+        tp_size: int = 1,
+        idle: bool = False,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 5.0,
+        extra: dict[str, Any] | None = None,
+        host: str | None = None,
+        pid: int | None = None,
+        now: float = 0.0,
+    ) -> None:
+        self.backend = backend
+        self.rank = rank
+        self.world_size = world_size
+        self.tp_size = tp_size
+        self.tp_index = rank // tp_size
+        self.idle = idle
+        self.interval = heartbeat_interval
+        self.timeout = heartbeat_timeout
+        self.extra = extra or {}
+        self.host = host or socket.gethostname()
+        self.pid = os.getpid() if pid is None else pid
+        self._lock = threading.Lock()
+        self._received: dict[int, dict[str, Any]] = {}
+        self.held = 0  # highest seq with every seq up to it received
+        self.applied = 0  # highest seq applied or skipped
+        self._fresh = True  # never registered: the coordinator picks our baseline
+        self.steps = 0
+        self._acks: deque[list[Any]] = deque(maxlen=_ACK_MEMORY)
+        self.registered = threading.Event()
+        self.epoch: str | None = None
+        self.rejected: str | None = None
+        self.last_heard = now
+        self.next_heartbeat = now
+        self.next_register = now
+        self._handlers: dict[Op, Callable[[dict[str, Any], float], list[bytes]]] = {
+            Op.REGISTERED: self._on_registered,
+            Op.PULSE: self._on_pulse,
+            Op.COMMAND: self._on_command,
+            Op.STATS_REQUEST: self._on_stats_request,
+            Op.REJECTED: self._on_rejected,
+        }
+
+    # -- time -------------------------------------------------------------------
+
+    def due(self) -> float:
+        """When ``on_time`` next has something to do (same clock as ``now``)."""
+        if self.registered.is_set():
+            return min(self.next_heartbeat, self.last_heard + self.timeout)
+        return self.next_register
+
+    def on_time(self, now: float) -> list[bytes]:
+        """Registration, heartbeats and noticing a silent coordinator."""
+        if self.registered.is_set() and now - self.last_heard > self.timeout:
+            logger.warning("rank %d: no word from the coordinator for %.1f s; registering again",
+                           self.rank, now - self.last_heard)
+            self.registered.clear()
+            self.next_register = now
+        if not self.registered.is_set():
+            if now >= self.next_register:
+                self.next_register = now + self.interval
+                return [p.encode(Op.REGISTER, self.registration())]
+        elif now >= self.next_heartbeat:
+            self.next_heartbeat = now + self.interval
+            return [p.encode(Op.HEARTBEAT, {
+                "rank": self.rank, "step": self.steps, "applied_seq": self.applied,
+                "held_seq": self.held, "state": self.backend.state(),
+            })]
+        return []
+
+    def registration(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank, "world_size": self.world_size, "tp_size": self.tp_size,
+            "tp_group": self.tp_index, "host": self.host, "pid": self.pid,
+            "device": self.backend.device,
+            "applied_seq": None if self._fresh else self.applied,
+            "acks": list(self._acks), "step": self.steps, "idle": self.idle,
+            "state": self.backend.state(), "config": self.extra,
+        }
+
+    # -- frames from the coordinator ------------------------------------------------
+
+    def on_frame(self, frame: bytes, now: float) -> list[bytes]:
+        """Handle one frame; returns the frames to send in answer."""
+        try:
+            message = p.decode(frame, p.COORDINATOR_OPS)
+        except p.ProtocolError as e:
+            logger.warning("rank %d: bad message from the coordinator: %s", self.rank, e)
+            return []
+        self.last_heard = now
+        return self._handlers[message.op](message.body, now)
+
+    def _on_registered(self, body: dict[str, Any], now: float) -> list[bytes]:
+        if self._fresh:
+            self.applied = self.held = body["baseline_seq"]
+            self._fresh = False
+        self.epoch = body["epoch"]
+        self.interval = body["heartbeat_interval"]
+        self.timeout = body["heartbeat_timeout"]
+        self.rejected = None
+        self.next_heartbeat = now
+        self.registered.set()
+        logger.info("rank %d: registered with coordinator %s at seq %d", self.rank,
+                    self.epoch[:8], body["baseline_seq"])
+        return []
+
+    def _on_pulse(self, body: dict[str, Any], now: float) -> list[bytes]:
+        if self.registered.is_set() and (not body["registered"] or body["epoch"] != self.epoch):
+            logger.info("rank %d: coordinator restarted or forgot us; registering again", self.rank)
+            self.registered.clear()
+            self.next_register = now
+        return []
+
+    def _on_command(self, body: dict[str, Any], now: float) -> list[bytes]:
+        seq = body["seq"]
+        with self._lock:
+            if seq <= self.applied or seq in self._received:
+                return []  # a replay of something we have: at most once
+            self._received[seq] = body
+            held = self.held
+            while held + 1 in self._received:
+                held += 1
+        self.held = held
+        if self.idle:  # no engine loop: apply on receipt
+            return [ack for _, ack in self.apply_up_to(held)]
+        return []
+
+    def _on_stats_request(self, body: dict[str, Any], now: float) -> list[bytes]:
+        return [p.encode(Op.STATS_REPLY, {
+            "rank": self.rank, "request": body["request"],
+            "stats": self.backend.snapshot(), "step": self.steps,
+        })]
+
+    def _on_rejected(self, body: dict[str, Any], now: float) -> list[bytes]:
+        if self.rejected != body["message"]:
+            logger.error("rank %d: the coordinator refused us: %s", self.rank, body["message"])
+        self.rejected = body["message"]
+        self.registered.clear()
+        self.next_register = now + self.timeout
+        return []
+
+    # -- applying ---------------------------------------------------------------------
+
+    def apply_up_to(self, agreed: int) -> list[tuple[int, bytes]]:
+        """Apply every command up to ``agreed`` not yet applied; returns ``(seq, ack frame)`` of each.
+
+        Commands for another TP group are skipped (every rank holds every seq,
+        so that agreement on one number covers them). A failing command is
+        acknowledged with its error and never raised into the caller.
+        """
+        acks = []
+        while self.applied < agreed:
+            seq = self.applied + 1
+            with self._lock:
+                command = self._received.pop(seq)
+            group = command["group"]
+            if group is None or group == self.tp_index:
+                error = None
+                try:
+                    self.backend.apply(command["action"], command["args"])
+                except Exception as e:  # reported to the coordinator, never raised into the engine
+                    error = f"{type(e).__name__}: {e}"
+                    logger.warning("rank %d: command %d (%s) failed: %s", self.rank, seq, command["action"], error)
+                self._acks.append([seq, self.steps, error is None, error])
+                acks.append((seq, p.encode(Op.ACK, {"rank": self.rank, "seq": seq, "step": self.steps,
+                                                    "ok": error is None, "error": error})))
+            self.applied = seq
+        return acks

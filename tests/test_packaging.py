@@ -9,7 +9,8 @@ from pathlib import Path
 import wsd
 
 # Importing these must not need torch: the coordinator and clients run without it.
-TORCH_FREE = ["wsd", "wsd.config", "wsd.errors", "wsd.stats", "wsd.fmt", "wsd.cli", "wsd_client", "wsd_client.wsctl"]
+TORCH_FREE = ["wsd", "wsd.config", "wsd.errors", "wsd.stats", "wsd.fmt", "wsd.cli", "wsd.link", "wsd.simulated",
+              "wsd_client", "wsd_client.wsctl"]
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

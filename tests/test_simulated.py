@@ -1,0 +1,88 @@
+"""Simulated ranks (wsd.simulated) against the real coordinator on random loopback ports."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import wait_until
+
+from wsd.simulated import SimulatedManager, SimulatedRanks
+from wsd.stats import ManagerStats
+from wsd_client.client import Client
+
+RANKS = 16
+SLOTS = 8
+
+
+@pytest.fixture
+def swarm(start_coordinator):
+    """16 simulated ranks (8 slots each) registered with a fresh coordinator."""
+    coordinator = start_coordinator(world_size=RANKS, tp_size=4)
+    sim = SimulatedRanks(coordinator.agent_endpoint, range(RANKS), world_size=RANKS, tp_size=4,
+                         num_ubatches=SLOTS, heartbeat_interval=0.2, heartbeat_timeout=1.0).start()
+    try:
+        assert sim.wait_registered(10), f"only {sim.registered()} of {RANKS} ranks registered"
+        yield coordinator, sim
+    finally:
+        sim.stop(timeout=10)
+
+
+def test_all_register_and_a_command_is_acked_by_all(swarm):
+    """Without the shared protocol logic (registration, idle apply, ack) this times out or is partial."""
+    coordinator, sim = swarm
+    with Client(coordinator.client_endpoint, timeout=5) as client:
+        assert client.status()["ranks"]["live"] == RANKS
+        result = client.lock()
+        assert result.complete and sorted(result.steps()) == list(range(RANKS))
+        assert all(m.locked for m in sim.managers)
+        result = client.set_ubatches(2, group=1)
+        assert result.complete and sorted(result.steps()) == [4, 5, 6, 7]
+    assert [m.num_ubatches for m in sim.managers] == [8] * 4 + [2] * 4 + [8] * 8
+    assert {link.applied for link in sim.links} == {2}  # every rank holds every seq
+
+
+def test_stats_has_every_rank_with_its_slots(swarm):
+    """Fails if a simulated snapshot is not ManagerStats-shaped or a rank does not answer."""
+    coordinator, _ = swarm
+    with Client(coordinator.client_endpoint, timeout=5) as client:
+        stats = client.stats()
+    assert stats["complete"] and stats["missing"] == []
+    assert [r["rank"] for r in stats["ranks"]] == list(range(RANKS))
+    assert all(len(r["slots"]) == SLOTS for r in stats["ranks"])
+    assert len(stats["groups"]) == 4 and all(len(g["slots"]) == SLOTS for g in stats["groups"])
+    # The wire form is exactly what a real manager sends.
+    ManagerStats.from_dict(stats["ranks"][0])
+    assert stats["total_bytes"] == RANKS * SimulatedManager(SLOTS).stats().total_bytes
+
+
+def test_ranks_register_again_after_coordinator_restart(swarm, start_coordinator):
+    """Without re-registration on a new epoch the restarted coordinator would see no rank."""
+    coordinator, sim = swarm
+    endpoints = {"agent_endpoint": coordinator.agent_endpoint, "client_endpoint": coordinator.client_endpoint}
+    coordinator.stop()
+    again = start_coordinator(world_size=RANKS, tp_size=4, **endpoints)
+    wait_until(lambda: all(link.registered.is_set() and link.epoch == again.core.epoch for link in sim.links),
+               10, "every simulated rank to register with the new coordinator")
+    with Client(again.client_endpoint, timeout=5) as client:
+        assert client.unlock().complete
+
+
+def test_manager_stand_in_follows_commands():
+    """The stand-in must change its numbers as a manager would, or stats after commands lie."""
+    m = SimulatedManager(2, slot_bytes=4096)
+    m.apply("reserve", {"bytes": 8192})
+    assert [s.capacity_bytes for s in m.stats().slots] == [8192, 8192]
+    m.apply("lock", {})
+    m.apply("set_ubatches", {"n": 3})
+    assert [s.capacity_bytes for s in m.stats().slots] == [8192] * 3  # locked: added slots pre-sized
+    with pytest.raises(Exception, match="locked"):
+        m.apply("trim", {})
+    m.apply("unlock", {})
+    m.apply("trim", {})
+    assert m.stats().total_bytes == 3 * (1 << 20)  # persistent buffers stay
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="ranks must lie in 0..3"):
+        SimulatedRanks("tcp://127.0.0.1:1", range(5), world_size=4)
+    with pytest.raises(ValueError, match="num_ubatches"):
+        SimulatedManager(0)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
-__all__ = ["format_bytes", "table"]
+__all__ = ["format_bytes", "format_time", "table"]
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
@@ -17,6 +18,14 @@ def format_bytes(n: int) -> str:
             return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def format_time(t: float | None, *, date: bool = False) -> str:
+    """Wall-clock seconds as local ``HH:MM:SS.mmm`` (with the date if asked); ``-`` for None."""
+    if t is None:
+        return "-"
+    clock = time.strftime("%Y-%m-%d %H:%M:%S" if date else "%H:%M:%S", time.localtime(t))
+    return f"{clock}.{int(t % 1 * 1000):03d}"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

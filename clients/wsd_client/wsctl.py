@@ -1,19 +1,393 @@
-"""``wsctl``: the ops command line of wsd (its commands arrive with the control plane)."""
+"""``wsctl``: the ops command line of wsd. Imports no torch.
+
+Read-only commands::
+
+    wsctl ping                      round trip to the coordinator
+    wsctl status                    world, desired state and every TP group at a glance
+    wsctl ranks                     every rank: state, host, pid, step, lock and slot count
+    wsctl stats [--group G]         per rank, per slot and per TP group: capacity, peak, skew
+    wsctl events [--since ID] [--last N] [--follow [--count N] [--interval S]]
+    wsctl watch [--group G] [--interval S] [--count N]
+                                    live per-rank, per-slot capacity and peak
+
+State-changing commands (``[--group G] [--no-wait]``; every rank of the target
+applies them at the same engine step)::
+
+    wsctl lock | unlock | equalize | trim
+    wsctl set-ubatches N            1..64 ubatch slots per lane
+    wsctl reserve SIZE              size every slot, e.g. 4096, 512KiB, 64MiB
+
+Options taken by every command, before or after its name: ``--endpoint``
+(default ``$WSD_ENDPOINT``, else ``tcp://127.0.0.1:7601``), ``--timeout`` seconds
+per request (default 5), ``--json``.
+
+JSON output (``--json``): exactly one JSON document per result on stdout, one
+per line, keys sorted; nothing on stdout when the command fails.
+
+- ``ping``: ``{endpoint, epoch, seq, time, rtt_ms}``.
+- ``status``: ``{epoch, started, recovered, seq, world_size, tp_size, desired,
+  ranks: {live, lost, never_registered}, pending_commands, groups: [{tp_group,
+  ranks, live, missing, desired, applied_seq, consistent, locked, num_ubatches}]}``;
+  ``desired`` is ``{locked, num_ubatches, reserve_bytes}`` (null: never set).
+- ``ranks``: ``{ranks: [{rank, state, tp_group, host, pid, device, idle, step,
+  applied_seq, registered_at, last_seen, lost_at, locked, num_ubatches}],
+  never_registered: [{rank, reason}]}`` (``registered_at``, ``last_seen`` and
+  ``lost_at`` are the coordinator's monotonic clock).
+- ``stats``, and ``watch`` once per round: ``{complete, total_bytes, missing:
+  [{rank, reason}], ranks: [{rank, tp_group, step, device, num_ubatches,
+  num_lanes, locked, total_bytes, capacity_bytes, lock_violations, slots:
+  [{ubatch, lane, capacity_bytes, peak_requested_bytes, requests, resizes,
+  lock_violations, last_violation, persistent}]}], groups: [{tp_group, ranks,
+  reporting, missing, total_bytes, rank_bytes_min, rank_bytes_max, skew_bytes,
+  locked_consistent, num_ubatches_consistent, slots: [{ubatch, lane, ranks,
+  capacity_min, capacity_max, capacity_total, skew_bytes, peak_requested_max,
+  requests, resizes, lock_violations}]}]}``.
+- ``events``: ``{events: [{id, time, kind, ...}], cursor}``; with ``--follow``
+  one event document ``{id, time, kind, ...}`` per line as it arrives.
+- ``lock``, ``unlock``, ``set-ubatches``, ``reserve``, ``equalize``, ``trim``:
+  ``{seq, action, group, waited, complete, acked: [{rank, step, ok, error}],
+  failed, same_step: {"<group>": bool}, pending, lost, missing: [{rank,
+  reason}]}``; with ``--no-wait``, ``waited`` and ``complete`` are false and
+  the lists are empty.
+
+Exit codes: 0 ok; 1 error (the coordinator refused, is unreachable, or a rank
+failed to apply a command); 2 usage; 3 partial (stats incomplete, some ranks
+lost or never registered, or a command with ranks pending, lost or missing);
+130 interrupted (Ctrl-C ends ``watch`` and ``events --follow`` normally).
+Errors are one line on stderr with their code, e.g.
+``wsctl: conflict: reserve: TP group(s) [0] are locked; unlock first``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import enum
+import json
+import os
 import sys
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from wsd.config import MAX_UBATCHES, parse_size
+from wsd_client import render
+from wsd_client.client import Client, ClientError, CommandResult
+
+__all__ = ["COMMANDS", "Exit", "main"]
+
+DEFAULT_TIMEOUT = 5.0
+# Events asked for per request while reading the log (the protocol allows 10,000).
+_EVENT_PAGE = 1000
+# ANSI: cursor home, clear screen; ``watch`` redraws in place on a terminal.
+_CLEAR = "\x1b[H\x1b[2J"
+
+
+class Exit(enum.IntEnum):
+    OK = 0
+    ERROR = 1
+    USAGE = 2
+    PARTIAL = 3
+    INTERRUPTED = 130
+
+
+class Output:
+    """Where results go: one JSON document per line, or the human rendering."""
+
+    def __init__(self, as_json: bool, stream: TextIO) -> None:
+        self.as_json = as_json
+        self.stream = stream
+
+    def emit(self, doc: Any, human: Callable[[], str]) -> None:
+        text = json.dumps(doc, sort_keys=True) if self.as_json else human()
+        print(text, file=self.stream, flush=True)
+
+
+Handler = Callable[[Client, argparse.Namespace, Output], Exit]
+
+
+# -- read-only commands -------------------------------------------------------------
+
+
+def _ping(client: Client, args: argparse.Namespace, out: Output) -> Exit:
+    start = time.monotonic()
+    result = client.ping()
+    rtt_ms = (time.monotonic() - start) * 1000
+    doc = {"endpoint": client.endpoint, "epoch": result["epoch"], "seq": result["seq"],
+           "time": result["time"], "rtt_ms": round(rtt_ms, 3)}
+    out.emit(doc, lambda: render.ping(doc))
+    return Exit.OK
+
+
+def _status(client: Client, args: argparse.Namespace, out: Output) -> Exit:
+    doc = client.status()
+    out.emit(doc, lambda: render.status(doc, client.endpoint))
+    counts = doc["ranks"]
+    return Exit.PARTIAL if counts["lost"] or counts["never_registered"] else Exit.OK
+
+
+def _ranks(client: Client, args: argparse.Namespace, out: Output) -> Exit:
+    doc = client.ranks()
+    out.emit(doc, lambda: render.ranks(doc))
+    lost = any(r["state"] != "live" for r in doc["ranks"])
+    return Exit.PARTIAL if lost or doc["never_registered"] else Exit.OK
+
+
+def _stats(client: Client, args: argparse.Namespace, out: Output) -> Exit:
+    doc = client.stats(args.group)
+    out.emit(doc, lambda: render.stats(doc))
+    return Exit.OK if doc["complete"] else Exit.PARTIAL
+
+
+def _watch(client: Client, args: argparse.Namespace, out: Output) -> Exit:
+    redraw = not out.as_json and out.stream.isatty()
+    previous: dict[str, Any] | None = None
+    code, rounds = Exit.OK, 0
+    try:
+        while True:
+            doc = client.stats(args.group)
+            rounds += 1
+            code = Exit.OK if doc["complete"] else Exit.PARTIAL
+            of = f"/{args.count}" if args.count else ""
+            header = (f"{'' if not redraw else _CLEAR}wsctl watch {client.endpoint}  "
+                      f"round {rounds}{of} every {args.interval:g} s")
+            if rounds > 1 and not redraw and not out.as_json:
+                print(file=out.stream)  # frames one after the other when not on a terminal
+            last = previous
+            out.emit(doc, lambda: render.watch(doc, last, header))
+            previous = doc
+            if args.count and rounds >= args.count:
+                break
+            time.sleep(args.interval)  # the refresh pace, not a wait for a condition
+    except KeyboardInterrupt:
+        pass
+    return code  # the last round's
+
+
+def _read_events(client: Client, cursor: int) -> tuple[list[dict[str, Any]], int]:
+    """Every event after ``cursor`` the coordinator still holds, page by page."""
+    events: list[dict[str, Any]] = []
+    while True:
+        page = client.events(cursor, _EVENT_PAGE)
+        events += page["events"]
+        cursor = page["cursor"]
+        if len(page["events"]) < _EVENT_PAGE:
+            return events, cursor
+
+
+def _events(client: Client, args: argparse.Namespace, out: Output) -> Exit:
+    epoch = client.ping()["epoch"] if args.follow else None
+    backlog, cursor = _read_events(client, args.since or 0)
+    if args.since is None:  # no cursor given: the last few, as tail does
+        backlog = backlog[max(len(backlog) - args.last, 0):]
+    if not args.follow:
+        doc = {"events": backlog, "cursor": cursor}
+        out.emit(doc, lambda: render.events(backlog))
+        return Exit.OK
+    if not out.as_json:
+        print(render.events_header(), file=out.stream, flush=True)
+    queue, shown = deque(backlog), 0
+    try:
+        while args.count is None or shown < args.count:
+            if not queue:
+                page = client.events(cursor, _EVENT_PAGE)
+                queue.extend(page["events"])
+                cursor = page["cursor"]
+                if not queue:
+                    # A restarted coordinator numbers its events from 1 again:
+                    # start over from its beginning instead of waiting forever.
+                    now = client.ping()["epoch"]
+                    if now != epoch:
+                        epoch, cursor = now, 0
+                    else:
+                        time.sleep(args.interval)  # the polling pace
+                    continue
+            event = queue.popleft()
+            out.emit(event, lambda: render.event_line(event))
+            shown += 1
+    except KeyboardInterrupt:
+        pass
+    return Exit.OK
+
+
+# -- state-changing commands --------------------------------------------------------
+
+
+def _command(call: Callable[[Client, argparse.Namespace], CommandResult]) -> Handler:
+    """A handler that sends one command and reports its acknowledgements."""
+
+    def run(client: Client, args: argparse.Namespace, out: Output) -> Exit:
+        result = call(client, args)
+        doc = dataclasses.asdict(result)
+        out.emit(doc, lambda: render.command(doc))
+        if result.failed:
+            errors = "; ".join(f"rank {a['rank']}: {a['error']}"
+                               for a in result.acked if not a["ok"])
+            print(f"wsctl: {result.action} failed on {len(result.failed)} rank(s): {errors}",
+                  file=sys.stderr)
+            return Exit.ERROR
+        return Exit.PARTIAL if result.waited and not result.complete else Exit.OK
+
+    return run
+
+
+# -- the command table ------------------------------------------------------------
+
+
+def _number(kind: type, low: float, high: float | None = None,
+            what: str = "") -> Callable[[str], Any]:
+    """An argparse type: a ``kind`` number in [low, high]; a clear usage error otherwise."""
+
+    def convert(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            expected = what or kind.__name__
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if value != value or value < low or (high is not None and value > high):
+            bound = f"between {low:g} and {high:g}" if high is not None else f"at least {low:g}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    return convert
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_seconds(text: str) -> float:
+    value = _number(float, 0, what="seconds")(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return value
+
+
+def _group(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--group", type=_number(int, 0, 65535, "a TP group number"), default=None,
+                   help="only this TP group (default: every group)")
+
+
+def _target(p: argparse.ArgumentParser) -> None:
+    _group(p)
+    p.add_argument("--no-wait", dest="wait", action="store_false",
+                   help="return once the command is numbered, without waiting for the ranks")
+
+
+def _count_interval(interval: float) -> Callable[[argparse.ArgumentParser], None]:
+    def add(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--interval", type=_positive_seconds, default=interval,
+                       help=f"seconds between refreshes (default: {interval:g})")
+        p.add_argument("--count", type=_number(int, 1, what="an integer"), default=None,
+                       help="stop after this many (default: until Ctrl-C)")
+    return add
+
+
+def _events_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--since", type=_number(int, 0, what="an event id"), default=None,
+                   help="every event after this id (default: the last --last events)")
+    p.add_argument("--last", type=_number(int, 0, what="an integer"), default=20,
+                   help="how many of the latest events to show first (default: 20)")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+
+
+def _ubatches(p: argparse.ArgumentParser) -> None:
+    p.add_argument("n", metavar="N", type=_number(int, 1, MAX_UBATCHES, "an integer"),
+                   help=f"ubatch slots per lane, 1..{MAX_UBATCHES}")
+
+
+def _reserve_size(p: argparse.ArgumentParser) -> None:
+    p.add_argument("size", metavar="SIZE", type=_size,
+                   help="bytes per slot: 4096, 512KiB, 64MiB, ...")
+
+
+@dataclass(frozen=True)
+class Spec:
+    help: str
+    run: Handler
+    options: tuple[Callable[[argparse.ArgumentParser], None], ...] = ()
+
+
+COMMANDS: dict[str, Spec] = {
+    "ping": Spec("round trip to the coordinator", _ping),
+    "status": Spec("world, desired state and every TP group", _status),
+    "ranks": Spec("every rank: state, host, pid, step, lock and slot count", _ranks),
+    "stats": Spec("per rank, slot and TP group: capacity, peak, skew", _stats, (_group,)),
+    "events": Spec("the coordinator's event log", _events, (_events_options, _count_interval(0.5))),
+    "watch": Spec("live per-rank, per-slot capacity and peak", _watch,
+                  (_group, _count_interval(1.0))),
+    "lock": Spec("lock the workspaces: no slot may grow",
+                 _command(lambda c, a: c.lock(a.group, wait=a.wait)), (_target,)),
+    "unlock": Spec("unlock the workspaces",
+                   _command(lambda c, a: c.unlock(a.group, wait=a.wait)), (_target,)),
+    "set-ubatches": Spec("set the number of ubatch slots per lane",
+                         _command(lambda c, a: c.set_ubatches(a.n, a.group, wait=a.wait)),
+                         (_ubatches, _target)),
+    "reserve": Spec("size every slot to at least SIZE bytes (unlocked only)",
+                    _command(lambda c, a: c.reserve(a.size, a.group, wait=a.wait)),
+                    (_reserve_size, _target)),
+    "equalize": Spec("grow every slot to the largest one",
+                     _command(lambda c, a: c.equalize(a.group, wait=a.wait)), (_target,)),
+    "trim": Spec("drop unused capacity (unlocked only)",
+                 _command(lambda c, a: c.trim(a.group, wait=a.wait)), (_target,)),
+}
+
+
+def _common(p: argparse.ArgumentParser, top: bool) -> None:
+    """The options every command takes, before or after its name.
+
+    On the subcommands their default is SUPPRESS, so that an option given
+    before the command name is not overwritten by the subcommand's default.
+    """
+    def default(value: Any) -> Any:
+        return value if top else argparse.SUPPRESS
+
+    p.add_argument("--endpoint", default=default(None),
+                   help="the coordinator's client endpoint "
+                        "(default: $WSD_ENDPOINT, else tcp://127.0.0.1:7601)")
+    p.add_argument("--timeout", type=_positive_seconds, default=default(DEFAULT_TIMEOUT),
+                   help=f"seconds to wait for each reply (default: {DEFAULT_TIMEOUT:g})")
+    p.add_argument("--json", action="store_true", default=default(False),
+                   help="one JSON document per result on stdout (keys: see the module docs)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="wsctl", description="Query and steer a wsd coordinator.")
+    _common(parser, top=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, spec in COMMANDS.items():
+        command = sub.add_parser(name, help=spec.help, description=spec.help)
+        for add in spec.options:
+            add(command)
+        _common(command, top=False)
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="wsctl", description="Query and steer a wsd coordinator over ZeroMQ."
-    )
-    parser.parse_args(argv)
-    parser.print_help()
-    return 0
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # usage error (2) or --help (0): a code, as for every outcome
+        return e.code if isinstance(e.code, int) else Exit.USAGE
+    out = Output(args.json, sys.stdout)
+    try:
+        with Client(args.endpoint, timeout=args.timeout) as client:
+            return int(COMMANDS[args.command].run(client, args, out))
+    except ClientError as e:
+        print(f"wsctl: {e}", file=sys.stderr)
+        return Exit.ERROR
+    except KeyboardInterrupt:
+        print("wsctl: interrupted", file=sys.stderr)
+        return Exit.INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (``wsctl events -f | head``): stop quietly, and
+        # keep Python from complaining again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return Exit.OK
 
 
 if __name__ == "__main__":

@@ -1,0 +1,240 @@
+"""Human output of ``wsctl``: one function per result, each returning text.
+
+Pure functions of the coordinator's plain-data results (the same documents
+``--json`` prints), so that what a human reads and what a script parses never
+drift apart. Sizes are shown in B/KiB/MiB/GiB, tables are aligned
+(``wsd.fmt``). Imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from wsd.fmt import format_bytes, format_time, table
+
+__all__ = ["command", "event_line", "events", "events_header", "ping", "ranks", "stats", "status",
+           "watch"]
+
+# Event and desired-state keys that hold byte counts, shown as sizes.
+_BYTE_KEYS = frozenset({"requested", "capacity", "bytes", "reserve_bytes"})
+# Fields every event has, shown in their own columns rather than as details.
+_EVENT_COLUMNS = ("id", "time", "kind")
+
+
+def _opt(value: Any) -> str:
+    """``-`` for an unknown value, yes/no for a flag, the value otherwise."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
+
+
+def _set(values: Iterable[Any]) -> str:
+    """The distinct values a TP group's live ranks report: one, several (disagreeing) or none."""
+    shown = [_opt(v) for v in values]
+    return "/".join(shown) if shown else "-"
+
+
+def _ints(values: Iterable[int]) -> str:
+    return ",".join(str(v) for v in values) or "-"
+
+
+def _missing(missing: list[dict[str, Any]]) -> str:
+    return "; ".join(f"rank {m['rank']} ({m['reason']})" for m in missing)
+
+
+def _size(value: int | None) -> str:
+    return "-" if value is None else format_bytes(value)
+
+
+# -- read-only results ----------------------------------------------------------
+
+
+def ping(doc: dict[str, Any]) -> str:
+    return (f"pong from {doc['endpoint']} in {doc['rtt_ms']:.1f} ms: "
+            f"epoch {doc['epoch'][:8]}, seq {doc['seq']}")
+
+
+def _desired(desired: dict[str, Any]) -> str:
+    return (f"locked={_opt(desired.get('locked'))} ubatches={_opt(desired.get('num_ubatches'))} "
+            f"reserve={_size(desired.get('reserve_bytes'))}")
+
+
+def status(doc: dict[str, Any], endpoint: str) -> str:
+    counts = doc["ranks"]
+    world = "open world" if doc["world_size"] is None else f"world {doc['world_size']} ranks"
+    tp = "" if doc["tp_size"] is None else f", TP size {doc['tp_size']}"
+    lines = [
+        f"coordinator {endpoint}  epoch {doc['epoch'][:8]}  seq {doc['seq']}  "
+        f"started {format_time(doc['started'], date=True)}"
+        + ("  (state recovered)" if doc["recovered"] else ""),
+        f"{world}{tp}: {counts['live']} live, {counts['lost']} lost, "
+        f"{counts['never_registered']} never registered",
+        f"desired (default): {_desired(doc['desired'])}",
+        f"pending commands: {_ints(doc['pending_commands'])}",
+    ]
+    rows = [
+        [g["tp_group"], _ints(g["ranks"]), _ints(g["live"]), _missing(g["missing"]) or "-",
+         _set(g["locked"]), _set(g["num_ubatches"]), _ints(g["applied_seq"]),
+         _opt(g["consistent"]), _desired(g["desired"])]
+        for g in doc["groups"]
+    ]
+    if rows:
+        lines += ["", table(["GROUP", "RANKS", "LIVE", "MISSING", "LOCKED", "UBATCHES",
+                             "APPLIED SEQ", "CONSISTENT", "DESIRED"], rows)]
+    return "\n".join(lines)
+
+
+def ranks(doc: dict[str, Any]) -> str:
+    rows = [
+        [r["rank"], r["state"], r["tp_group"], r["host"], r["pid"], r["device"], _opt(r["idle"]),
+         r["step"], r["applied_seq"], _opt(r["locked"]), _opt(r["num_ubatches"])]
+        for r in doc["ranks"]
+    ]
+    rows += [[m["rank"], "missing", "-", "-", "-", "-", "-", "-", "-", "-", "-"]
+             for m in doc["never_registered"]]
+    if not rows:
+        return "no ranks registered"
+    rows.sort(key=lambda row: row[0])
+    return table(["RANK", "STATE", "GROUP", "HOST", "PID", "DEVICE", "IDLE", "STEP", "APPLIED SEQ",
+                  "LOCKED", "UBATCHES"], rows)
+
+
+def _violation(slot: dict[str, Any]) -> str:
+    last = slot.get("last_violation")
+    if not last:
+        return "-"
+    sizes = f"{format_bytes(last['requested'])} > {format_bytes(last['capacity'])}"
+    return f"{last['caller']} ({sizes})"
+
+
+def stats(doc: dict[str, Any]) -> str:
+    reporting = len(doc["ranks"])
+    expected = reporting + len(doc["missing"])
+    lines = [f"{reporting}/{expected} ranks reporting, total {format_bytes(doc['total_bytes'])}"
+             + ("" if doc["complete"] else "  (INCOMPLETE)")]
+    if doc["ranks"]:
+        lines += ["", table(
+            ["RANK", "GROUP", "STEP", "DEVICE", "UBATCHES", "LANES", "LOCKED", "CAPACITY", "TOTAL",
+             "VIOLATIONS"],
+            [[r["rank"], r["tp_group"], r["step"], r["device"], r["num_ubatches"], r["num_lanes"],
+              _opt(r["locked"]), format_bytes(r["capacity_bytes"]), format_bytes(r["total_bytes"]),
+              r["lock_violations"]] for r in doc["ranks"]],
+        )]
+        lines += ["", table(
+            ["RANK", "UBATCH", "LANE", "CAPACITY", "PEAK", "REQUESTS", "RESIZES", "PERSISTENT",
+             "VIOLATIONS", "LAST VIOLATION"],
+            [[r["rank"], s["ubatch"], s["lane"], format_bytes(s["capacity_bytes"]),
+              format_bytes(s["peak_requested_bytes"]), s["requests"], s["resizes"],
+              format_bytes(sum(p["nbytes"] for p in s["persistent"])), s["lock_violations"],
+              _violation(s)] for r in doc["ranks"] for s in r["slots"]],
+        )]
+    if doc["groups"]:
+        lines += ["", table(
+            ["GROUP", "RANKS", "REPORTING", "TOTAL", "MIN RANK", "MAX RANK", "SKEW", "LOCKED SAME",
+             "UBATCHES SAME"],
+            [[g["tp_group"], _ints(g["ranks"]), _ints(g["reporting"]),
+              format_bytes(g["total_bytes"]),
+              format_bytes(g["rank_bytes_min"]), format_bytes(g["rank_bytes_max"]),
+              format_bytes(g["skew_bytes"]), _opt(g["locked_consistent"]),
+              _opt(g["num_ubatches_consistent"])] for g in doc["groups"]],
+        )]
+        slot_rows = [
+            [g["tp_group"], s["ubatch"], s["lane"], _ints(s["ranks"]),
+             format_bytes(s["capacity_min"]),
+             format_bytes(s["capacity_max"]), format_bytes(s["skew_bytes"]),
+             format_bytes(s["peak_requested_max"]), s["lock_violations"]]
+            for g in doc["groups"] for s in g["slots"]
+        ]
+        if slot_rows:
+            lines += ["", table(["GROUP", "UBATCH", "LANE", "RANKS", "MIN CAPACITY", "MAX CAPACITY",
+                                 "SKEW", "MAX PEAK", "VIOLATIONS"], slot_rows)]
+    if doc["missing"]:
+        lines += ["", f"missing: {_missing(doc['missing'])}"]
+    return "\n".join(lines)
+
+
+def watch(doc: dict[str, Any], previous: dict[str, Any] | None, header: str) -> str:
+    """One ``wsctl watch`` frame: per rank and slot, capacity, peak, growth since ``previous``."""
+    before: dict[tuple[int, int, int], int] = {}
+    for r in (previous or {}).get("ranks", ()):
+        for s in r["slots"]:
+            before[(r["rank"], s["ubatch"], s["lane"])] = s["capacity_bytes"]
+    rows = []
+    for r in doc["ranks"]:
+        for s in r["slots"]:
+            old = before.get((r["rank"], s["ubatch"], s["lane"]))
+            grown = s["capacity_bytes"] - old if old is not None else 0
+            rows.append([r["rank"], r["tp_group"], s["ubatch"], s["lane"], _opt(r["locked"]),
+                         format_bytes(s["capacity_bytes"]), format_bytes(s["peak_requested_bytes"]),
+                         ("+" if grown > 0 else "") + format_bytes(grown) if grown else "",
+                         s["requests"], s["resizes"], s["lock_violations"]])
+    lines = [f"{header}  total {format_bytes(doc['total_bytes'])}"
+             + ("" if doc["complete"] else "  (INCOMPLETE)")]
+    if rows:
+        lines.append(table(["RANK", "GROUP", "UBATCH", "LANE", "LOCKED", "CAPACITY", "PEAK",
+                            "GROWN", "REQUESTS", "RESIZES", "VIOLATIONS"], rows))
+    else:
+        lines.append("no ranks reporting")
+    if doc["missing"]:
+        lines.append(f"missing: {_missing(doc['missing'])}")
+    return "\n".join(lines)
+
+
+# -- events -----------------------------------------------------------------------
+
+
+def _detail_value(key: str, value: Any) -> str:
+    if key in _BYTE_KEYS and isinstance(value, int) and not isinstance(value, bool):
+        return format_bytes(value)
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, separators=(",", ":"), sort_keys=True)
+    return _opt(value)
+
+
+def events_header() -> str:
+    return f"{'ID':>7}  {'TIME':<12}  {'KIND':<18}  DETAIL"
+
+
+def event_line(event: dict[str, Any]) -> str:
+    """One event on one line, in fixed-width columns so that followed lines stay aligned."""
+    detail = " ".join(f"{k}={_detail_value(k, v)}"
+                      for k, v in event.items() if k not in _EVENT_COLUMNS)
+    when = format_time(event["time"])
+    return f"{event['id']:>7}  {when:<12}  {event['kind']:<18}  {detail}".rstrip()
+
+
+def events(items: list[dict[str, Any]]) -> str:
+    if not items:
+        return "no events"
+    return "\n".join([events_header(), *(event_line(e) for e in items)])
+
+
+# -- commands -----------------------------------------------------------------------
+
+
+def command(doc: dict[str, Any]) -> str:
+    target = "all groups" if doc["group"] is None else f"group {doc['group']}"
+    head = f"{doc['action']}: seq {doc['seq']} on {target}"
+    if not doc["waited"]:
+        return f"{head}: sent, not waiting for acknowledgements (--no-wait)"
+    acked = doc["acked"]
+    steps = "; ".join(f"group {g}: {'same step' if same else 'DIFFERENT steps'}"
+                      for g, same in (doc["same_step"] or {}).items())
+    lines = [f"{head}: applied by {len(acked)} rank{'s' if len(acked) != 1 else ''}"
+             + (f" ({steps})" if steps else "")
+             + ("" if doc["complete"] else "  (INCOMPLETE)")]
+    if acked:
+        lines.append(table(["RANK", "STEP", "OK", "ERROR"],
+                           [[a["rank"], a["step"], _opt(a["ok"]), _opt(a["error"])]
+                            for a in acked]))
+    if doc["pending"]:
+        lines.append(f"pending (no acknowledgement in time): ranks {_ints(doc['pending'])}")
+    if doc["lost"]:
+        lines.append(f"lost while applying: ranks {_ints(doc['lost'])}")
+    if doc["missing"]:
+        lines.append(f"missing: {_missing(doc['missing'])}")
+    return "\n".join(lines)

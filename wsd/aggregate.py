@@ -8,7 +8,36 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["aggregate_stats"]
+__all__ = ["aggregate_stats", "check_snapshot"]
+
+_RANK_FIELDS = {"device": str, "num_ubatches": int, "num_lanes": int, "locked": bool, "slots": list}
+_SLOT_FIELDS = ("ubatch", "lane", "capacity_bytes", "peak_requested_bytes", "requests", "resizes",
+                "lock_violations")
+_MISSING = object()
+
+
+def _need(where: str, value: Any, kind: type) -> None:
+    if value is _MISSING:
+        raise ValueError(f"{where}: missing")
+    # bool is an int in Python; it is never a count of bytes.
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise ValueError(f"{where}: expected {kind.__name__}, got {type(value).__name__}")
+
+
+def check_snapshot(stats: dict[str, Any]) -> None:
+    """Raise ValueError naming the key unless ``stats`` has what aggregation reads.
+
+    Checked as each reply arrives, so that one agent's bad snapshot cannot break
+    the aggregation of everyone else's.
+    """
+    for key, kind in _RANK_FIELDS.items():
+        _need(key, stats.get(key, _MISSING), kind)
+    if "total_bytes" in stats:
+        _need("total_bytes", stats["total_bytes"], int)
+    for i, slot in enumerate(stats["slots"]):
+        _need(f"slots[{i}]", slot, dict)
+        for key in _SLOT_FIELDS:
+            _need(f"slots[{i}].{key}", slot.get(key, _MISSING), int)
 
 
 def _rank_summary(rank: int, group: int, stats: dict[str, Any], step: int) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wsd import protocol as p
-from wsd.aggregate import aggregate_stats
+from wsd.aggregate import aggregate_stats, check_snapshot
 from wsd.commandlog import Command, CommandLog
 from wsd.config import CoordinatorConfig
 from wsd.errors import StateFileError
@@ -55,6 +55,10 @@ class _PendingStats:
     deadline: float
     replies: dict[int, tuple[int, int, dict[str, Any]]] = field(default_factory=dict)
     lost: set[int] = field(default_factory=set)
+    invalid: dict[int, str] = field(default_factory=dict)
+
+    def answered(self) -> bool:
+        return self.targets <= set(self.replies) | self.lost | set(self.invalid)
 
 
 class CoordinatorCore:
@@ -254,8 +258,15 @@ class CoordinatorCore:
         pending = self._stats.get(body["request"])
         if info is None or pending is None or info.rank not in pending.targets:
             return []
-        pending.replies[info.rank] = (info.tp_group, body["step"], body["stats"])
-        if pending.targets <= set(pending.replies) | pending.lost:
+        try:
+            check_snapshot(body["stats"])
+        except ValueError as e:  # a buggy or newer agent: the others' answer must not suffer
+            self.dropped_bad_agent_frames += 1
+            logger.warning("rank %d sent an invalid stats snapshot: %s", info.rank, e)
+            pending.invalid[info.rank] = f"sent an invalid stats snapshot ({e})"
+        else:
+            pending.replies[info.rank] = (info.tp_group, body["step"], body["stats"])
+        if pending.answered():
             return self._finish_stats(body["request"])
         return []
 
@@ -277,9 +288,9 @@ class CoordinatorCore:
                 if pending.targets <= set(pending.acks) | pending.lost:
                     out += self._finish_command(seq)
         for request, stats in list(self._stats.items()):
-            if rank in stats.targets and rank not in stats.replies:
+            if rank in stats.targets and rank not in stats.replies and rank not in stats.invalid:
                 stats.lost.add(rank)
-                if stats.targets <= set(stats.replies) | stats.lost:
+                if stats.answered():
                     out += self._finish_stats(request)
         return out
 
@@ -375,7 +386,8 @@ class CoordinatorCore:
         expected = {g: self.registry.expected(g) for g in groups}
         missing = self.registry.missing(pending.group)
         for rank in pending.targets - set(pending.replies):
-            missing[rank] = "lost while asked" if rank in pending.lost else "no reply within the stats timeout"
+            missing[rank] = pending.invalid.get(rank) or (
+                "lost while asked" if rank in pending.lost else "no reply within the stats timeout")
         result = aggregate_stats(pending.replies, expected, missing)
         return [(CLIENT, pending.route, p.ok_reply(pending.request_id, result))]
 

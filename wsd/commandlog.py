@@ -154,7 +154,7 @@ class CommandLog:
             entries = [Command(int(s), str(a), dict(args), g, float(t)) for s, a, args, g, t in doc["log"]]
             default = dict(doc["default"])
             groups = {int(g): dict(s) for g, s in doc["groups"].items()}
-        except (ValueError, TypeError, KeyError, msgpack.UnpackException) as e:
+        except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException) as e:
             raise StateFileError(f"{self.path}: not a valid coordinator state file ({e})") from e
         self.seq = seq
         self.entries.clear()

@@ -269,7 +269,8 @@ def _positive_seconds(text: str) -> float:
 
 
 def _group(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--group", type=_number(int, 0, 65535, "a TP group number"), default=None,
+    p.add_argument("--group", metavar="G", type=_number(int, 0, 65535, "a TP group number"),
+                   default=None,
                    help="only this TP group (default: every group)")
 
 
@@ -279,19 +280,19 @@ def _target(p: argparse.ArgumentParser) -> None:
                    help="return once the command is numbered, without waiting for the ranks")
 
 
-def _count_interval(interval: float) -> Callable[[argparse.ArgumentParser], None]:
+def _count_interval(interval: float, what: str) -> Callable[[argparse.ArgumentParser], None]:
     def add(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--interval", type=_positive_seconds, default=interval,
+        p.add_argument("--interval", metavar="SECONDS", type=_positive_seconds, default=interval,
                        help=f"seconds between refreshes (default: {interval:g})")
-        p.add_argument("--count", type=_number(int, 1, what="an integer"), default=None,
-                       help="stop after this many (default: until Ctrl-C)")
+        p.add_argument("--count", metavar="N", type=_number(int, 1, what="an integer"),
+                       default=None, help=f"stop after N {what} (default: until Ctrl-C)")
     return add
 
 
 def _events_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--since", type=_number(int, 0, what="an event id"), default=None,
+    p.add_argument("--since", metavar="ID", type=_number(int, 0, what="an event id"), default=None,
                    help="every event after this id (default: the last --last events)")
-    p.add_argument("--last", type=_number(int, 0, what="an integer"), default=20,
+    p.add_argument("--last", metavar="N", type=_number(int, 0, what="an integer"), default=20,
                    help="how many of the latest events to show first (default: 20)")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
 
@@ -318,9 +319,10 @@ COMMANDS: dict[str, Spec] = {
     "status": Spec("world, desired state and every TP group", _status),
     "ranks": Spec("every rank: state, host, pid, step, lock and slot count", _ranks),
     "stats": Spec("per rank, slot and TP group: capacity, peak, skew", _stats, (_group,)),
-    "events": Spec("the coordinator's event log", _events, (_events_options, _count_interval(0.5))),
+    "events": Spec("the coordinator's event log", _events,
+                   (_events_options, _count_interval(0.5, "events"))),
     "watch": Spec("live per-rank, per-slot capacity and peak", _watch,
-                  (_group, _count_interval(1.0))),
+                  (_group, _count_interval(1.0, "rounds"))),
     "lock": Spec("lock the workspaces: no slot may grow",
                  _command(lambda c, a: c.lock(a.group, wait=a.wait)), (_target,)),
     "unlock": Spec("unlock the workspaces",
@@ -350,10 +352,11 @@ def _common(p: argparse.ArgumentParser, top: bool) -> None:
     p.add_argument("--endpoint", default=default(None),
                    help="the coordinator's client endpoint "
                         "(default: $WSD_ENDPOINT, else tcp://127.0.0.1:7601)")
-    p.add_argument("--timeout", type=_positive_seconds, default=default(DEFAULT_TIMEOUT),
+    p.add_argument("--timeout", metavar="SECONDS", type=_positive_seconds,
+                   default=default(DEFAULT_TIMEOUT),
                    help=f"seconds to wait for each reply (default: {DEFAULT_TIMEOUT:g})")
     p.add_argument("--json", action="store_true", default=default(False),
-                   help="one JSON document per result on stdout (keys: see the module docs)")
+                   help="one JSON document per result per line on stdout (stable keys, see README)")
 
 
 def _parser() -> argparse.ArgumentParser:

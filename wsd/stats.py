@@ -7,7 +7,6 @@ coordinator as msgpack) as it is. ``to_dict``/``from_dict`` give the wire form.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,10 +82,28 @@ class ManagerStats:
         return sum(s.lock_violations for s in self.slots)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dicts, lists and scalars, ready for msgpack or JSON."""
-        out = dataclasses.asdict(self)
-        out["total_bytes"] = self.total_bytes
-        return out
+        """Plain dicts, lists and scalars, ready for msgpack or JSON.
+
+        The same as ``dataclasses.asdict`` plus ``total_bytes``, written out by
+        hand: the agent builds one per stats request, and ``asdict``'s
+        recursive deep copy cost several times more.
+        """
+        slots = []
+        total = 0
+        for s in self.slots:
+            v = s.last_violation
+            persistent = tuple({"key": q.key, "kind": q.kind, "nbytes": q.nbytes} for q in s.persistent)
+            total += s.capacity_bytes + sum(q["nbytes"] for q in persistent)
+            slots.append({
+                "ubatch": s.ubatch, "lane": s.lane, "capacity_bytes": s.capacity_bytes,
+                "peak_requested_bytes": s.peak_requested_bytes, "requests": s.requests,
+                "resizes": s.resizes, "lock_violations": s.lock_violations,
+                "last_violation": None if v is None else {
+                    "caller": v.caller, "requested": v.requested, "capacity": v.capacity, "time": v.time},
+                "persistent": persistent,
+            })
+        return {"device": self.device, "num_ubatches": self.num_ubatches, "num_lanes": self.num_lanes,
+                "locked": self.locked, "slots": tuple(slots), "total_bytes": total}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ManagerStats:

@@ -275,9 +275,12 @@ class CoordinatorCore:
         if info is None:
             return []
         kind = EventKind.LOCK_VIOLATION if body["kind"] == "lock_violation" else EventKind.AGENT_EVENT
-        detail = {k: v for k, v in body["detail"].items() if isinstance(k, str)}
+        # The event's own keys come from the coordinator; a clashing detail key
+        # would be a duplicate keyword argument and lose the whole event.
+        own = ("id", "time", "kind", "rank", "tp_group", "agent_kind")
+        detail = {k: v for k, v in body["detail"].items() if isinstance(k, str) and k not in own}
         self.events.add(kind, self.wall(), rank=info.rank, tp_group=info.tp_group,
-                        agent_kind=body["kind"], **{k: v for k, v in detail.items() if k not in ("id", "time", "kind")})
+                        agent_kind=body["kind"], **detail)
         return []
 
     def _rank_gone(self, rank: int) -> list[Out]:

@@ -211,8 +211,14 @@ class CoordinatorCore:
                             applied_seq=baseline, oldest_kept=missed[0].seq)
         out += [(AGENT, (peer,), p.encode(Op.COMMAND, c.to_wire())) for c in missed]
         for ack in body["acks"]:  # acknowledgements sent while we could not hear them
-            if isinstance(ack, list) and len(ack) == 4:
-                out += self._record_ack(info.rank, *ack)
+            try:  # [seq, step, ok, error], checked as an ACK message would be
+                if not (isinstance(ack, list) and len(ack) == 4):
+                    raise ProtocolError(ErrorCode.BAD_FIELD, "register.acks: expected [seq, step, ok, error]")
+                a = p.validate_body(Op.ACK, {"rank": info.rank, **dict(zip(("seq", "step", "ok", "error"), ack))})
+            except ProtocolError as e:
+                logger.warning("rank %d resent a bad ack %r: %s", info.rank, ack, e)
+                continue
+            out += self._record_ack(info.rank, a["seq"], a["step"], a["ok"], a["error"])
         return out
 
     def _heartbeat(self, peer: bytes, body: dict[str, Any]) -> list[Out]:

@@ -18,6 +18,22 @@ class RankState(StrEnum):
     LOST = "lost"
 
 
+def _manager_state(state: dict[str, Any]) -> dict[str, Any]:
+    """What the coordinator reads of an agent's reported manager state, type-checked.
+
+    Status and the group consistency check compare and sort these values; one of
+    another type (say a list) would break them for every client, so it reads as
+    unknown instead.
+    """
+    out: dict[str, Any] = {}
+    if isinstance(state.get("locked"), bool):
+        out["locked"] = state["locked"]
+    n = state.get("num_ubatches")
+    if isinstance(n, int) and not isinstance(n, bool):
+        out["num_ubatches"] = n
+    return out
+
+
 class RegistrationError(Exception):
     """A registration that does not match the expected world; the message says how."""
 
@@ -107,7 +123,7 @@ class Registry:
             pid=body["pid"], device=body["device"], idle=body["idle"],
             registered_at=now, last_seen=now, step=body["step"],
             applied_seq=body["applied_seq"] or 0, held_seq=body["applied_seq"] or 0,
-            manager_state=body["state"], config=body["config"],
+            manager_state=_manager_state(body["state"]), config=body["config"],
         )
         self.ranks[info.rank] = info
         self._by_peer[peer] = info.rank
@@ -127,7 +143,7 @@ class Registry:
         info.applied_seq = body["applied_seq"]
         info.held_seq = body["held_seq"]
         if body["state"]:
-            info.manager_state = body["state"]
+            info.manager_state = _manager_state(body["state"])
         return info
 
     def touch(self, peer: bytes, now: float) -> RankInfo | None:

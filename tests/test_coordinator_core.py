@@ -1,0 +1,854 @@
+"""The coordinator's decisions (wsd.coordinator.CoordinatorCore), driven directly.
+
+No sockets and no sleeping: a small fake transport of our own feeds agent and
+client frames to the core, advances a fake monotonic clock and a fake wall
+clock, and decodes the ``(AGENT | CLIENT, route, frame)`` it returns.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import pytest
+
+from wsd import protocol as p
+from wsd.commandlog import CommandLog
+from wsd.config import CoordinatorConfig
+from wsd.coordinator import AGENT, CLIENT, CoordinatorCore
+from wsd.errors import StateFileError
+from wsd.protocol import ErrorCode, Op
+from wsd.registry import RankState
+from wsd.stats import ManagerStats, PersistentStats, SlotStats
+
+WALL0 = 1_700_000_000.0
+MONO0 = 500.0
+
+
+class FakeClock:
+    """A clock that moves only when told to."""
+
+    def __init__(self, start: float) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Sent:
+    """One frame the core asked to send, decoded."""
+
+    kind: str
+    route: tuple[bytes, ...]
+    message: p.Message | None = None  # to an agent
+    reply: p.Reply | None = None      # to a client
+
+
+@dataclass
+class Harness:
+    core: CoordinatorCore
+    mono: FakeClock
+    wall: FakeClock
+    config: CoordinatorConfig
+    steps: dict[int, int] = field(default_factory=dict)
+
+    # -- time ----------------------------------------------------------------
+
+    def advance(self, seconds: float) -> list[Sent]:
+        """Move both clocks forward and run the core's timers."""
+        self.mono.now += seconds
+        self.wall.now += seconds
+        return self.tick()
+
+    def tick(self) -> list[Sent]:
+        return decode_all(self.core.tick())
+
+    # -- agents --------------------------------------------------------------
+
+    def agent(self, peer: bytes, op: Op, body: dict[str, Any]) -> list[Sent]:
+        return decode_all(self.core.handle_agent((peer,), p.encode(op, body)))
+
+    def register(self, rank: int, *, peer: bytes | None = None, applied_seq: int | None = None,
+                 acks: list | None = None, step: int = 0, **overrides: Any) -> list[Sent]:
+        world = self.config.world_size or 4
+        tp = self.config.tp_size or 2
+        body = {"rank": rank, "world_size": world, "tp_size": tp, "tp_group": rank // tp,
+                "host": "node", "pid": 1000 + rank, "device": "cpu", "applied_seq": applied_seq,
+                "acks": acks or [], "step": step, "idle": False,
+                "state": {"locked": False, "num_ubatches": 2}}
+        body.update(overrides)
+        return self.agent(peer or peer_of(rank), Op.REGISTER, body)
+
+    def register_all(self, ranks: range | list[int] | None = None) -> None:
+        for rank in ranks if ranks is not None else range(self.config.world_size):
+            assert ops(self.register(rank), AGENT) == [Op.REGISTERED]
+
+    def heartbeat(self, rank: int, *, peer: bytes | None = None, step: int = 0, seq: int = 0,
+                  state: dict | None = None) -> list[Sent]:
+        return self.agent(peer or peer_of(rank), Op.HEARTBEAT, {
+            "rank": rank, "step": step, "applied_seq": seq, "held_seq": seq, "state": state or {}})
+
+    def ack(self, rank: int, seq: int, step: int, *, ok: bool = True, error: str | None = None) -> list[Sent]:
+        return self.agent(peer_of(rank), Op.ACK, {"rank": rank, "seq": seq, "step": step, "ok": ok, "error": error})
+
+    # -- clients -------------------------------------------------------------
+
+    def client(self, op: Op, body: dict[str, Any] | None = None, request_id: int = 1) -> list[Sent]:
+        return decode_all(self.core.handle_client(CLIENT_ROUTE, p.encode(op, body, request_id)))
+
+    def call(self, op: Op, body: dict[str, Any] | None = None, request_id: int = 1) -> p.Reply:
+        """A request answered at once: its one reply."""
+        return only_reply(self.client(op, body, request_id))
+
+    def ok(self, op: Op, body: dict[str, Any] | None = None) -> Any:
+        reply = self.call(op, body)
+        assert reply.ok, f"{op} failed: {reply.code} {reply.message}"
+        return reply.result
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        events = self.ok(Op.EVENTS, {"limit": 10_000})["events"]
+        return [e for e in events if kind is None or e["kind"] == kind]
+
+
+CLIENT_ROUTE = (b"client-1",)
+
+
+def peer_of(rank: int, generation: int = 0) -> bytes:
+    return f"rank{rank}-gen{generation}".encode()
+
+
+def decode_all(out: list[tuple[str, tuple[bytes, ...], bytes]]) -> list[Sent]:
+    sent = []
+    for kind, route, frame in out:
+        assert kind in (AGENT, CLIENT) and isinstance(route, tuple) and isinstance(frame, bytes)
+        if kind == AGENT:
+            sent.append(Sent(kind, route, message=p.decode(frame, p.COORDINATOR_OPS)))
+        else:
+            sent.append(Sent(kind, route, reply=p.decode_reply(frame)))
+    return sent
+
+
+def ops(sent: list[Sent], kind: str = AGENT) -> list[Op]:
+    return [s.message.op for s in sent if s.kind == kind and s.message is not None]
+
+
+def to_agents(sent: list[Sent], op: Op) -> dict[bytes, dict[str, Any]]:
+    """The body of each ``op`` frame sent, by peer (one each)."""
+    out: dict[bytes, dict[str, Any]] = {}
+    for s in sent:
+        if s.kind == AGENT and s.message.op is op:
+            assert s.route[0] not in out, f"two {op} frames to {s.route[0]!r}"
+            out[s.route[0]] = s.message.body
+    return out
+
+
+def replies(sent: list[Sent]) -> list[p.Reply]:
+    return [s.reply for s in sent if s.kind == CLIENT]
+
+
+def only_reply(sent: list[Sent]) -> p.Reply:
+    got = replies(sent)
+    assert len(got) == 1, f"expected one client reply, got {got}"
+    assert [s.route for s in sent if s.kind == CLIENT] == [CLIENT_ROUTE]
+    return got[0]
+
+
+def make(tmp_path, **overrides: Any) -> Harness:
+    options: dict[str, Any] = {
+        "state_file": str(tmp_path / "coordinator.state"),
+        "world_size": 4, "tp_size": 2,
+        "heartbeat_interval": 1.0, "heartbeat_timeout": 5.0,
+        "command_timeout": 10.0, "stats_timeout": 2.0,
+    }
+    options.update(overrides)
+    config = CoordinatorConfig(**options)
+    mono, wall = FakeClock(MONO0), FakeClock(WALL0)
+    return Harness(CoordinatorCore(config, clock=mono, wall=wall), mono, wall, config)
+
+
+@pytest.fixture
+def h(tmp_path) -> Harness:
+    return make(tmp_path)
+
+
+def snapshot(capacities: list[int], *, persistent: int = 0, locked: bool = False,
+             peak: int | None = None, requests: int = 1) -> dict[str, Any]:
+    """A snapshot in the agent's wire form (ManagerStats.to_dict), one lane."""
+    slots = tuple(
+        SlotStats(ubatch=i, lane=0, capacity_bytes=c, peak_requested_bytes=c if peak is None else peak,
+                  requests=requests, resizes=1 if c else 0, lock_violations=0, last_violation=None,
+                  persistent=(PersistentStats("k", "tensor", persistent),) if persistent and i == 0 else ())
+        for i, c in enumerate(capacities))
+    return ManagerStats("cpu", len(capacities), 1, locked, slots).to_dict()
+
+
+# -- imports ---------------------------------------------------------------
+
+
+def test_coordinator_imports_no_torch():
+    """The coordinator runs as a sidecar on machines without torch."""
+    code = "import sys, wsd.coordinator, wsd.server; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# -- registration ----------------------------------------------------------
+
+
+def test_registration_accepted(h):
+    sent = h.register(1, step=7)
+    registered = to_agents(sent, Op.REGISTERED)[peer_of(1)]
+    assert registered == {"epoch": h.core.epoch, "baseline_seq": 0,
+                          "heartbeat_interval": 1.0, "heartbeat_timeout": 5.0}
+    info = h.core.registry.ranks[1]
+    assert info.state is RankState.LIVE and info.tp_group == 0 and info.step == 7
+    joined = h.events("joined")
+    assert [(e["rank"], e["tp_group"], e["time"]) for e in joined] == [(1, 0, WALL0)]
+
+
+@pytest.mark.parametrize(("overrides", "named"), [
+    ({"world_size": 8}, "world_size=8"),
+    ({"tp_size": 4, "tp_group": 0}, "tp_size=4"),
+    ({"tp_group": 0}, "tp_group=0"),          # rank 3 belongs to group 1
+    ({"rank": 4, "tp_group": 2}, "rank 4"),   # beyond the world
+])
+def test_registration_refused_on_mismatch(h, overrides, named):
+    """A worker launched with the wrong world must be told exactly what is wrong."""
+    body = {"rank": 3, **overrides}
+    rank = body.pop("rank")
+    sent = h.register(rank, **body)
+    rejected = to_agents(sent, Op.REJECTED)[peer_of(rank)]
+    assert rejected["code"] == str(ErrorCode.MISMATCH) and named in rejected["message"]
+    assert ops(sent) == [Op.REJECTED]
+    assert h.core.registry.ranks == {}
+    assert h.events("rejected")[0]["reason"] == rejected["message"]
+
+
+def test_second_registration_supersedes(h):
+    """A restarted worker replaces its old record; the old peer stops counting."""
+    h.register(0, peer=peer_of(0, 0))
+    h.advance(1)
+    sent = h.register(0, peer=peer_of(0, 1))
+    assert ops(sent) == [Op.REGISTERED]
+    assert [e["rank"] for e in h.events("superseded")] == [0]
+    live = h.core.registry.live()
+    assert [(i.rank, i.peer) for i in live] == [(0, peer_of(0, 1))]
+    # the old peer's heartbeat is not a sign of life: it is asked to register again
+    pulse = to_agents(h.heartbeat(0, peer=peer_of(0, 0)), Op.PULSE)[peer_of(0, 0)]
+    assert pulse["registered"] is False
+    # commands and pulses go to the new peer only
+    sent = h.client(Op.LOCK, {"wait": False})
+    assert set(to_agents(sent, Op.COMMAND)) == {peer_of(0, 1)}
+    assert set(to_agents(h.advance(1), Op.PULSE)) == {peer_of(0, 1)}
+
+
+def test_heartbeats_keep_a_rank_live(h):
+    h.register(0)
+    for step in range(1, 5):
+        h.advance(4.0)  # less than the 5 s timeout each time, 16 s in all
+        h.heartbeat(0, step=step)
+        assert h.core.registry.ranks[0].state is RankState.LIVE
+    assert h.events("lost") == []
+    assert h.core.registry.ranks[0].step == 4
+
+
+def test_silence_marks_lost_with_time_and_last_step_then_back(h):
+    h.register(0)
+    h.register(1)
+    h.advance(2)
+    h.heartbeat(0, step=42)
+    h.heartbeat(1, step=42)
+    h.advance(4)
+    h.heartbeat(1, step=43)
+    h.advance(0.9)  # 4.9 s silent: still live
+    assert h.core.registry.ranks[0].state is RankState.LIVE
+    lost_wall = h.wall.now + 0.2
+    h.advance(0.2)  # 5.1 s silent
+    assert h.core.registry.ranks[0].state is RankState.LOST
+    assert h.core.registry.ranks[1].state is RankState.LIVE
+    [lost] = h.events("lost")
+    assert lost["rank"] == 0 and lost["time"] == lost_wall and lost["last_step"] == 42
+    assert lost["silent_for"] == pytest.approx(5.1)
+    # pulses stop going to a lost rank; its heartbeat asks it to register again
+    assert peer_of(0) not in to_agents(h.advance(1), Op.PULSE)
+    assert to_agents(h.heartbeat(0), Op.PULSE)[peer_of(0)]["registered"] is False
+    # it is back when it registers again
+    assert ops(h.register(0, peer=peer_of(0, 1), applied_seq=0)) == [Op.REGISTERED]
+    assert h.core.registry.ranks[0].state is RankState.LIVE
+    assert [e["rank"] for e in h.events("back")] == [0]
+
+
+def test_heartbeat_from_unknown_peer_asks_to_register(h):
+    sent = h.heartbeat(2, peer=b"stranger")
+    assert to_agents(sent, Op.PULSE) == {b"stranger": {"epoch": h.core.epoch, "registered": False}}
+    assert h.core.registry.ranks == {}
+
+
+def test_pulses_to_live_agents_every_interval(h):
+    h.register_all()
+    assert set(to_agents(h.tick(), Op.PULSE)) == {peer_of(r) for r in range(4)}
+    assert to_agents(h.advance(0.5), Op.PULSE) == {}
+    assert len(to_agents(h.advance(0.5), Op.PULSE)) == 4
+
+
+# -- commands --------------------------------------------------------------
+
+
+def test_command_numbered_and_persisted_before_it_is_sent(h, monkeypatch):
+    """Promise 6: a restarted coordinator knows every command it ever sent."""
+    h.register_all()
+    order: list[tuple[str, Any]] = []
+    write, encode = h.core.log._write, p.encode
+
+    def spy_write(document):
+        write(document)
+        on_disk = CommandLog(h.config.state_file, 100)
+        on_disk.load()
+        order.append(("on disk", on_disk.seq))
+
+    def spy_encode(op, body=None, request_id=0):
+        order.append(("encoded", op))
+        return encode(op, body, request_id)
+    monkeypatch.setattr(h.core.log, "_write", spy_write)
+    monkeypatch.setattr(p, "encode", spy_encode)
+    sent = h.client(Op.SET_UBATCHES, {"n": 4, "wait": False})
+    monkeypatch.undo()
+    assert ("on disk", 1) in order and ("encoded", Op.COMMAND) in order
+    assert order.index(("on disk", 1)) < order.index(("encoded", Op.COMMAND))
+    commands = to_agents(sent, Op.COMMAND)
+    assert {c["seq"] for c in commands.values()} == {1}
+    fresh = CommandLog(h.config.state_file, 100)
+    assert fresh.load() and fresh.seq == 1
+    assert [(c.seq, c.action, c.args) for c in fresh.entries] == [(1, "set_ubatches", {"n": 4})]
+    assert fresh.desired(0)["num_ubatches"] == 4
+    assert to_agents(h.client(Op.LOCK, {"wait": False}), Op.COMMAND)[peer_of(0)]["seq"] == 2
+
+
+def test_command_not_sent_when_state_file_cannot_be_written(tmp_path):
+    """If the command cannot be recorded it must not reach any agent (nor use a seq)."""
+    folder = tmp_path / "state"
+    folder.mkdir()
+    h = make(tmp_path, state_file=str(folder / "coordinator.state"))
+    h.register_all()
+    folder.rmdir()
+    sent = h.client(Op.LOCK)
+    assert ops(sent) == []
+    reply = only_reply(sent)
+    assert not reply.ok and reply.code is ErrorCode.INTERNAL and "coordinator.state" in reply.message
+    assert h.core.log.seq == 0 and h.core.log.default["locked"] is None
+
+
+def test_reply_waits_for_every_ack_with_steps_and_same_step(h):
+    h.register_all()
+    sent = h.client(Op.LOCK, request_id=5)
+    assert set(to_agents(sent, Op.COMMAND)) == {peer_of(r) for r in range(4)}
+    assert replies(sent) == []
+    assert replies(h.ack(0, 1, step=10)) == []
+    assert replies(h.ack(1, 1, step=10)) == []
+    assert replies(h.ack(2, 1, step=11)) == []
+    reply = only_reply(h.ack(3, 1, step=12))
+    assert reply.ok and reply.id == 5
+    result = reply.result
+    assert result["seq"] == 1 and result["action"] == "lock" and result["complete"] is True
+    assert {a["rank"]: a["step"] for a in result["acked"]} == {0: 10, 1: 10, 2: 11, 3: 12}
+    assert result["same_step"] == {"0": True, "1": False}
+    assert result["pending"] == [] and result["lost"] == [] and result["missing"] == []
+    # the command is done: a late duplicate ack changes nothing
+    assert h.ack(3, 1, step=12) == [] and h.ok(Op.STATUS)["pending_commands"] == []
+
+
+def test_failed_ack_is_reported(h):
+    h.register_all()
+    h.client(Op.EQUALIZE)
+    for rank in (0, 1, 2):
+        h.ack(rank, 1, step=1)
+    result = only_reply(h.ack(3, 1, step=1, ok=False, error="WorkspaceLockedError: x")).result
+    assert result["failed"] == [3]
+    assert [e["rank"] for e in h.events("command_failed")] == [3]
+
+
+def test_command_times_out_with_pending_ranks(h):
+    h.register_all()
+    h.client(Op.UNLOCK)
+    for rank in (0, 1, 2):
+        h.ack(rank, 1, step=3)
+    for _ in range(4):  # keep everyone live, so the timeout is the command's own
+        assert replies(h.advance(2.4)) == []
+        for rank in range(4):
+            h.heartbeat(rank)
+    reply = only_reply(h.advance(0.5))  # 10.1 s after the command
+    assert reply.result["complete"] is False and reply.result["pending"] == [3]
+    assert sorted(a["rank"] for a in reply.result["acked"]) == [0, 1, 2]
+
+
+def test_client_timeout_overrides_command_timeout(h):
+    h.register_all()
+    h.client(Op.LOCK, {"timeout": 1.0})
+    assert replies(h.advance(0.9)) == []
+    assert only_reply(h.advance(0.2)).result["pending"] == [0, 1, 2, 3]
+
+
+def test_rank_lost_while_command_pending_completes_it(h):
+    h.register_all()
+    h.client(Op.LOCK)
+    for rank in (0, 1, 2):
+        h.ack(rank, 1, step=5)
+    h.advance(3)
+    for rank in (0, 1, 2):
+        h.heartbeat(rank)
+    reply = only_reply(h.advance(2.5))  # rank 3 silent for 5.5 s, well before the 10 s command timeout
+    assert reply.result["lost"] == [3] and reply.result["pending"] == []
+    assert reply.result["complete"] is False
+
+
+def test_no_wait_replies_at_once_with_seq(h):
+    h.register_all()
+    sent = h.client(Op.SET_UBATCHES, {"n": 3, "wait": False}, request_id=8)
+    reply = only_reply(sent)
+    assert reply.id == 8 and reply.result == {"seq": 1, "action": "set_ubatches", "group": None, "waited": False}
+    assert len(to_agents(sent, Op.COMMAND)) == 4
+    for rank in range(4):
+        assert replies(h.ack(rank, 1, step=1)) == []
+    applied = h.events("command_applied")
+    assert applied[-1]["seq"] == 1 and applied[-1]["complete"] is True
+
+
+def test_group_command_targets_only_that_group(h):
+    """Every live rank holds every seq (so seqs stay gap-free), but only the
+    target group's ranks must acknowledge; a never-registered one is missing."""
+    h.register_all([0, 1, 2])
+    sent = h.client(Op.LOCK, {"group": 1})
+    assert set(to_agents(sent, Op.COMMAND)) == {peer_of(0), peer_of(1), peer_of(2)}
+    assert {c["group"] for c in to_agents(sent, Op.COMMAND).values()} == {1}
+    assert replies(h.ack(0, 1, step=1)) == []  # not a target: does not count
+    result = only_reply(h.ack(2, 1, step=4)).result
+    assert [a["rank"] for a in result["acked"]] == [2]
+    assert result["missing"] == [{"rank": 3, "reason": "never registered"}]
+    assert result["complete"] is False and result["same_step"] == {"1": True}
+    assert h.core.log.desired(1)["locked"] is True and h.core.log.desired(0)["locked"] is None
+
+
+@pytest.mark.parametrize("op", [Op.RESERVE, Op.TRIM], ids=str)
+def test_reserve_and_trim_refused_while_locked(h, op):
+    h.register_all()
+    h.client(Op.LOCK, {"group": 1, "wait": False})
+    body = {"bytes": 4096} if op is Op.RESERVE else {}
+    for group in (None, 1):
+        reply = h.call(op, {**body, "group": group})
+        assert not reply.ok and reply.code is ErrorCode.CONFLICT and "unlock" in reply.message
+    assert h.core.log.seq == 1
+    fresh = CommandLog(h.config.state_file, 10)
+    assert fresh.load() and fresh.seq == 1
+    # group 0 is not locked: allowed there
+    assert to_agents(h.client(op, {**body, "group": 0, "wait": False}), Op.COMMAND)[peer_of(0)]["seq"] == 2
+
+
+def test_group_out_of_range(h):
+    reply = h.call(Op.LOCK, {"group": 2})
+    assert reply.code is ErrorCode.BAD_FIELD and "group" in reply.message and "0..1" in reply.message
+    assert h.core.log.seq == 0
+    reply = h.call(Op.STATS, {"group": 5})
+    assert reply.code is ErrorCode.BAD_FIELD and "group" in reply.message
+
+
+def test_command_with_no_live_target_replies_at_once(h):
+    h.register_all([0, 1])
+    result = only_reply(h.client(Op.LOCK, {"group": 1})).result
+    assert result["seq"] == 1 and result["acked"] == [] and result["complete"] is False
+    assert [m["rank"] for m in result["missing"]] == [2, 3]
+
+
+# -- stats -----------------------------------------------------------------
+
+
+def stats_round(h: Harness, body: dict[str, Any] | None = None) -> tuple[int, set[bytes]]:
+    sent = h.client(Op.STATS, body, request_id=21)
+    requests = to_agents(sent, Op.STATS_REQUEST)
+    assert replies(sent) == []
+    [request] = {r["request"] for r in requests.values()}
+    return request, set(requests)
+
+
+def stats_reply(h: Harness, rank: int, request: int, stats: dict[str, Any], step: int = 0) -> list[Sent]:
+    return h.agent(peer_of(rank), Op.STATS_REPLY, {"rank": rank, "request": request, "stats": stats, "step": step})
+
+
+def test_stats_aggregated_per_rank_slot_and_group(h):
+    h.register_all()
+    request, asked = stats_round(h)
+    assert asked == {peer_of(r) for r in range(4)}
+    assert stats_reply(h, 0, request, snapshot([1000, 3000]), step=5) == []
+    assert stats_reply(h, 1, request, snapshot([4000, 3000], persistent=256), step=5) == []
+    assert stats_reply(h, 2, request, snapshot([0, 0])) == []
+    reply = only_reply(stats_reply(h, 3, request, snapshot([512, 0], locked=True)))
+    assert reply.id == 21
+    result = reply.result
+    assert result["complete"] is True and result["missing"] == []
+    by_rank = {r["rank"]: r for r in result["ranks"]}
+    assert by_rank[0]["total_bytes"] == 4000 and by_rank[0]["step"] == 5
+    assert by_rank[1]["total_bytes"] == 7256 and by_rank[1]["capacity_bytes"] == 7000
+    assert [s["capacity_bytes"] for s in by_rank[1]["slots"]] == [4000, 3000]
+    assert result["total_bytes"] == 4000 + 7256 + 0 + 512
+    g0, g1 = result["groups"]
+    assert (g0["tp_group"], g0["ranks"], g0["reporting"]) == (0, [0, 1], [0, 1])
+    assert (g0["total_bytes"], g0["rank_bytes_min"], g0["rank_bytes_max"], g0["skew_bytes"]) == (
+        11256, 4000, 7256, 3256)
+    s0, s1 = g0["slots"]
+    assert (s0["ubatch"], s0["capacity_min"], s0["capacity_max"], s0["capacity_total"], s0["skew_bytes"]) == (
+        0, 1000, 4000, 5000, 3000)
+    assert (s1["ubatch"], s1["capacity_min"], s1["capacity_max"], s1["skew_bytes"]) == (1, 3000, 3000, 0)
+    assert s0["requests"] == 2 and s0["peak_requested_max"] == 4000
+    assert g0["locked_consistent"] is True and g1["locked_consistent"] is False
+    assert g1["skew_bytes"] == 512
+
+
+def test_stats_missing_ranks_and_timeout_partial(h):
+    """A silent rank yields a partial answer naming it at the stats timeout, never a hang."""
+    h.register_all([0, 1, 2])
+    request, asked = stats_round(h)
+    assert asked == {peer_of(0), peer_of(1), peer_of(2)}
+    stats_reply(h, 0, request, snapshot([64]))
+    stats_reply(h, 1, request, snapshot([64]))
+    assert replies(h.advance(1.9)) == []
+    result = only_reply(h.advance(0.2)).result
+    assert result["complete"] is False
+    assert result["missing"] == [{"rank": 2, "reason": "no reply within the stats timeout"},
+                                 {"rank": 3, "reason": "never registered"}]
+    assert [r["rank"] for r in result["ranks"]] == [0, 1]
+    assert result["groups"][1]["reporting"] == [] and result["groups"][1]["total_bytes"] == 0
+
+
+def test_stats_for_one_group_and_lost_rank(h):
+    h.register_all()
+    request, asked = stats_round(h, {"group": 1, "timeout": 30.0})
+    assert asked == {peer_of(2), peer_of(3)}
+    stats_reply(h, 2, request, snapshot([8]))
+    h.advance(3)
+    for rank in (0, 1, 2):
+        h.heartbeat(rank)
+    result = only_reply(h.advance(2.5)).result  # rank 3 lost while asked
+    assert [r["rank"] for r in result["ranks"]] == [2]
+    assert result["missing"] == [{"rank": 3, "reason": "lost while asked"}]
+    assert [g["tp_group"] for g in result["groups"]] == [1]
+
+
+def test_stats_reply_from_a_rank_not_asked_is_ignored(h):
+    h.register_all()
+    request, _ = stats_round(h, {"group": 0})
+    assert stats_reply(h, 2, request, snapshot([1])) == []
+    stats_reply(h, 0, request, snapshot([1]))
+    result = only_reply(stats_reply(h, 1, request, snapshot([1]))).result
+    assert [r["rank"] for r in result["ranks"]] == [0, 1]
+
+
+def _without_slots(stats):
+    del stats["slots"]
+
+
+def _text_capacity(stats):
+    stats["slots"][0]["capacity_bytes"] = "128"
+
+
+def _text_ubatch(stats):  # sorting slots of several ranks would compare str with int
+    stats["slots"][0]["ubatch"] = "0"
+
+
+@pytest.mark.parametrize(("spoil", "named"), [
+    (_without_slots, "slots: missing"),
+    (_text_capacity, "slots[0].capacity_bytes"),
+    (_text_ubatch, "slots[0].ubatch"),
+], ids=["no-slots", "text-capacity", "text-ubatch"])
+def test_invalid_stats_snapshot_does_not_break_the_round(h, spoil, named):
+    """A snapshot the aggregator cannot read (a buggy or newer agent) must not
+    lose the client its answer (it used to raise inside the aggregation, after
+    the request was dropped) nor stop the core: the rank is missing with why."""
+    h.register_all([0, 1])
+    request, _ = stats_round(h)
+    stats_reply(h, 0, request, snapshot([128]))
+    bad_stats = snapshot([128])
+    spoil(bad_stats)
+    result = only_reply(stats_reply(h, 1, request, bad_stats)).result
+    assert [r["rank"] for r in result["ranks"]] == [0]
+    [bad] = [m for m in result["missing"] if m["rank"] == 1]
+    assert "invalid stats snapshot" in bad["reason"] and named in bad["reason"]
+    assert h.core.dropped_bad_agent_frames == 1
+    assert h.ok(Op.PING)["seq"] == 0
+
+
+def test_invalid_stats_snapshot_at_the_timeout(h):
+    """The same through tick(): an exception there would stop the server loop."""
+    h.register_all([0, 1, 2])
+    request, _ = stats_round(h)
+    stats_reply(h, 0, request, snapshot([128]))
+    bad_stats = snapshot([128])
+    _text_ubatch(bad_stats)
+    assert stats_reply(h, 1, request, bad_stats) == []
+    result = only_reply(h.advance(2.1)).result
+    assert [r["rank"] for r in result["ranks"]] == [0]
+    assert [m["rank"] for m in result["missing"]] == [1, 2, 3]
+
+
+def test_stats_with_no_live_rank_replies_at_once(h):
+    result = only_reply(h.client(Op.STATS)).result
+    assert result["ranks"] == [] and [m["rank"] for m in result["missing"]] == [0, 1, 2, 3]
+
+
+# -- events, status, ranks, ping -------------------------------------------
+
+
+def test_events_cursor(h):
+    h.register_all()
+    all_events = h.ok(Op.EVENTS)["events"]
+    assert [e["kind"] for e in all_events] == ["started"] + ["joined"] * 4
+    ids = [e["id"] for e in all_events]
+    assert ids == sorted(ids) and len(set(ids)) == 5
+    first = h.ok(Op.EVENTS, {"limit": 2})
+    assert [e["id"] for e in first["events"]] == ids[:2] and first["cursor"] == ids[1]
+    rest = h.ok(Op.EVENTS, {"cursor": first["cursor"]})
+    assert [e["id"] for e in rest["events"]] == ids[2:] and rest["cursor"] == ids[-1]
+    idle = h.ok(Op.EVENTS, {"cursor": rest["cursor"]})
+    assert idle == {"events": [], "cursor": rest["cursor"]}
+    h.client(Op.LOCK, {"wait": False})
+    new = h.ok(Op.EVENTS, {"cursor": rest["cursor"]})
+    assert [e["kind"] for e in new["events"]] == ["command"] and new["events"][0]["seq"] == 1
+
+
+def test_status(h):
+    h.register_all([0, 1, 2])
+    h.client(Op.SET_UBATCHES, {"n": 4, "group": 0, "wait": False})
+    h.client(Op.LOCK)
+    for rank in (0, 1):
+        h.heartbeat(rank, seq=2, state={"locked": True, "num_ubatches": 4})
+    h.heartbeat(2, seq=1, state={"locked": False, "num_ubatches": 2})
+    status = h.ok(Op.STATUS)
+    assert status["seq"] == 2 and status["epoch"] == h.core.epoch and status["recovered"] is False
+    assert (status["world_size"], status["tp_size"]) == (4, 2)
+    assert status["ranks"] == {"live": 3, "lost": 0, "never_registered": 1}
+    assert status["desired"]["locked"] is True and status["desired"]["num_ubatches"] is None
+    assert status["pending_commands"] == [1, 2]  # unacknowledged, waited for or not
+    g0, g1 = status["groups"]
+    assert g0["desired"] == {"locked": True, "num_ubatches": 4, "reserve_bytes": None}
+    assert g0["live"] == [0, 1] and g0["applied_seq"] == [2] and g0["locked"] == [True]
+    assert g1["live"] == [2] and g1["missing"] == [{"rank": 3, "reason": "never registered"}]
+    assert g1["num_ubatches"] == [2]
+
+
+def test_group_inconsistency_event(h):
+    """Ranks of a group that settled on the same seq but disagree on lock state are flagged."""
+    h.register_all([0, 1])
+    h.heartbeat(0, seq=0, state={"locked": True, "num_ubatches": 2})
+    h.heartbeat(1, seq=0, state={"locked": False, "num_ubatches": 2})
+    [event] = h.events("group_inconsistent")
+    assert event["tp_group"] == 0 and set(event["ranks"]) == {"0", "1"}
+    assert h.ok(Op.STATUS)["groups"][0]["consistent"] is False
+    h.heartbeat(1, seq=0, state={"locked": True, "num_ubatches": 2})
+    assert len(h.events("group_consistent")) == 1 and h.ok(Op.STATUS)["groups"][0]["consistent"] is True
+
+
+def test_malformed_manager_state_does_not_break_status(h):
+    """status sorts and compares what agents report; an unhashable value used to
+    make every status call an INTERNAL error while that rank was live."""
+    h.register_all([0, 1])
+    h.register(2, state={"locked": {"x": 1}, "num_ubatches": True})
+    h.heartbeat(0, state={"locked": [1], "num_ubatches": "2"})
+    h.heartbeat(1, state={"locked": True, "num_ubatches": 3})
+    status = h.ok(Op.STATUS)
+    assert status["groups"][0]["locked"] == [None, True] and status["groups"][0]["num_ubatches"] == [3, None]
+    assert status["groups"][1]["locked"] == [None]
+    ranks = {r["rank"]: r for r in h.ok(Op.RANKS)["ranks"]}
+    assert (ranks[0]["locked"], ranks[0]["num_ubatches"]) == (None, None)
+    assert (ranks[1]["locked"], ranks[1]["num_ubatches"]) == (True, 3)
+
+
+def test_ranks_and_ping(h):
+    h.register_all([1])
+    result = h.ok(Op.RANKS)
+    assert [(r["rank"], r["state"], r["tp_group"], r["pid"]) for r in result["ranks"]] == [(1, "live", 0, 1001)]
+    assert [m["rank"] for m in result["never_registered"]] == [0, 2, 3]
+    assert h.ok(Op.PING) == {"epoch": h.core.epoch, "time": WALL0, "seq": 0}
+
+
+def test_lock_violation_event_from_agent(h):
+    h.register_all([0])
+    detail = {"slot": 1, "caller": "moe.py:12:fwd", "requested": 2048, "capacity": 1024, "kind": "spoof"}
+    assert h.agent(peer_of(0), Op.EVENT, {"rank": 0, "kind": "lock_violation", "detail": detail}) == []
+    [event] = h.events("lock_violation")
+    assert (event["rank"], event["tp_group"], event["caller"], event["requested"], event["capacity"]) == (
+        0, 0, "moe.py:12:fwd", 2048, 1024)
+    assert event["kind"] == "lock_violation"  # the agent's detail cannot overwrite the event's own keys
+
+
+def test_agent_event_detail_cannot_clash_with_the_events_own_keys(h):
+    """A detail naming rank or tp_group used to raise inside the handler and the event was lost."""
+    h.register_all([3])
+    detail = {"rank": 0, "tp_group": 0, "agent_kind": "x", "time": 1.0, "note": "kept"}
+    h.agent(peer_of(3), Op.EVENT, {"rank": 3, "kind": "custom", "detail": detail})
+    [event] = h.events("agent_event")
+    assert (event["rank"], event["tp_group"], event["agent_kind"], event["time"]) == (3, 1, "custom", WALL0)
+    assert event["note"] == "kept"
+
+
+# -- restart -----------------------------------------------------------------
+
+
+def issue_three(h: Harness) -> None:
+    h.client(Op.LOCK, {"wait": False})
+    h.client(Op.SET_UBATCHES, {"n": 4, "group": 1, "wait": False})
+    h.client(Op.UNLOCK, {"group": 0, "wait": False})
+
+
+def test_restart_restores_seq_and_desired_state(tmp_path):
+    first = make(tmp_path)
+    first.register_all()
+    issue_three(first)
+    second = make(tmp_path)
+    assert second.core.recovered is True and second.core.log.seq == 3
+    assert second.core.log.default == first.core.log.default
+    assert second.core.log.desired(0) == {"locked": False, "num_ubatches": None, "reserve_bytes": None}
+    assert second.core.log.desired(1) == {"locked": True, "num_ubatches": 4, "reserve_bytes": None}
+    assert second.core.epoch != first.core.epoch
+    assert second.ok(Op.STATUS)["recovered"] is True
+    assert second.events("started")[0]["recovered"] is True
+    # numbering continues: no seq is reused
+    second.register_all()
+    assert to_agents(second.client(Op.TRIM, {"group": 0, "wait": False}), Op.COMMAND)[peer_of(0)]["seq"] == 4
+
+
+def test_reregistering_agent_gets_exactly_the_commands_it_missed(tmp_path):
+    first = make(tmp_path)
+    issue_three(first)
+    second = make(tmp_path)
+    sent = second.register(2, applied_seq=1)
+    assert to_agents(sent, Op.REGISTERED)[peer_of(2)]["baseline_seq"] == 1
+    assert [s.message.body["seq"] for s in sent if s.message.op is Op.COMMAND] == [2, 3]
+    assert ops(sent) == [Op.REGISTERED, Op.COMMAND, Op.COMMAND]  # registered first, then in order
+    caught_up = second.register(3, applied_seq=3)
+    assert ops(caught_up) == [Op.REGISTERED]
+
+
+def test_agent_ahead_of_the_log_bumps_seq(tmp_path):
+    """If the state file was lost, agents' applied seqs must not be handed out again."""
+    first = make(tmp_path)
+    issue_three(first)
+    (tmp_path / "coordinator.state").unlink()
+    second = make(tmp_path)
+    assert second.core.log.seq == 0 and second.core.recovered is False
+    sent = second.register(0, applied_seq=3)
+    assert ops(sent) == [Op.REGISTERED]
+    assert second.core.log.seq == 3
+    fresh = CommandLog(second.config.state_file, 10)
+    assert fresh.load() and fresh.seq == 3
+    assert to_agents(second.client(Op.LOCK, {"wait": False}), Op.COMMAND)[peer_of(0)]["seq"] == 4
+
+
+def test_fresh_agent_joining_a_live_group_gets_the_baseline(h):
+    """A fresh process must replay what its live TP peer applied since the group's
+    start, or the two would run with different workspace state."""
+    h.register(0)  # fresh, at seq 0: group 0's baseline is 0
+    issue_three(h)
+    sent = h.register(1)  # fresh, while rank 0 is live
+    assert to_agents(sent, Op.REGISTERED)[peer_of(1)]["baseline_seq"] == 0
+    assert [s.message.body["seq"] for s in sent if s.message.op is Op.COMMAND] == [1, 2, 3]
+    # a fresh agent of a group with no live member starts from the current seq
+    sent = h.register(2)
+    assert to_agents(sent, Op.REGISTERED)[peer_of(2)]["baseline_seq"] == 3
+    assert ops(sent) == [Op.REGISTERED]
+
+
+def test_resent_acks_in_registration_complete_a_pending_command(h):
+    """Acks sent while the coordinator could not hear them arrive with the next registration."""
+    h.register_all([0, 1])
+    h.client(Op.LOCK, {"group": 0}, request_id=31)
+    h.ack(0, 1, step=6)
+    sent = h.register(1, peer=peer_of(1, 1), applied_seq=1, acks=[[1, 6, True, None], "junk", [9, 1]])
+    reply = only_reply(sent)
+    assert reply.id == 31 and {a["rank"]: a["step"] for a in reply.result["acked"]} == {0: 6, 1: 6}
+    assert reply.result["same_step"] == {"0": True}
+    assert ops(sent) == [Op.REGISTERED]  # applied_seq=1: nothing to replay
+
+
+def test_malformed_resent_acks_are_ignored(h):
+    """Resent acks are checked like ACK messages: a step that is not an integer
+    used to be recorded and then break the command's reply."""
+    h.register_all([0, 1])
+    h.client(Op.LOCK, {"group": 0}, request_id=32)
+    h.ack(0, 1, step=6)
+    bad = [[1, [6], True, None], [1, 6, "yes", None], [1, True, True, None], [1, -1, True, None]]
+    sent = h.register(1, peer=peer_of(1, 1), applied_seq=1, acks=bad)
+    assert replies(sent) == [] and ops(sent) == [Op.REGISTERED]
+    reply = only_reply(h.agent(peer_of(1, 1), Op.ACK, {"rank": 1, "seq": 1, "step": 7, "ok": True}))
+    assert {a["rank"]: a["step"] for a in reply.result["acked"]} == {0: 6, 1: 7}
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty", "wrong_format", "wrong_shape"])
+def test_damaged_state_file_refuses_to_start(tmp_path, damage):
+    """Promise 6: never silently start afresh and reuse sequence numbers."""
+    first = make(tmp_path)
+    issue_three(first)
+    path = tmp_path / "coordinator.state"
+    data = path.read_bytes()
+    damaged = {
+        "garbage": b"\xc1not msgpack at all",
+        "truncated": data[: len(data) // 2],
+        "empty": b"",
+        "wrong_format": msgpack.packb({"format": 99, "seq": 3}),
+        "wrong_shape": msgpack.packb({"format": 1, "seq": 3, "default": {}, "groups": [], "log": []}),
+    }[damage]
+    path.write_bytes(damaged)
+    with pytest.raises(StateFileError, match="coordinator.state"):
+        make(tmp_path)
+    assert path.read_bytes() == damaged  # left for the operator to repair
+
+
+# -- bad input -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("frame", [
+    b"\xc1\xc1",
+    msgpack.packb([1, 2]),
+    p.encode(Op.LOCK),                                         # a client op on the agent socket
+    p.encode(Op.HEARTBEAT, {"rank": -1, "step": 0, "applied_seq": 0, "held_seq": 0}),
+    p.encode(Op.REGISTER, {"rank": 0}),
+], ids=["not-msgpack", "not-a-map", "client-op", "negative-rank", "missing-fields"])
+def test_garbage_agent_frames_rejected_and_counted(h, frame):
+    h.register_all([0])
+    out = decode_all(h.core.handle_agent((peer_of(0),), frame))
+    [rejected] = to_agents(out, Op.REJECTED).values()
+    assert rejected["code"] in {str(c) for c in ErrorCode} and rejected["message"]
+    assert h.core.dropped_bad_agent_frames == 1
+    assert h.core.registry.ranks[0].state is RankState.LIVE
+
+
+def test_oversized_client_frame(tmp_path):
+    h = make(tmp_path, max_message_bytes=1024)
+    frame = p.encode(Op.PING, {}, 3)
+    assert only_reply(decode_all(h.core.handle_client(CLIENT_ROUTE, frame))).ok
+    big = msgpack.packb({"v": 1, "op": "ping", "id": 4, "body": {"pad": "x" * 2000}})
+    reply = only_reply(decode_all(h.core.handle_client(CLIENT_ROUTE, big)))
+    assert reply.code is ErrorCode.TOO_LARGE and "max_message_bytes=1024" in reply.message
+
+
+def test_bad_client_frames_get_error_replies(h):
+    out = decode_all(h.core.handle_client(CLIENT_ROUTE, b"\x00\x01garbage"))
+    assert only_reply(out).code is ErrorCode.BAD_MESSAGE
+    out = decode_all(h.core.handle_client(CLIENT_ROUTE, p.encode(Op.HEARTBEAT, {}, 4)))
+    reply = only_reply(out)
+    assert reply.code is ErrorCode.UNKNOWN_OP and reply.id == 4
+    reply = h.call(Op.SET_UBATCHES, {"n": 0}, request_id=6)
+    assert reply.code is ErrorCode.BAD_FIELD and reply.id == 6 and "set_ubatches.n" in reply.message
+
+
+def test_handler_exception_becomes_internal_error_and_core_keeps_serving(h, monkeypatch):
+    def broken(route, message):
+        raise RuntimeError("boom")
+    monkeypatch.setitem(h.core._client_ops, Op.STATUS, broken)
+    reply = h.call(Op.STATUS, request_id=44)
+    assert not reply.ok and reply.code is ErrorCode.INTERNAL and reply.id == 44 and "boom" in reply.message
+    assert h.ok(Op.PING)["seq"] == 0
+    monkeypatch.setitem(h.core._agent_ops, Op.HEARTBEAT, lambda peer, body: 1 / 0)
+    h.register_all([0])
+    assert h.heartbeat(0) == []
+    assert h.ok(Op.RANKS)["ranks"][0]["state"] == "live"

@@ -204,9 +204,10 @@ class Agent:
             return []
         agreed = link.held
         if self._group is not None:
-            self._seq_tensor[0] = agreed
+            # fill_/item rather than [0] indexing: a few microseconds less per step.
+            self._seq_tensor.fill_(agreed)
             dist.all_reduce(self._seq_tensor, op=dist.ReduceOp.MIN, group=self._group)
-            agreed = int(self._seq_tensor[0])
+            agreed = self._seq_tensor.item()
         if agreed <= link.applied:
             return []
         done = link.apply_up_to(agreed)

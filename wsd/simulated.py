@@ -73,6 +73,7 @@ class SimulatedManager:
         self.num_lanes = num_lanes
         self.locked = False
         self._capacity = [slot_bytes] * (num_ubatches * num_lanes)
+        self._snapshot: dict[str, Any] | None = None
 
     @property
     def num_ubatches(self) -> int:
@@ -101,13 +102,19 @@ class SimulatedManager:
         )
 
     def snapshot(self) -> dict[str, Any]:
-        return self.stats().to_dict()
+        # Built once per change: a simulated rank has no engine moving its
+        # counters, and one process plays many ranks that would each build
+        # theirs in a process of their own, so this cost is not the coordinator's.
+        if self._snapshot is None:
+            self._snapshot = self.stats().to_dict()
+        return self._snapshot
 
     def _refuse_if_locked(self, action: str) -> None:
         if self.locked:
             raise WsdError(f"{action}: the workspace is locked; unlock first")
 
     def apply(self, action: str, args: dict[str, Any]) -> None:
+        self._snapshot = None
         if action == "lock":
             self.locked = True
         elif action == "unlock":

@@ -5,6 +5,8 @@ Plain logic with an injected clock; no sockets.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,16 +51,22 @@ class RankInfo:
     idle: bool
     state: RankState = RankState.LIVE
     registered_at: float = 0.0
+    """Wall-clock time (``time.time()``) of the registration."""
     last_seen: float = 0.0
+    """Monotonic time of the last message: for liveness, never shown as it is."""
     lost_at: float | None = None
+    """Wall-clock time at which the rank was marked lost."""
     step: int = 0
     applied_seq: int = 0
     held_seq: int = 0
     manager_state: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
 
-    def public(self) -> dict[str, Any]:
-        """What ``ranks`` shows of this rank."""
+    def public(self, now: float, wall_now: float) -> dict[str, Any]:
+        """What ``ranks`` shows of this rank; every time in it is wall-clock time.
+
+        ``now`` is the monotonic clock that ``last_seen`` was read from.
+        """
         return {
             "rank": self.rank,
             "state": str(self.state),
@@ -70,7 +78,7 @@ class RankInfo:
             "step": self.step,
             "applied_seq": self.applied_seq,
             "registered_at": self.registered_at,
-            "last_seen": self.last_seen,
+            "last_seen": wall_now - (now - self.last_seen),
             "lost_at": self.lost_at,
             "locked": self.manager_state.get("locked"),
             "num_ubatches": self.manager_state.get("num_ubatches"),
@@ -80,8 +88,16 @@ class RankInfo:
 class Registry:
     """Ranks by number and by ZeroMQ peer identity, checked against the expected world."""
 
-    def __init__(self, world_size: int | None, tp_size: int | None, timeout: float) -> None:
+    def __init__(
+        self,
+        world_size: int | None,
+        tp_size: int | None,
+        timeout: float,
+        *,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.world_size = world_size
+        self.wall = wall
         self.tp_size = tp_size
         self.timeout = timeout
         self.ranks: dict[int, RankInfo] = {}
@@ -121,7 +137,7 @@ class Registry:
         info = RankInfo(
             rank=body["rank"], peer=peer, tp_group=body["tp_group"], host=body["host"],
             pid=body["pid"], device=body["device"], idle=body["idle"],
-            registered_at=now, last_seen=now, step=body["step"],
+            registered_at=self.wall(), last_seen=now, step=body["step"],
             applied_seq=body["applied_seq"] or 0, held_seq=body["applied_seq"] or 0,
             manager_state=_manager_state(body["state"]), config=body["config"],
         )
@@ -160,7 +176,7 @@ class Registry:
         for info in self.ranks.values():
             if info.state is RankState.LIVE and now - info.last_seen > self.timeout:
                 info.state = RankState.LOST
-                info.lost_at = now
+                info.lost_at = self.wall()
                 self._by_peer.pop(info.peer, None)
                 lost.append(info)
         return lost
@@ -194,5 +210,6 @@ class Registry:
             if info is None:
                 out[rank] = "never registered"
             elif info.state is RankState.LOST:
-                out[rank] = f"lost at {info.lost_at:.3f} (last step {info.step})"
+                when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(info.lost_at))
+                out[rank] = f"lost at {when} (last step {info.step})"
         return out

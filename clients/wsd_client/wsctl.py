@@ -32,7 +32,7 @@ per line, keys sorted; nothing on stdout when the command fails.
 - ``ranks``: ``{ranks: [{rank, state, tp_group, host, pid, device, idle, step,
   applied_seq, registered_at, last_seen, lost_at, locked, num_ubatches}],
   never_registered: [{rank, reason}]}`` (``registered_at``, ``last_seen`` and
-  ``lost_at`` are the coordinator's monotonic clock).
+  ``lost_at`` are wall-clock seconds since the epoch, UTC).
 - ``stats``, and ``watch`` once per round: ``{complete, total_bytes, missing:
   [{rank, reason}], ranks: [{rank, tp_group, step, device, num_ubatches,
   num_lanes, locked, total_bytes, capacity_bytes, lock_violations, slots:

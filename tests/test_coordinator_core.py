@@ -610,7 +610,7 @@ def test_events_cursor(h):
     rest = h.ok(Op.EVENTS, {"cursor": first["cursor"]})
     assert [e["id"] for e in rest["events"]] == ids[2:] and rest["cursor"] == ids[-1]
     idle = h.ok(Op.EVENTS, {"cursor": rest["cursor"]})
-    assert idle == {"events": [], "cursor": rest["cursor"]}
+    assert idle == {"events": [], "cursor": rest["cursor"], "epoch": h.core.epoch}
     h.client(Op.LOCK, {"wait": False})
     new = h.ok(Op.EVENTS, {"cursor": rest["cursor"]})
     assert [e["kind"] for e in new["events"]] == ["command"] and new["events"][0]["seq"] == 1
@@ -852,3 +852,38 @@ def test_handler_exception_becomes_internal_error_and_core_keeps_serving(h, monk
     h.register_all([0])
     assert h.heartbeat(0) == []
     assert h.ok(Op.RANKS)["ranks"][0]["state"] == "live"
+
+
+# -- robustness ------------------------------------------------------------
+
+
+def test_command_lost_in_transit_is_resent_after_a_heartbeat_interval(h):
+    """Without the resend a dropped COMMAND frame would hold the rank's TP group back for ever."""
+    h.register_all()
+    h.call(Op.LOCK, {"wait": False})
+    # At once, a heartbeat still lacking seq 1 gets nothing: the frame may be in flight.
+    assert to_agents(h.heartbeat(0, seq=0), Op.COMMAND) == {}
+    h.advance(1.0)
+    resent = to_agents(h.heartbeat(0, seq=0), Op.COMMAND)
+    assert resent == {peer_of(0): {"seq": 1, "action": "lock", "args": {}, "group": None}}
+    # A rank that holds it is not sent it again.
+    assert to_agents(h.heartbeat(1, seq=1), Op.COMMAND) == {}
+
+
+def test_times_shown_to_operators_are_wall_clock(h):
+    """``ranks`` and the reason a rank is missing give wall-clock times, not the monotonic clock."""
+    h.register(0)
+    h.advance(2)
+    [rank] = h.ok(Op.RANKS)["ranks"]
+    assert rank["registered_at"] == WALL0
+    assert rank["last_seen"] == pytest.approx(WALL0)
+    h.advance(6)
+    [rank] = [r for r in h.ok(Op.RANKS)["ranks"] if r["rank"] == 0]
+    assert rank["state"] == "lost" and rank["lost_at"] == pytest.approx(WALL0 + 8)
+    reason = h.core.registry.missing()[0]
+    assert reason == "lost at 2023-11-14T22:13:28Z (last step 0)"
+
+
+def test_events_reply_carries_the_epoch(h):
+    """A follower tells a restarted coordinator (ids start again) by its epoch."""
+    assert h.ok(Op.EVENTS)["epoch"] == h.core.epoch

@@ -75,7 +75,7 @@ class CoordinatorCore:
         self.clock = clock
         self.wall = wall
         self.epoch = uuid.uuid4().hex
-        self.registry = Registry(config.world_size, config.tp_size, config.heartbeat_timeout)
+        self.registry = Registry(config.world_size, config.tp_size, config.heartbeat_timeout, wall=wall)
         self.log = CommandLog(config.state_file, config.log_capacity)
         self.recovered = self.log.load()
         self.events = EventLog(config.event_capacity)
@@ -226,7 +226,15 @@ class CoordinatorCore:
         if info is None:  # e.g. we restarted: ask the agent to register again
             return [(AGENT, (peer,), p.encode(Op.PULSE, {"epoch": self.epoch, "registered": False}))]
         self._check_group(info.tp_group)
-        return []
+        if info.held_seq >= self.log.seq:
+            return []
+        # A command frame can be lost (a full queue, a peer reconnecting) and its
+        # whole TP group would wait for it for ever: a rank still lacking a command
+        # a heartbeat interval after it was sent is sent it again. Agents drop the
+        # sequence numbers they already hold, so a resend is never applied twice.
+        cutoff = self.wall() - self.config.heartbeat_interval
+        return [(AGENT, (peer,), p.encode(Op.COMMAND, c.to_wire()))
+                for c in self.log.since(info.held_seq) if c.time <= cutoff]
 
     def _check_group(self, group: int) -> None:
         members = self.registry.live(group)
@@ -402,10 +410,13 @@ class CoordinatorCore:
 
     def _events(self, route: Route, message: p.Message) -> list[Out]:
         events, cursor = self.events.since(message.body["cursor"], message.body["limit"])
-        return [(CLIENT, route, p.ok_reply(message.id, {"events": events, "cursor": cursor}))]
+        # The epoch tells a follower that ids started again (a restarted coordinator).
+        result = {"events": events, "cursor": cursor, "epoch": self.epoch}
+        return [(CLIENT, route, p.ok_reply(message.id, result))]
 
     def _ranks(self, route: Route, message: p.Message) -> list[Out]:
-        ranks = [i.public() for _, i in sorted(self.registry.ranks.items())]
+        now, wall_now = self.clock(), self.wall()
+        ranks = [i.public(now, wall_now) for _, i in sorted(self.registry.ranks.items())]
         missing = [{"rank": r, "reason": why} for r, why in self.registry.missing().items()
                    if why == "never registered"]
         return [(CLIENT, route, p.ok_reply(message.id, {"ranks": ranks, "never_registered": missing}))]

@@ -98,7 +98,10 @@ class Coordinator:
                 if self._clients in ready:
                     for route, frame in self._drain(self._clients):
                         out += self._client_frame(route, frame)
-                out += core.tick()
+                try:
+                    out += core.tick()
+                except Exception:  # a bug: log it, keep serving what we have
+                    logger.exception("coordinator timers failed; serving on")
                 self._send(out)
         finally:
             self._close()

@@ -1,6 +1,8 @@
 """``wsd``: the service's own command line.
 
-``wsd demo`` runs a manager sized from configuration through a short engine
+``wsd up`` starts a whole local cluster (a coordinator and ``torchrun``
+workers) until Ctrl-C. ``wsd coordinator`` runs the coordinator alone, in the
+foreground, as a sidecar; it imports no torch. ``wsd demo`` runs a manager sized from configuration through a short engine
 life (warm-up, equalize, lock, steady state, one over-size request) and prints
 its per-slot statistics.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -28,14 +31,39 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--config", help="TOML configuration file (default: $WSD_CONFIG or defaults)")
     demo.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     demo.add_argument("--steps", type=int, default=100, help="steady-state steps (default: 100)")
+    up = sub.add_parser(
+        "up", help="start a local cluster: a coordinator and torchrun workers, until Ctrl-C or SIGTERM"
+    )
+    up.add_argument("--nproc", type=int, default=2, help="worker processes (default: 2)")
+    up.add_argument("--config", help="TOML configuration file (default: $WSD_CONFIG or defaults)")
+    coordinator = sub.add_parser(
+        "coordinator", help="run the coordinator alone in the foreground, until SIGTERM or Ctrl-C"
+    )
+    coordinator.add_argument("--config", help="TOML configuration file (default: $WSD_CONFIG or defaults)")
+    coordinator.add_argument("--exit-with-parent", action="store_true",
+                             help="also exit when the process that started it ends (embedded mode)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {socket.gethostname()} wsd-{args.command} %(name)s %(levelname)s %(message)s",
+    )
     try:
+        if args.command == "up":
+            from wsd.launch import up
+
+            if args.nproc < 1:
+                parser.error(f"--nproc must be at least 1, got {args.nproc}")
+            return up(args.nproc, args.config)
+        if args.command == "coordinator":
+            from wsd.config import load_config
+            from wsd.launch import serve_coordinator
+
+            return serve_coordinator(load_config(args.config), exit_with_parent=args.exit_with_parent)
         if args.command == "demo":
             from wsd.demo import run_demo
 

@@ -1,0 +1,150 @@
+"""``python -m wsd.worker --config FILE [--idle]``: one wsd worker, run by torchrun.
+
+Reads the torchrun environment, initialises ``torch.distributed`` and the TP
+groups, builds the manager from configuration, starts the agent (and, when
+``[coordinator] mode = "embedded"``, rank 0 starts the coordinator as a child
+process first), then runs the built-in engine loop, or with ``--idle`` only
+serves the manager. SIGTERM and SIGINT end it cleanly at the next step
+boundary, on every rank at the same step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import socket
+import sys
+import threading
+from collections.abc import Sequence
+
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from wsd.agent import Agent
+from wsd.config import CoordinatorMode, WsdConfig, load_config
+from wsd.distributed import (
+    DistContext,
+    TorchrunEnv,
+    any_rank,
+    broadcast_from_rank0,
+    init_distributed,
+    read_torchrun_env,
+)
+from wsd.errors import ConfigError, LaunchError
+from wsd.launch import CoordinatorProcess, stop_signals
+from wsd.manager import WorkspaceManager
+from wsd.workload import TensorParallelMlp, run_workload
+
+logger = logging.getLogger("wsd.worker")
+
+# An idle worker looks at its stop flag this often.
+_IDLE_POLL = 0.5
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m wsd.worker",
+                                     description="A wsd worker: run it under torchrun (or wsd up).")
+    parser.add_argument("--config", help="TOML configuration file (default: $WSD_CONFIG or defaults)")
+    parser.add_argument("--idle", action="store_true",
+                        help="serve the manager without compute: commands apply on receipt")
+    return parser
+
+
+def _setup_logging(env: TorchrunEnv) -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {socket.gethostname()} rank {env.rank}/{env.world_size} "
+               f"%(name)s %(levelname)s %(message)s",
+    )
+
+
+def _agent_endpoint(config: WsdConfig, ctx: DistContext) -> tuple[str, CoordinatorProcess | None]:
+    """Where the agents connect; when embedded, rank 0 starts the coordinator first (collective)."""
+    coordinator = config.coordinator
+    if coordinator.mode is CoordinatorMode.EXTERNAL:
+        return coordinator.connect_endpoint or coordinator.agent_endpoint, None
+    child = None
+    endpoint = None
+    if ctx.env.rank == 0:
+        try:
+            child = CoordinatorProcess(
+                config.source if config.source != "<defaults>" else None,
+                env=_child_env(ctx), exit_with_parent=True,
+            ).start(config.worker.coordinator_start_timeout)
+            endpoint = coordinator.connect_endpoint or _reachable(child.agent_endpoint)
+            logger.info("embedded coordinator: clients on %s (agents on %s)", child.client_endpoint, endpoint)
+        except LaunchError:
+            logger.exception("rank 0 could not start the embedded coordinator")
+    # Every rank joins the broadcast, also when rank 0 failed, so that none hangs in it.
+    endpoint = broadcast_from_rank0(endpoint, ctx.control_group)
+    if endpoint is None:
+        raise LaunchError("rank 0 could not start the embedded coordinator; its log says why")
+    return endpoint, child
+
+
+def _child_env(ctx: DistContext) -> dict[str, str]:
+    # The coordinator knows the whole world from the start, so it can name ranks never seen.
+    return {**os.environ, "WSD_COORDINATOR_WORLD_SIZE": str(ctx.env.world_size),
+            "WSD_COORDINATOR_TP_SIZE": str(ctx.tp_size)}
+
+
+def _reachable(bound: str) -> str:
+    """A bound endpoint as other hosts reach it: a wildcard host becomes this host's name."""
+    return re.sub(r"^tcp://(0\.0\.0\.0|\*|\[::\])(:\d+)$", rf"tcp://{socket.gethostname()}\2", bound)
+
+
+@record
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        env = read_torchrun_env()
+        config = load_config(args.config)
+    except ConfigError as e:
+        print(f"wsd.worker: {e}", file=sys.stderr)
+        return 2
+    _setup_logging(env)
+    stop = threading.Event()
+    ctx = agent = child = None
+    with stop_signals(lambda signum: stop.set()):
+        try:
+            ctx = init_distributed(env, config.worker)
+            manager = WorkspaceManager.from_config(ctx.device, config)
+            endpoint, child = _agent_endpoint(config, ctx)
+            agent = Agent(
+                manager, endpoint=endpoint, rank=env.rank, world_size=env.world_size,
+                tp_size=ctx.tp_size, tp_group=ctx.tp_side_group, idle=args.idle, config=config.agent,
+                heartbeat_interval=config.coordinator.heartbeat_interval,
+                heartbeat_timeout=config.coordinator.heartbeat_timeout,
+                extra={"backend": ctx.backend, "local_rank": env.local_rank, "idle": args.idle},
+            ).start()
+            logger.info("%r on %s, TP group %d of size %d, agent to %s", manager, ctx.backend,
+                        ctx.tp_index, ctx.tp_size, endpoint)
+            if args.idle:
+                while not stop.wait(_IDLE_POLL):
+                    pass
+                logger.info("stopped cleanly (idle)")
+            else:
+                mlp = TensorParallelMlp(config.workload, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size,
+                                        device=ctx.device, group=ctx.tp_group)
+                group = ctx.control_group
+                result = run_workload(manager, mlp, config.workload, step_boundary=agent.step,
+                                      should_stop=lambda: any_rank(stop.is_set(), group), wait=stop.wait)
+                logger.info("stopped cleanly after %d steps, %d lock violations",
+                            result.steps, result.violations)
+            return 0
+        except ConfigError as e:
+            logger.error("%s", e)
+            return 2
+        finally:
+            if agent is not None:
+                agent.stop()
+            if child is not None:
+                child.stop()
+            if ctx is not None and dist.is_initialized():
+                dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

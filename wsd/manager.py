@@ -236,9 +236,15 @@ class WorkspaceManager:
         bound = slot.views.get(key)
         if bound is not None:
             return bound
-        slot.peak = max(slot.peak, total)
         if total > slot.capacity:
-            self._grow(slot, total)
+            try:
+                self._grow(slot, total)
+            finally:
+                # Counted after the growth, so a concurrent stats() never sees
+                # a peak above the capacity that served it; a refused request
+                # still counts.
+                slot.peak = max(slot.peak, total)
+        slot.peak = max(slot.peak, total)
         if slot.buffer is None:  # a zero-byte request on a slot never grown
             slot.buffer = torch.empty(0, dtype=torch.uint8, device=self._device)
         buffer = slot.buffer
@@ -301,9 +307,15 @@ class WorkspaceManager:
         # Free before allocate: the old buffer goes (and the allocator's cache
         # is emptied) before the new one exists, so a resize never needs both.
         # Views that callers still hold keep the old memory alive on their own.
-        slot.drop_buffer()
+        # The capacity stays at the old size until the new buffer exists, so a
+        # concurrent stats() never sees the slot at 0 bytes in mid-resize.
+        slot.release_buffer()
         self._empty_cache()
-        slot.buffer = torch.empty(size, dtype=torch.uint8, device=self._device)
+        try:
+            slot.buffer = torch.empty(size, dtype=torch.uint8, device=self._device)
+        except BaseException:
+            slot.capacity = 0  # no buffer now (out of memory): the next request grows afresh
+            raise
         slot.capacity = size
         slot.resizes += 1
 

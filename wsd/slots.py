@@ -118,9 +118,13 @@ class Slot:
         # key -> (kind, object, bytes)
         self.persistent: dict[str, tuple[str, Any, int]] = {}
 
-    def drop_buffer(self) -> None:
+    def release_buffer(self) -> None:
+        """Free the buffer but leave ``capacity`` as it was (a resize sets it next)."""
         # The bound views hold the storage too: forget them first, or the
         # old buffer outlives the resize.
         self.views = {}
         self.buffer = None
+
+    def drop_buffer(self) -> None:
+        self.release_buffer()
         self.capacity = 0

@@ -234,6 +234,26 @@ def test_set_ubatches_applies_at_the_same_step_on_both_ranks(cluster):
     assert proc.count("Traceback") == 0, proc.output()
 
 
+def test_idle_worker_serves_the_manager_and_applies_on_receipt(tmp_path, spawn, start_coordinator):  # noqa: F811
+    """--idle runs no compute (no step boundary), so commands must apply as they arrive."""
+    coordinator = start_coordinator()
+    config = write_config(tmp_path / "wsd.toml", {"workspace": {"num_ubatches": 2}})
+    proc = spawn(torchrun(1, config, "--idle"), name="torchrun",
+                 env=worker_env(WSD_COORDINATOR_CONNECT_ENDPOINT=coordinator.agent_endpoint))
+    with Client(coordinator.client_endpoint, timeout=5) as client:
+        wait_until(lambda: client.status()["ranks"]["live"] == 1, 60, "the idle rank to register")
+        assert client.set_ubatches(4, timeout=10).complete
+        assert client.reserve(4096, timeout=10).complete
+        rank = client.stats()["ranks"][0]
+        assert rank["num_ubatches"] == 4 and [s["capacity_bytes"] for s in rank["slots"]] == [4096] * 4
+        assert all(s["requests"] == 0 for s in rank["slots"])  # nothing computed
+    pids = proc.tree()
+    proc.send(signal.SIGTERM)
+    proc.wait(30)
+    wait_gone(pids, 10, "the idle worker")
+    assert proc.count(r"stopped cleanly \(idle\)") == 1, proc.output()
+
+
 def test_sigterm_to_torchrun_ends_every_process_cleanly(tmp_path, spawn):  # noqa: F811
     """Embedded coordinator, started by rank 0; SIGTERM to torchrun stops both ranks at the same
     step (no rank left in a collective), the coordinator child too, and nothing remains."""

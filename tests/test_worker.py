@@ -163,7 +163,12 @@ def cluster(tmp_path_factory):
     """A coordinator (in this process) and two torchrun workers; warm-up sampled as it happens."""
     tmp = tmp_path_factory.mktemp("cluster")
     coordinator = Coordinator(coordinator_config(tmp)).start()
-    config = write_config(tmp / "wsd.toml", {"workspace": {"num_ubatches": 2}, "workload": WORKLOAD})
+    # The agents retry registration at the heartbeat interval: short, so that
+    # they are registered well before warm-up ends.
+    config = write_config(tmp / "wsd.toml", {
+        "workspace": {"num_ubatches": 2}, "workload": {**WORKLOAD, "warmup_steps": 24},
+        "coordinator": {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0},
+    })
     proc = Proc(torchrun(2, config), env=worker_env(
         WSD_COORDINATOR_CONNECT_ENDPOINT=coordinator.agent_endpoint), name="torchrun")
     client = Client(coordinator.client_endpoint, timeout=5)

@@ -28,6 +28,11 @@ logger = logging.getLogger(__name__)
 # (seq, step, ok, error) of the last commands applied, resent on re-registration
 # so that acknowledgements lost with a connection still reach the coordinator.
 _ACK_MEMORY = 64
+# While unregistered, the first retry comes this soon and the wait doubles up to
+# the heartbeat interval: an agent's DEALER (with IMMEDIATE) drops what it sends
+# before its connection is up, so the very first registration is often lost, and
+# waiting a whole interval for the next one delays every start-up.
+_FIRST_RETRY = 0.05
 
 
 class Backend(Protocol):
@@ -97,6 +102,7 @@ class AgentLink:
         self.last_heard = now
         self.next_heartbeat = now
         self.next_register = now
+        self._retry = _FIRST_RETRY
         self._handlers: dict[Op, Callable[[dict[str, Any], float], list[bytes]]] = {
             Op.REGISTERED: self._on_registered,
             Op.PULSE: self._on_pulse,
@@ -122,7 +128,8 @@ class AgentLink:
             self.next_register = now
         if not self.registered.is_set():
             if now >= self.next_register:
-                self.next_register = now + self.interval
+                self.next_register = now + min(self._retry, self.interval)
+                self._retry *= 2
                 return [p.encode(Op.REGISTER, self.registration())]
         elif now >= self.next_heartbeat:
             self.next_heartbeat = now + self.interval
@@ -163,6 +170,7 @@ class AgentLink:
         self.timeout = body["heartbeat_timeout"]
         self.rejected = None
         self.next_heartbeat = now
+        self._retry = _FIRST_RETRY  # for the next time we must register again
         self.registered.set()
         logger.info("rank %d: registered with coordinator %s at seq %d", self.rank,
                     self.epoch[:8], body["baseline_seq"])

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -87,6 +88,28 @@ def _cmdline(pid: int) -> str:
 def python(*args: str) -> list[str]:
     """A command running this interpreter (the test's environment) with ``args``."""
     return [sys.executable, *args]
+
+
+def torchrun(nproc: int, config: str, *extra: str) -> list[str]:
+    """``torchrun --standalone`` (a rendezvous port the OS picks) running ``nproc`` workers."""
+    return python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                  "-m", "wsd.worker", "--config", config, *extra)
+
+
+def worker_env(**overrides: str) -> dict[str, str]:
+    """This environment, one thread per worker: busy ranks must not starve a 2-core machine."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", **overrides}
+
+
+COORDINATOR_READY = r"wsd coordinator ready: agents (\S+) clients (\S+)"
+"""The line ``wsd coordinator`` prints once bound: group 1 the agent endpoint, 2 the client's."""
+
+
+def coordinator_section(tmp_path: os.PathLike[str] | str) -> dict[str, Any]:
+    """A ``[coordinator]`` section on OS-chosen loopback ports with short heartbeats."""
+    return {"agent_endpoint": "tcp://127.0.0.1:0", "client_endpoint": "tcp://127.0.0.1:0",
+            "state_file": os.path.join(tmp_path, "state"), "heartbeat_interval": 0.2,
+            "heartbeat_timeout": 1.0}
 
 
 class Proc:
@@ -202,9 +225,12 @@ class Proc:
             self.popen.stdout.close()
 
 
-@pytest.fixture
-def spawn() -> Iterator[Any]:
-    """``spawn(args, **kw) -> Proc``; everything started is killed at teardown, whatever happened."""
+@contextmanager
+def processes() -> Iterator[Any]:
+    """``start(args, **kw) -> Proc`` within the block; everything started is killed on leaving it.
+
+    For a fixture of a wider scope than ``spawn`` (a cluster shared by a module's tests).
+    """
     started: list[Proc] = []
 
     def start(args: Sequence[str], **kwargs: Any) -> Proc:
@@ -212,9 +238,18 @@ def spawn() -> Iterator[Any]:
         started.append(proc)
         return proc
 
-    yield start
-    for proc in started:
-        proc.kill_all()
+    try:
+        yield start
+    finally:
+        for proc in started:
+            proc.kill_all()
+
+
+@pytest.fixture
+def spawn() -> Iterator[Any]:
+    """``spawn(args, **kw) -> Proc``; everything started is killed at teardown, whatever happened."""
+    with processes() as start:
+        yield start
 
 
 def write_config(path: os.PathLike[str] | str, sections: Mapping[str, Mapping[str, Any]]) -> str:

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import signal
 
 import pytest
 from conftest import wait_until
-from procs import python, spawn, wait_gone, write_config  # noqa: F401  (spawn is a fixture)
+from procs import (  # noqa: F401  (spawn is a fixture)
+    COORDINATOR_READY, coordinator_section, python, spawn, wait_gone, worker_env, write_config,
+)
 
 from wsd_client.client import Client
-
-
-def coordinator_section(tmp_path) -> dict:
-    return {"agent_endpoint": "tcp://127.0.0.1:0", "client_endpoint": "tcp://127.0.0.1:0",
-            "state_file": str(tmp_path / "state"), "heartbeat_interval": 0.2, "heartbeat_timeout": 1.0}
 
 
 @pytest.mark.parametrize(("sig", "group"), [(signal.SIGINT, True), (signal.SIGTERM, False)],
@@ -27,7 +23,7 @@ def test_wsd_up_runs_a_cluster_and_leaves_no_process_behind(tmp_path, spawn, sig
         "workload": {"hidden_size": 32, "ffn_size": 64, "max_tokens": 32, "warmup_steps": 4, "pace": 0.05},
     })
     up = spawn(["wsd", "up", "--nproc", "2", "--config", config],
-               env={**os.environ, "OMP_NUM_THREADS": "1"}, name="wsd up")
+               env=worker_env(), name="wsd up")
     endpoint = up.wait_for(r"wsd up: clients on (\S+)", 60).group(1)
     up.wait_for(rf"wsd up: try +WSD_ENDPOINT={endpoint} wsctl status", 5)
     with Client(endpoint, timeout=5) as client:
@@ -63,7 +59,7 @@ def test_wsd_coordinator_runs_without_torch_and_stops_on_sigterm(tmp_path, spawn
             "from wsd.cli import main\n"
             f"sys.exit(main(['coordinator', '--config', {config!r}]))\n")
     proc = spawn(python("-c", code), name="wsd coordinator")
-    endpoint = proc.wait_for(r"wsd coordinator ready: agents \S+ clients (\S+)", 30).group(1)
+    endpoint = proc.wait_for(COORDINATOR_READY, 30).group(2)
     with Client(endpoint, timeout=5) as client:
         assert client.ping() is not None
         status = client.status()
@@ -76,7 +72,7 @@ def test_wsd_coordinator_runs_without_torch_and_stops_on_sigterm(tmp_path, spawn
 def test_wsd_coordinator_stops_on_ctrl_c(tmp_path, spawn):  # noqa: F811
     config = write_config(tmp_path / "wsd.toml", {"coordinator": coordinator_section(tmp_path)})
     proc = spawn(["wsd", "coordinator", "--config", config], name="wsd coordinator")
-    proc.wait_for(r"wsd coordinator ready:", 30)
+    proc.wait_for(COORDINATOR_READY, 30)
     proc.send(signal.SIGINT, group=True)
     assert proc.wait(15) == 0, proc.output()
     assert proc.count("Traceback") == 0

@@ -18,7 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import coordinator_config, wait_until
-from procs import Proc, python, spawn, wait_gone, write_config  # noqa: F401  (spawn is a fixture)
+from procs import (  # noqa: F401  (spawn is a fixture)
+    Proc, python, spawn, torchrun, wait_gone, worker_env, write_config,
+)
 
 from wsd.config import WorkloadConfig
 from wsd.distributed import read_torchrun_env
@@ -147,15 +149,6 @@ def test_engine_loop_stops_when_asked(one_rank_group):
 
 
 # -- torchrun workers with a coordinator -------------------------------------------------------
-
-
-def torchrun(nproc: int, config: str, *extra: str) -> list[str]:
-    return python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                  "-m", "wsd.worker", "--config", config, *extra)
-
-
-def worker_env(**overrides: str) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", **overrides}
 
 
 @pytest.fixture(scope="module")

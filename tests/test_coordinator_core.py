@@ -556,11 +556,26 @@ def _text_ubatch(stats):  # sorting slots of several ranks would compare str wit
     stats["slots"][0]["ubatch"] = "0"
 
 
+def _slot_without_requests(stats):
+    del stats["slots"][0]["requests"]
+
+
+def _slot_not_a_map(stats):
+    stats["slots"] = [[0, 0, 128]]
+
+
+def _boolean_violations(stats):  # True is an int in Python, never a count
+    stats["slots"][0]["lock_violations"] = True
+
+
 @pytest.mark.parametrize(("spoil", "named"), [
     (_without_slots, "slots: missing"),
     (_text_capacity, "slots[0].capacity_bytes"),
     (_text_ubatch, "slots[0].ubatch"),
-], ids=["no-slots", "text-capacity", "text-ubatch"])
+    (_slot_without_requests, "slots[0].requests: missing"),
+    (_slot_not_a_map, "slots[0]: expected dict"),
+    (_boolean_violations, "slots[0].lock_violations: expected int, got bool"),
+], ids=["no-slots", "text-capacity", "text-ubatch", "slot-key-missing", "slot-not-a-map", "bool-count"])
 def test_invalid_stats_snapshot_does_not_break_the_round(h, spoil, named):
     """A snapshot the aggregator cannot read (a buggy or newer agent) must not
     lose the client its answer (it used to raise inside the aggregation, after

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wsd import protocol as p
-from wsd.aggregate import aggregate_stats, check_snapshot
+from wsd.aggregate import Snapshot, aggregate_stats, read_snapshot
 from wsd.commandlog import Command, CommandLog
 from wsd.config import CoordinatorConfig
 from wsd.errors import StateFileError
@@ -44,6 +44,11 @@ class _PendingCommand:
     missing: dict[int, str]
     acks: dict[int, dict[str, Any]] = field(default_factory=dict)
     lost: set[int] = field(default_factory=set)
+    # Targets neither acknowledged nor lost: done when empty, checked in O(1) per ack.
+    owed: set[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.owed = set(self.targets)
 
 
 @dataclass
@@ -53,12 +58,15 @@ class _PendingStats:
     group: int | None
     targets: set[int]
     deadline: float
-    replies: dict[int, tuple[int, int, dict[str, Any]]] = field(default_factory=dict)
+    replies: dict[int, Snapshot] = field(default_factory=dict)
     lost: set[int] = field(default_factory=set)
     invalid: dict[int, str] = field(default_factory=dict)
+    # Targets that have neither answered nor been lost: done when empty, checked
+    # in O(1) per reply.
+    owed: set[int] = field(init=False)
 
-    def answered(self) -> bool:
-        return self.targets <= set(self.replies) | self.lost | set(self.invalid)
+    def __post_init__(self) -> None:
+        self.owed = set(self.targets)
 
 
 class CoordinatorCore:
@@ -168,10 +176,9 @@ class CoordinatorCore:
 
     def next_deadline(self) -> float:
         """When ``tick`` next has something to do (monotonic clock)."""
-        deadlines = [self._next_pulse]
+        deadlines = [self._next_pulse, self.registry.next_expiry()]
         deadlines += [c.deadline for c in self._commands.values()]
         deadlines += [s.deadline for s in self._stats.values()]
-        deadlines += [i.last_seen + self.registry.timeout for i in self.registry.live()]
         return min(deadlines)
 
     # -- agents -------------------------------------------------------------
@@ -260,27 +267,27 @@ class CoordinatorCore:
         if pending is None or rank not in pending.targets or rank in pending.acks:
             return []
         pending.acks[rank] = {"rank": rank, "step": step, "ok": bool(ok), "error": error}
+        pending.owed.discard(rank)
         if not ok:
             self.events.add(EventKind.COMMAND_FAILED, self.wall(), rank=rank, seq=seq,
                             action=pending.command.action, error=error)
-        if pending.targets <= set(pending.acks) | pending.lost:
+        if not pending.owed:
             return self._finish_command(seq)
         return []
 
     def _stats_reply(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
         info = self.registry.touch(peer, self.clock())
         pending = self._stats.get(body["request"])
-        if info is None or pending is None or info.rank not in pending.targets:
+        if info is None or pending is None or info.rank not in pending.owed:
             return []
+        pending.owed.discard(info.rank)
         try:
-            check_snapshot(body["stats"])
+            pending.replies[info.rank] = read_snapshot(info.rank, info.tp_group, body["step"], body["stats"])
         except ValueError as e:  # a buggy or newer agent: the others' answer must not suffer
             self.dropped_bad_agent_frames += 1
             logger.warning("rank %d sent an invalid stats snapshot: %s", info.rank, e)
             pending.invalid[info.rank] = f"sent an invalid stats snapshot ({e})"
-        else:
-            pending.replies[info.rank] = (info.tp_group, body["step"], body["stats"])
-        if pending.answered():
+        if not pending.owed:
             return self._finish_stats(body["request"])
         return []
 
@@ -300,14 +307,16 @@ class CoordinatorCore:
     def _rank_gone(self, rank: int) -> list[Out]:
         out: list[Out] = []
         for seq, pending in list(self._commands.items()):
-            if rank in pending.targets and rank not in pending.acks:
+            if rank in pending.owed:
                 pending.lost.add(rank)
-                if pending.targets <= set(pending.acks) | pending.lost:
+                pending.owed.discard(rank)
+                if not pending.owed:
                     out += self._finish_command(seq)
         for request, stats in list(self._stats.items()):
-            if rank in stats.targets and rank not in stats.replies and rank not in stats.invalid:
+            if rank in stats.owed:
                 stats.lost.add(rank)
-                if stats.answered():
+                stats.owed.discard(rank)
+                if not stats.owed:
                     out += self._finish_stats(request)
         return out
 
@@ -360,7 +369,7 @@ class CoordinatorCore:
         steps_by_group: dict[int, set[int]] = {}
         for ack in acks:
             steps_by_group.setdefault(self.registry.ranks[ack["rank"]].tp_group, set()).add(ack["step"])
-        waiting = sorted(pending.targets - set(pending.acks) - pending.lost)
+        waiting = sorted(pending.owed)
         result = {
             "seq": seq,
             "action": command.action,

@@ -5,6 +5,7 @@ Plain logic with an injected clock; no sockets.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -102,6 +103,11 @@ class Registry:
         self.timeout = timeout
         self.ranks: dict[int, RankInfo] = {}
         self._by_peer: dict[bytes, int] = {}
+        # No live rank can expire before this (monotonic) time. Signs of life
+        # only move a rank's expiry later, so a bound computed once stays true
+        # until a registration adds an earlier one: ``expire`` walks the ranks
+        # only when the bound is reached, instead of on every loop pass.
+        self._expiry_bound = math.inf
 
     def check(self, body: dict[str, Any]) -> None:
         """Raise RegistrationError unless the registration fits the world."""
@@ -143,6 +149,7 @@ class Registry:
         )
         self.ranks[info.rank] = info
         self._by_peer[peer] = info.rank
+        self._expiry_bound = min(self._expiry_bound, now + self.timeout)
         return info, old
 
     def by_peer(self, peer: bytes) -> RankInfo | None:
@@ -172,14 +179,26 @@ class Registry:
 
     def expire(self, now: float) -> list[RankInfo]:
         """Mark lost every live rank silent for longer than the timeout; return them."""
+        if now <= self._expiry_bound:
+            return []
         lost = []
+        bound = math.inf
         for info in self.ranks.values():
-            if info.state is RankState.LIVE and now - info.last_seen > self.timeout:
+            if info.state is not RankState.LIVE:
+                continue
+            if now - info.last_seen > self.timeout:
                 info.state = RankState.LOST
                 info.lost_at = self.wall()
                 self._by_peer.pop(info.peer, None)
                 lost.append(info)
+            else:
+                bound = min(bound, info.last_seen + self.timeout)
+        self._expiry_bound = bound
         return lost
+
+    def next_expiry(self) -> float:
+        """No live rank expires before this monotonic time (``inf`` with none live)."""
+        return self._expiry_bound
 
     def live(self, group: int | None = None) -> list[RankInfo]:
         return [
@@ -189,13 +208,16 @@ class Registry:
 
     def expected(self, group: int | None = None) -> list[int]:
         """Every rank the world should have (those known, if the world size is not yet known)."""
-        if self.world_size is None:
-            ranks = sorted(self.ranks)
-        else:
-            ranks = list(range(self.world_size))
-        if group is None or self.tp_size is None:
-            return ranks if group is None else [r for r in ranks if r in self.ranks and self.ranks[r].tp_group == group]
-        return [r for r in ranks if r // self.tp_size == group]
+        world, tp = self.world_size, self.tp_size
+        if group is not None and world is not None and tp is not None:
+            # A group's ranks are consecutive: no walk over the whole world per group.
+            return list(range(group * tp, min((group + 1) * tp, world)))
+        ranks = sorted(self.ranks) if world is None else list(range(world))
+        if group is None:
+            return ranks
+        if tp is None:
+            return [r for r in ranks if r in self.ranks and self.ranks[r].tp_group == group]
+        return [r for r in ranks if r // tp == group]
 
     def groups(self) -> list[int]:
         if self.world_size is None or self.tp_size is None:

@@ -87,6 +87,7 @@ class Coordinator:
         poller.register(self._agents, zmq.POLLIN)
         poller.register(self._clients, zmq.POLLIN)
         core = self.core
+        handle_agent = core.handle_agent
         try:
             while not self._stop.is_set():
                 wait = min(max(core.next_deadline() - time.monotonic(), 0.0), _MAX_POLL)
@@ -94,14 +95,17 @@ class Coordinator:
                 out: list[Out] = []
                 if self._agents in ready:
                     for route, frame in self._drain(self._agents):
-                        out += core.handle_agent(route, frame)
+                        out += handle_agent(route, frame)
                 if self._clients in ready:
                     for route, frame in self._drain(self._clients):
                         out += self._client_frame(route, frame)
-                try:
-                    out += core.tick()
-                except Exception:  # a bug: log it, keep serving what we have
-                    logger.exception("coordinator timers failed; serving on")
+                # Timers run only once one is due: while replies stream in, most
+                # passes have nothing for them, and a round is one pass per reply.
+                if time.monotonic() >= core.next_deadline():
+                    try:
+                        out += core.tick()
+                    except Exception:  # a bug: log it, keep serving what we have
+                        logger.exception("coordinator timers failed; serving on")
                 self._send(out)
         finally:
             self._close()

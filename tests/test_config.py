@@ -72,6 +72,16 @@ def test_bad_file_fails_naming_file_key_and_allowed(tmp_path, text, expected):
     assert str(path) in str(info.value)
 
 
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    """tomllib decodes the bytes before parsing: without the translation a UnicodeDecodeError
+    (not a ConfigError naming the file) would escape the loader and crash start-up with a traceback."""
+    path = tmp_path / "wsd.toml"
+    path.write_bytes(b"[workspace]\nnum_ubatches = 2 # \x80\xff\n")
+    with pytest.raises(ConfigError, match="not valid TOML: not UTF-8") as info:
+        load_config(path, env={})
+    assert str(path) in str(info.value)
+
+
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="nope.toml: configuration file not found"):
         load_config(tmp_path / "nope.toml", env={})

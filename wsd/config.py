@@ -471,6 +471,8 @@ def load_config(
             raise ConfigError(f"{source}: cannot read configuration file: {e}") from e
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{source}: not valid TOML: {e}") from e
+        except UnicodeDecodeError as e:  # tomllib decodes the bytes itself, before parsing
+            raise ConfigError(f"{source}: not valid TOML: not UTF-8 text ({e.reason} at byte {e.start})") from e
         for section, body in document.items():
             if section not in _SECTIONS:
                 allowed = ", ".join(f"[{s}]" for s in _SECTIONS)

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import zmq
 
 from wsd import protocol as p
@@ -177,7 +178,7 @@ def _timed(fn: Callable[[], object]) -> float:
     return (time.perf_counter_ns() - start) / 1e3
 
 
-def bench_fan_out(n: int, rounds: int, state_dir: str) -> dict[str, tuple[float, float]]:
+def bench_fan_out(n: int, rounds: int, state_dir: str) -> dict[str, Any]:
     """Median microseconds of wsd and of the bare fan-out for stats and a command, N ranks."""
     sizes = frame_sizes()
     context = zmq.Context()
@@ -221,9 +222,12 @@ def bench_fan_out(n: int, rounds: int, state_dir: str) -> dict[str, tuple[float,
             # The order turns every round, so that no candidate always follows the same one.
             for name, fn in candidates[i % 4:] + candidates[:i % 4]:
                 samples[name].append(_timed(lambda: fn(i)))
+        # What the client receives and decodes whole each round: the bare side has no such leg.
+        answer_bytes = len(msgpack.packb(client.stats(), use_bin_type=True))
         client.close()
         med = {k: statistics.median(v) for k, v in samples.items()}
-        return {"stats": (med["stats"], med["bare stats"]), "command": (med["command"], med["bare command"])}
+        return {"stats": (med["stats"], med["bare stats"]), "command": (med["command"], med["bare command"]),
+                "answer_bytes": answer_bytes}
     finally:
         for helper in reversed(helpers):
             helper.stop()
@@ -320,12 +324,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         print(f"fan-out to N simulated ranks ({SLOTS} slots each), median of {rounds} interleaved rounds (us)")
         print(f"  payload per rank: stats {sizes['stats'][0]} B out, {sizes['stats'][1]} B back; "
               f"command {sizes['command'][0]} B out, {sizes['command'][1]} B back")
-        print(f"{'N':>4} {'stats':>9} {'bare':>9} {'ratio':>7}   {'command':>9} {'bare':>9} {'ratio':>7}")
+        print(f"{'N':>4} {'stats':>9} {'bare':>9} {'ratio':>7}   {'command':>9} {'bare':>9} {'ratio':>7}"
+              f"   {'stats answer':>12}")
         for n in (1, 8, 32):
             res = bench_fan_out(n, rounds, state_dir)
             (stats, bare_stats), (command, bare_command) = res["stats"], res["command"]
             print(f"{n:>4} {stats:>9.0f} {bare_stats:>9.0f} {stats / bare_stats:>7.2f}   "
-                  f"{command:>9.0f} {bare_command:>9.0f} {command / bare_command:>7.2f}", flush=True)
+                  f"{command:>9.0f} {bare_command:>9.0f} {command / bare_command:>7.2f}"
+                  f"   {res['answer_bytes']:>10} B", flush=True)
             ratios[f"stats[{n}] wsd/bare"] = stats / bare_stats
             ratios[f"command[{n}] wsd/bare"] = command / bare_command
         print()

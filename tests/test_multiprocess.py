@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import wait_until
 from mp import Rank, WorkerFailed, Workers
+from procs import processes, python
 
 from wsd import WorkspaceManager, use_ubatch
 from wsd.agent import Agent, tp_side_group
@@ -284,16 +285,19 @@ def test_stats_per_rank_and_slot_with_group_totals(cluster):
 
 
 @pytest.mark.timeout(60)
-def test_killed_rank_is_reported_lost_and_replies_name_it(cluster):
+def test_killed_rank_is_reported_lost_and_replies_name_it(cluster, start_coordinator):
     """Without heartbeat expiry, a command waiting on a SIGKILLed rank would
     hang until its timeout and the rank would stay "live"; without the
-    missing list, stats and commands afterwards would look complete.
+    missing list, stats, status and commands afterwards would look complete;
+    without re-registration a new process for that rank would not bring it
+    back.
 
     Each rank is its own TP group (tp_size 1) so that the survivor has no
     collective with the dead rank and keeps stepping: what the test watches
     is the coordinator's view, not a TP group's crash.
     """
-    c = cluster(2, tp_size=1)
+    coordinator = start_coordinator(**world(2, 1))
+    c = cluster(2, tp_size=1, coordinator=coordinator)
     c.workers.kill(1)
     c.gone.add(1)
     killed = time.monotonic()
@@ -320,9 +324,28 @@ def test_killed_rank_is_reported_lost_and_replies_name_it(cluster):
     assert not unlocked.complete and sorted(unlocked.steps()) == [0] and unlocked.lost == ()
     assert [m["rank"] for m in unlocked.missing] == [1]
     assert unlocked.missing[0]["reason"].startswith("lost at")
-    # The survivor applied both, each once.
+    status = c.client.status()
+    assert status["ranks"]["lost"] == 1
+    ((missing,),) = [status["groups"][1]["missing"]]
+    assert missing["rank"] == 1 and missing["reason"].startswith("lost at")
+
+    # A new process for rank 1 (a torch-free simulated rank: its group has no
+    # collective to join) registers: rank 1 is back and takes commands again.
+    with processes() as start:
+        start(python("-m", "wsd.simulated", "--endpoint", coordinator.agent_endpoint, "--ranks", "1",
+                     "--first-rank", "1", "--world-size", "2",
+                     "--heartbeat-interval", str(HEARTBEAT_INTERVAL),
+                     "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT)), name="rank 1 again")
+        c.gone.discard(1)
+        c.wait_live()
+        kinds = [(e["kind"], e.get("rank")) for e in c.client.events()["events"]]
+        assert kinds.count(("back", 1)) == 1 and kinds.index(("lost", 1)) < kinds.index(("back", 1))
+        resized = c.client.set_ubatches(3, timeout=5)
+        assert resized.complete and sorted(resized.steps()) == [0, 1], resized
+        c.gone.add(1)  # not a worker of c.workers: Cluster.stop must not ask it
+    # The survivor applied all three, each once.
     final = c.stop()[0]
-    assert final["calls"] == [["lock", []], ["unlock", []]] and not final["locked"]
+    assert final["calls"] == [["lock", []], ["unlock", []], ["set_num_ubatches", [3]]]
 
 
 @pytest.mark.timeout(60)

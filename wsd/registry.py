@@ -201,6 +201,10 @@ class Registry:
         return self._expiry_bound
 
     def live(self, group: int | None = None) -> list[RankInfo]:
+        if group is not None and self.world_size is not None and self.tp_size is not None:
+            # Every heartbeat checks its group: look at the group's few ranks, not the world.
+            members = (self.ranks.get(r) for r in self.expected(group))
+            return [i for i in members if i is not None and i.state is RankState.LIVE and i.tp_group == group]
         return [
             i for i in self.ranks.values()
             if i.state is RankState.LIVE and (group is None or i.tp_group == group)

@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# A whole wsd cluster on this machine, as `wsd up` starts it, as a script to
+# read and adapt: a coordinator (`wsd coordinator`) and NPROC workers under
+# `torchrun --standalone`, until Ctrl-C or SIGTERM, which stop the workers
+# (each at the same step), then torchrun, then the coordinator.
+#
+# Knobs (environment variables):
+#   NPROC          worker processes (default 2)
+#   CONFIG         TOML configuration read by the coordinator and every worker
+#                  (default: wsd.toml beside this script; empty: built-in defaults)
+#   SHOW_RANKS     local ranks whose output reaches the terminal, comma-separated,
+#                  torchrun's --local-ranks-filter (default 0; empty: every rank)
+#   LOG_DIR        every rank's output also goes to files under it, the hidden
+#                  ranks' too (torchrun --log-dir --tee 3); empty (default): the
+#                  output of ranks SHOW_RANKS hides is discarded
+#   PYTHON         interpreter with wsd and torch installed (default python3)
+#   WORKER_ARGS    extra arguments of `python -m wsd.worker`, e.g. --idle
+#   READY_TIMEOUT  seconds to wait for the coordinator to bind (default 30)
+#   STOP_GRACE     seconds the workers get to stop after SIGTERM (default 15)
+#   WSD_*          any configuration key, e.g. WSD_WORKSPACE_NUM_UBATCHES=2 or
+#                  WSD_COORDINATOR_CLIENT_ENDPOINT=tcp://127.0.0.1:0 (ports the OS picks)
+#
+# Exit code: 0 when stopped by a signal or when the workers finished cleanly,
+# 2 for a bad knob or configuration, 1 otherwise.
+set -euo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+NPROC=${NPROC:-2}
+CONFIG=${CONFIG-$HERE/wsd.toml}
+SHOW_RANKS=${SHOW_RANKS-0}
+LOG_DIR=${LOG_DIR:-}
+PYTHON=${PYTHON:-python3}
+WORKER_ARGS=${WORKER_ARGS:-}
+READY_TIMEOUT=${READY_TIMEOUT:-30}
+STOP_GRACE=${STOP_GRACE:-15}
+# torchrun gives its workers 30 s between SIGTERM and SIGKILL: wait a little longer.
+TORCHRUN_GRACE=35
+COORDINATOR_GRACE=10
+
+say() { printf 'wsd-local: %s\n' "$*"; }
+die() { printf 'wsd-local: %s\n' "$1" >&2; exit "${2:-1}"; }
+
+for knob in NPROC READY_TIMEOUT STOP_GRACE; do
+    [[ ${!knob} =~ ^[1-9][0-9]*$ ]] || die "$knob must be a positive integer, got '${!knob}'" 2
+done
+[[ -z $SHOW_RANKS || $SHOW_RANKS =~ ^[0-9]+(,[0-9]+)*$ ]] \
+    || die "SHOW_RANKS must be local ranks such as 0 or 0,1 (empty: all), got '$SHOW_RANKS'" 2
+config_args=()
+if [[ -n $CONFIG ]]; then
+    [[ -r $CONFIG ]] || die "CONFIG: cannot read $CONFIG" 2
+    config_args=(--config "$CONFIG")
+fi
+read -r -a worker_args <<<"$WORKER_ARGS"
+
+RUN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/wsd-local.XXXXXX")
+COORDINATOR=""
+TORCHRUN=""
+
+alive() { [[ -n $1 ]] && kill -0 "$1" 2>/dev/null; }
+
+# Wait up to $2 seconds for pid $1 to end (our children are reaped as they end).
+wait_gone() {
+    local pid=$1 deadline=$((SECONDS + $2))
+    while alive "$pid"; do
+        ((SECONDS < deadline)) || return 1
+        sleep 0.1
+    done
+}
+
+# SIGTERM, a bounded wait, then SIGKILL: for one process and its process group.
+stop_pid() {
+    local pid=$1 grace=$2
+    alive "$pid" || return 0
+    kill -TERM "$pid" 2>/dev/null || true
+    wait_gone "$pid" "$grace" && return 0
+    say "pid $pid did not stop within $grace s of SIGTERM; killing it" >&2
+    kill -KILL -- "-$pid" "$pid" 2>/dev/null || true
+    wait_gone "$pid" 5 || say "pid $pid survived SIGKILL" >&2
+}
+
+stop_workers() {
+    alive "$TORCHRUN" || return 0
+    # torchrun's children are the workers, each leading a session of its own.
+    # SIGTERM to them first: they vote to stop at the same step and exit 0, so
+    # torchrun ends by itself, quietly. SIGTERM to torchrun works too, noisily.
+    local workers
+    workers=$(pgrep -P "$TORCHRUN" || true)
+    for pid in $workers; do
+        kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+    done
+    if ! wait_gone "$TORCHRUN" "$STOP_GRACE"; then
+        say "the workers did not stop within $STOP_GRACE s; stopping torchrun" >&2
+        stop_pid "$TORCHRUN" "$TORCHRUN_GRACE"
+    fi
+    for pid in $workers; do  # none should be left; if torchrun had to be killed, some may be
+        kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
+    done
+}
+
+# Everything we started, workers first and the coordinator last; safe to call twice.
+stop_everything() {
+    trap '' INT TERM  # a second Ctrl-C must not cut the shutdown short
+    stop_workers
+    TORCHRUN=""
+    stop_pid "$COORDINATOR" "$COORDINATOR_GRACE"
+    COORDINATOR=""
+    rm -rf "$RUN_DIR"
+}
+
+on_signal() {
+    stop_everything
+    say "stopped by SIG$1"
+    exit 0
+}
+trap 'on_signal INT' INT
+trap 'on_signal TERM' TERM
+trap stop_everything EXIT
+
+# The coordinator, in a session of its own (setsid) so that a terminal's Ctrl-C
+# reaches only this script, which stops it last. It learns the world size up
+# front, so that clients see the ranks that have not registered yet. Its
+# stdout carries one line, "wsd coordinator ready: agents URL clients URL",
+# naming the ports it bound (the OS picks them for port 0); its log goes to stderr.
+WSD_COORDINATOR_WORLD_SIZE=${WSD_COORDINATOR_WORLD_SIZE:-$NPROC} \
+    setsid "$PYTHON" -m wsd.cli coordinator "${config_args[@]}" >"$RUN_DIR/coordinator.out" &
+COORDINATOR=$!
+
+ready=""
+deadline=$((SECONDS + READY_TIMEOUT))
+while [[ -z $ready ]]; do
+    ready=$(grep -m1 '^wsd coordinator ready:' "$RUN_DIR/coordinator.out" || true)
+    [[ -n $ready ]] && break
+    if ! alive "$COORDINATOR"; then
+        code=0
+        wait "$COORDINATOR" || code=$?
+        COORDINATOR=""
+        # 2: the configuration was refused; its message above names the file and key.
+        die "the coordinator exited with code $code before it was ready" "$([[ $code == 2 ]] && echo 2 || echo 1)"
+    fi
+    ((SECONDS < deadline)) || die "the coordinator was not ready within $READY_TIMEOUT s"
+    sleep 0.1
+done
+read -r _ _ _ _ AGENT_ENDPOINT _ CLIENT_ENDPOINT <<<"$ready"
+
+torchrun_args=(--standalone --nproc-per-node "$NPROC")  # --standalone: a rendezvous port the OS picks
+[[ -n $SHOW_RANKS ]] && torchrun_args+=(--local-ranks-filter "$SHOW_RANKS")
+[[ -n $LOG_DIR ]] && torchrun_args+=(--log-dir "$LOG_DIR" --tee 3)
+WSD_COORDINATOR_MODE=external WSD_COORDINATOR_CONNECT_ENDPOINT=$AGENT_ENDPOINT \
+    setsid "$PYTHON" -m torch.distributed.run "${torchrun_args[@]}" \
+    -m wsd.worker "${config_args[@]}" "${worker_args[@]}" &
+TORCHRUN=$!
+
+say "clients on $CLIENT_ENDPOINT (agents on $AGENT_ENDPOINT); $NPROC workers under torchrun, pid $TORCHRUN; showing local ranks ${SHOW_RANKS:-all}"
+say "try   WSD_ENDPOINT=$CLIENT_ENDPOINT wsctl status"
+say "Ctrl-C stops everything"
+
+# Until a signal (its trap ends the script) or one of the two ends by itself.
+code=0
+wait -n "$COORDINATOR" "$TORCHRUN" || code=$?
+if ! alive "$COORDINATOR"; then
+    say "the coordinator ended unexpectedly; stopping the workers" >&2
+    stop_everything
+    exit 1
+fi
+TORCHRUN_CODE=$code
+TORCHRUN=""
+stop_everything
+say "the workers ended with exit code $TORCHRUN_CODE"
+[[ $TORCHRUN_CODE == 0 ]] || exit 1

@@ -103,12 +103,12 @@ def paced_engine(me: Rank, endpoint: str, tp_size: int) -> None:
 # -- the coordinator as a process ------------------------------------------------------------
 
 
-def coordinator_config(tmp_path: Any, name: str = "wsd.toml", **overrides: Any) -> str:
+def coordinator_file(tmp_path: Any, name: str = "wsd.toml", **overrides: Any) -> str:
     section = {**coordinator_section(tmp_path), "world_size": 2, "tp_size": 1, **overrides}
     return write_config(tmp_path / name, {"coordinator": section})
 
 
-def start_coordinator(spawn: Any, config: str) -> tuple[Any, str, str]:  # noqa: F811
+def run_coordinator(spawn: Any, config: str) -> tuple[Any, str, str]:  # noqa: F811
     """``wsd coordinator`` started and bound: (its Proc, agent endpoint, client endpoint)."""
     proc = spawn(python("-m", "wsd.cli", "coordinator", "--config", config), name="wsd coordinator")
     agents, clients = proc.wait_for(COORDINATOR_READY, 30).groups()
@@ -131,8 +131,8 @@ def test_coordinator_killed_mid_command_restarts_from_its_state_file(tmp_path, s
     agents hold); without re-registration the agents would never hear from it; without
     the at-most-once check by seq, rank 0 (replayed to) or rank 1 (holding it twice)
     would apply the command again."""
-    config = coordinator_config(tmp_path)
-    first, agents, clients = start_coordinator(spawn, config)
+    config = coordinator_file(tmp_path)
+    first, agents, clients = run_coordinator(spawn, config)
     with Workers(tmp_path, 2, paced_engine, agents, 1) as workers, Client(clients, timeout=5) as client:
         for r in (0, 1):
             workers.expect(r, "ready", 60)
@@ -151,7 +151,7 @@ def test_coordinator_killed_mid_command_restarts_from_its_state_file(tmp_path, s
         first.send(signal.SIGKILL)
         assert first.wait(10) == -signal.SIGKILL
 
-        second, _, _ = start_coordinator(spawn, coordinator_config(
+        second, _, _ = run_coordinator(spawn, coordinator_file(
             tmp_path, "restart.toml", agent_endpoint=agents, client_endpoint=clients))
         restarted = time.monotonic()
         after = client.status()
@@ -181,8 +181,8 @@ def test_damaged_state_file_is_refused_at_start_up_and_left_alone(tmp_path, spaw
     """Without the check a coordinator would start afresh at seq 0 and hand out numbers
     that agents already applied (they would skip those commands); without leaving the
     file alone, the operator could not repair it."""
-    config = coordinator_config(tmp_path)
-    proc, _, clients = start_coordinator(spawn, config)
+    config = coordinator_file(tmp_path)
+    proc, _, clients = run_coordinator(spawn, config)
     with Client(clients, timeout=5) as client:
         assert [client.lock().seq, client.set_ubatches(4).seq] == [1, 2]  # no rank yet: recorded at once
     proc.send(signal.SIGKILL)
@@ -206,8 +206,8 @@ def test_engine_step_rate_holds_while_the_coordinator_is_stopped(tmp_path, spawn
     silent and try to register again, yet the TP group's step rate (agreement collective
     included) stays within 20% and no step() waits on the network. Without the agent's
     non-blocking sends and its own I/O thread, steps would stall for the whole outage."""
-    config = coordinator_config(tmp_path, tp_size=2)
-    coordinator, agents, clients = start_coordinator(spawn, config)
+    config = coordinator_file(tmp_path, tp_size=2)
+    coordinator, agents, clients = run_coordinator(spawn, config)
     with Workers(tmp_path, 2, paced_engine, agents, 2) as workers, Client(clients, timeout=5) as client:
         for r in (0, 1):
             workers.expect(r, "ready", 60)
@@ -244,7 +244,7 @@ def test_stalled_worker_is_lost_within_the_timeout_and_back_when_resumed(tmp_pat
     """A worker process frozen by SIGSTOP (its agent's I/O thread with it) sends nothing:
     without heartbeat expiry it would stay "live" and commands would wait on it; without
     re-registration after SIGCONT it would stay lost. Rank 0 (its own TP group) runs on."""
-    _, agents, clients = start_coordinator(spawn, coordinator_config(tmp_path))
+    _, agents, clients = run_coordinator(spawn, coordinator_file(tmp_path))
     with Workers(tmp_path, 2, paced_engine, agents, 1) as workers, Client(clients, timeout=5) as client:
         for r in (0, 1):
             workers.expect(r, "ready", 60)

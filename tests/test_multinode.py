@@ -4,7 +4,9 @@ Each launcher is what one node runs (``--nnodes 2 --nproc-per-node 2``, c10d
 rendezvous on loopback), as deploy/slurm and deploy/kubernetes do; ``[worker]
 tp_size = 4`` makes the one TP group span both launchers, so its per-step
 agreement (a gloo all_reduce) and its commands cross "nodes". Observed only
-through the coordinator's client socket and the processes themselves.
+through the coordinator's client socket and the processes themselves. Then
+deploy/slurm/wsd.sbatch itself, on two "nodes" of this host, with test doubles
+of srun and scontrol.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
 from conftest import wait_until
@@ -127,3 +131,88 @@ def test_two_launchers_form_one_job_with_a_tp_group_across_them(tmp_path, spawn)
     assert not any("Traceback" in launcher.output() for launcher in launchers)
     coordinator.send(signal.SIGTERM)
     assert coordinator.wait(15) == 0
+
+
+# -- deploy/slurm/wsd.sbatch on two simulated nodes ------------------------------------------------
+
+SBATCH = Path(__file__).resolve().parents[1] / "deploy" / "slurm" / "wsd.sbatch"
+
+# Test doubles of Slurm's commands, enough for the sbatch script: `scontrol show hostnames`
+# lists the nodes; `srun --nodes=N ... CMD` runs CMD once per "node" here, with SLURM_NODEID
+# set, and passes SIGTERM and SIGINT on to them, as srun does to its tasks.
+_FAKE_SCONTROL = """#!/usr/bin/env bash
+[[ $1 == show && $2 == hostnames ]] || { echo "fake scontrol: unexpected $*" >&2; exit 2; }
+tr ',' '\\n' <<<"$3"
+"""
+_FAKE_SRUN = """#!{python}
+import os, signal, subprocess, sys
+args, nodes = sys.argv[1:], 1
+while args and args[0].startswith("-"):
+    option = args.pop(0)
+    if option.startswith("--nodes="):
+        nodes = int(option.split("=", 1)[1])
+tasks = [subprocess.Popen(args, env={{**os.environ, "SLURM_NODEID": str(i), "SLURM_PROCID": str(i)}})
+         for i in range(nodes)]
+def forward(signum, frame):
+    for task in tasks:
+        if task.poll() is None:
+            task.send_signal(signum)
+signal.signal(signal.SIGTERM, forward)
+signal.signal(signal.SIGINT, forward)
+codes = [task.wait() for task in tasks]
+sys.exit(next((c for c in codes if c), 0))
+"""
+
+
+def _fake_slurm(bin_dir: Path) -> None:
+    bin_dir.mkdir()
+    for name, text in (("scontrol", _FAKE_SCONTROL), ("srun", _FAKE_SRUN.format(python=sys.executable))):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+
+
+@pytest.mark.timeout(90)
+def test_slurm_script_runs_a_coordinator_and_one_torchrun_per_node(tmp_path, spawn):  # noqa: F811
+    """deploy/slurm/wsd.sbatch with srun and scontrol doubles and two "nodes" on this host:
+    the coordinator on the first node, both torchruns joined by c10d into one job of four
+    ranks whose agents reach the coordinator at connect_endpoint, TP groups of two within
+    each node; SIGTERM (Slurm's --signal=B:TERM) stops everything it started."""
+    _fake_slurm(tmp_path / "bin")
+    env = worker_env(
+        PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", PYTHON=sys.executable,
+        SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="127.0.0.1,127.0.0.1", SLURM_SUBMIT_DIR=str(tmp_path),
+        CONFIG=str(SBATCH.parent / "wsd.toml"),
+        NPROC_PER_NODE=str(PER_NODE), RDZV_PORT=str(_free_port()), AGENT_PORT=str(_free_port()),
+        # The example is for 8-GPU nodes: shrink it to two CPU processes per node.
+        WSD_WORKER_TP_SIZE="2", WSD_COORDINATOR_TP_SIZE="2", WSD_WORKER_BACKEND="gloo",
+        WSD_COORDINATOR_CLIENT_ENDPOINT="tcp://127.0.0.1:0", WSD_COORDINATOR_HEARTBEAT_INTERVAL="0.2",
+        WSD_COORDINATOR_HEARTBEAT_TIMEOUT="1.0", WSD_WORKLOAD_HIDDEN_SIZE="32", WSD_WORKLOAD_FFN_SIZE="64",
+        WSD_WORKLOAD_LAYERS="1", WSD_WORKLOAD_DTYPE="float32", WSD_WORKLOAD_MAX_TOKENS="32",
+        WSD_WORKLOAD_WARMUP_STEPS="4", WSD_WORKLOAD_PACE="0.05",
+    )
+    job = spawn(["bash", str(SBATCH)], env=env, cwd=tmp_path, name="wsd.sbatch")
+    clients = job.wait_for(r"wsd-slurm: coordinator on 127\.0\.0\.1: .* clients (\S+)", 30).group(1)
+    job.wait_for(r"wsd-slurm: 2 nodes x 2 workers \(4 ranks\) under torchrun", 10)
+    with Client(clients, timeout=5) as client:
+        def live():
+            ranks = [r for r in client.ranks()["ranks"] if r["state"] == "live"]
+            return ranks if len(ranks) == WORLD else None
+        ranks = {r["rank"]: r for r in wait_until(live, 60, "all four ranks to register", interval=0.2)}
+        assert {r: info["tp_group"] for r, info in ranks.items()} == {0: 0, 1: 0, 2: 1, 3: 1}
+        status = client.status()
+        assert status["world_size"] == WORLD  # the script told the coordinator NNODES x NPROC_PER_NODE
+        result = client.set_ubatches(3, timeout=15)
+        assert result.complete and result.same_step == {"0": True, "1": True}, result
+    # The coordinator's state went where the script put it, beside the job's logs.
+    assert (tmp_path / "wsd-4242" / "coordinator.state").exists()
+    assert list((tmp_path / "wsd-4242" / "logs").rglob("stderr.log")), "no per-rank logs"
+    pids = job.tree()
+    job.send(signal.SIGTERM)
+    assert job.wait(60) == 0, job.output()
+    wait_gone(pids, 10, "the job's processes")
+    assert job.count("wsd-slurm: stopped by SIGTERM") == 1
+    assert job.count("coordinator stopped") == 1, job.output()
+    # torchrun reports the SIGTERM it got with a traceback of its own (SignalException); the
+    # workers under it stop cleanly, all at one step: local rank 0 of each node says so.
+    stopped = [line for line in job.lines if "stopped cleanly after" in line]
+    assert len(stopped) == NODES and len({line.split("after")[1] for line in stopped}) == 1, job.output()

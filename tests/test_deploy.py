@@ -350,7 +350,7 @@ def _scrape_queries() -> list[tuple[str, str]]:
     # Relabelling rules may name series (metric_relabel_configs); the rest of the file names
     # none. Any wsd_ name anywhere in it must exist.
     text = SCRAPE.read_text()
-    return [(name, "") for name in re.findall(r"\bwsd_\w+", text) if not name.startswith("wsd_coordinator")]
+    return [(name, "") for name in re.findall(r"\bwsd_\w+", text)]
 
 
 @pytest.mark.parametrize("source", ["dashboard", "alerts", "scrape"])

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wsd.errors import ConfigError
+from wsd.security import SecurityConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -193,6 +194,9 @@ class CoordinatorConfig:
     """Tensor-parallel group size expected; None: from the first registration."""
     max_message_bytes: int = _size_field(1 << 20)
     """Largest message accepted from a client (ZeroMQ MAXMSGSIZE)."""
+    max_agent_message_bytes: int = _size_field(16 << 20)
+    """Largest frame accepted from an agent; a larger one drops that agent's connection
+    (ZeroMQ MAXMSGSIZE). A stats reply of 64 ubatches x 64 lanes is about 0.7 MB."""
     high_water_mark: int = 10_000
     """Messages queued per peer before sends to it are dropped."""
     event_capacity: int = 10_000
@@ -226,6 +230,7 @@ class CoordinatorConfig:
                     f"world_size ({self.world_size}) must be a multiple of tp_size ({self.tp_size})"
                 )
         _check_range("max_message_bytes", self.max_message_bytes, 1024, 1 << 30)
+        _check_range("max_agent_message_bytes", self.max_agent_message_bytes, 64 << 10, 1 << 30)
         _check_range("high_water_mark", self.high_water_mark, 1, 10_000_000)
         _check_range("event_capacity", self.event_capacity, 1, 10_000_000)
         _check_range("log_capacity", self.log_capacity, 1, 10_000_000)
@@ -349,6 +354,7 @@ class WsdConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     source: str = "<defaults>"
     """Where the configuration came from, for messages."""
 
@@ -359,6 +365,7 @@ _SECTIONS: dict[str, type] = {
     "agent": AgentConfig,
     "worker": WorkerConfig,
     "workload": WorkloadConfig,
+    "security": SecurityConfig,
 }
 
 

@@ -66,7 +66,7 @@ def serve_coordinator(config: WsdConfig, *, exit_with_parent: bool = False) -> i
 
     parent = os.getppid()
     stop = threading.Event()
-    coordinator = Coordinator(config.coordinator)
+    coordinator = Coordinator(config.coordinator, security=config.security)
     with stop_signals(lambda signum: stop.set()):
         coordinator.start()
         try:

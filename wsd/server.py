@@ -13,10 +13,12 @@ import time
 
 import zmq
 
+from wsd.auth import AGENT_DOMAIN, CLIENT_DOMAIN, CurveGate, is_loopback, refusal
 from wsd.config import CoordinatorConfig
 from wsd.coordinator import AGENT, CoordinatorCore, Out
 from wsd.errors import WsdError
 from wsd.protocol import ErrorCode, error_reply
+from wsd.security import Role, SecurityConfig
 from wsd.transport import bind, make_socket, send_nowait
 
 __all__ = ["Coordinator"]
@@ -36,11 +38,18 @@ _MAX_POLL = 0.1
 class Coordinator:
     """Binds the configured endpoints and serves until stopped."""
 
-    def __init__(self, config: CoordinatorConfig, *, context: zmq.Context | None = None) -> None:
+    def __init__(self, config: CoordinatorConfig, *, context: zmq.Context | None = None,
+                 security: SecurityConfig | None = None) -> None:
         self.config = config
         self.core = CoordinatorCore(config)
         self._own_context = context is None
         self._context = context or zmq.Context()
+        try:  # keys checked and ZAP running before any socket exists
+            self._gate = CurveGate(security or SecurityConfig(), self._context)
+        except Exception:
+            if self._own_context:
+                self._context.term()
+            raise
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._agents = make_socket(self._context, zmq.ROUTER, hwm=config.high_water_mark)
@@ -48,12 +57,20 @@ class Coordinator:
         for sock in (self._agents, self._clients):
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._clients.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes * _HARD_LIMIT_FACTOR)
+        # An agent's frame past this drops its connection unread (it reconnects).
+        self._agents.setsockopt(zmq.MAXMSGSIZE, config.max_agent_message_bytes)
+        curve = {"agents": self._gate.secure(self._agents, AGENT_DOMAIN),
+                 "clients": self._gate.secure(self._clients, CLIENT_DOMAIN)}
         try:
             self.agent_endpoint = bind(self._agents, config.agent_endpoint)
             self.client_endpoint = bind(self._clients, config.client_endpoint)
         except WsdError:
             self._close()
             raise
+        for who, endpoint in (("agents", self.agent_endpoint), ("clients", self.client_endpoint)):
+            if not curve[who] and not is_loopback(endpoint):
+                logger.warning("%s endpoint %s is reachable from other hosts without CURVE: anyone "
+                               "who reaches it may connect; set [security] curve_%s", who, endpoint, who)
         self.dropped_sends = 0
         logger.info("coordinator %s: agents on %s, clients on %s (seq %d%s)",
                     self.core.epoch[:8], self.agent_endpoint, self.client_endpoint,
@@ -97,8 +114,8 @@ class Coordinator:
                     for route, frame in self._drain(self._agents):
                         out += handle_agent(route, frame)
                 if self._clients in ready:
-                    for route, frame in self._drain(self._clients):
-                        out += self._client_frame(route, frame)
+                    for route, frame, role in self._drain_clients():
+                        out += self._client_frame(route, frame, role)
                 # Timers run only once one is due: while replies stream in, most
                 # passes have nothing for them, and a round is one pass per reply.
                 if time.monotonic() >= core.next_deadline():
@@ -110,14 +127,33 @@ class Coordinator:
         finally:
             self._close()
 
-    def _client_frame(self, route: tuple[bytes, ...], frame: bytes) -> list[Out]:
+    def _client_frame(self, route: tuple[bytes, ...], frame: bytes, role: str | None) -> list[Out]:
         if not route:
             return []
         if len(route) > 2 or (len(route) == 2 and route[1] != b""):
             # Neither DEALER ([id, msg]) nor REQ ([id, "", msg]) framing.
             reply = error_reply(None, ErrorCode.BAD_MESSAGE, "expected one frame per message")
             return [("client", route[:1], reply)]
+        refused = refusal(role, frame)
+        if refused is not None:  # a viewer's command: answered here, so it consumes no seq
+            return [("client", route, refused)]
         return self.core.handle_client(route, frame)
+
+    def _drain_clients(self) -> list[tuple[tuple[bytes, ...], bytes, str | None]]:
+        """Client frames with the sender's role (ZAP's User-Id), None without CURVE."""
+        if not self._gate.roles:
+            return [(route, frame, None) for route, frame in self._drain(self._clients)]
+        frames = []
+        for _ in range(_BATCH):
+            try:
+                parts = self._clients.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            if len(parts) >= 2:
+                # No User-Id would be a libzmq surprise: treat it as the least privilege.
+                role = parts[-1].get("User-Id") or Role.VIEWER
+                frames.append((tuple(f.bytes for f in parts[:-1]), parts[-1].bytes, role))
+        return frames
 
     @staticmethod
     def _drain(sock: zmq.Socket) -> list[tuple[tuple[bytes, ...], bytes]]:
@@ -143,5 +179,6 @@ class Coordinator:
             return
         self._agents.close(linger=0)
         self._clients.close(linger=0)
+        self._gate.stop()
         if self._own_context:
             self._context.term()

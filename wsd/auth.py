@@ -1,0 +1,232 @@
+"""CURVE on the sockets: pyzmq's ZAP authenticator, client roles, key pairs.
+
+The coordinator's ``CurveGate`` loads its keys and the folders of admitted
+public keys (``wsd.security``), starts pyzmq's ZAP thread before any socket
+binds, and makes its ROUTER sockets CURVE servers. A key listed in no folder
+gets no access at all: ZAP refuses the handshake, so the peer sees nothing
+but a timeout. An admitted client key's role (viewer or admin) travels with
+each of its messages as ZeroMQ's User-Id; ``refusal`` answers a viewer's
+state-changing request with ``forbidden`` before the coordinator sees it.
+Clients and agents connect with ``ClientKeys``. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+from wsd import protocol as p
+from wsd.errors import ConfigError
+from wsd.protocol import ErrorCode
+from wsd.security import Role, SecurityConfig, load_folder, load_public, load_secret
+from wsd.transport import TransportError
+
+__all__ = ["AGENT_DOMAIN", "CLIENT_DOMAIN", "ClientKeys", "CurveGate", "agent_keys", "is_loopback",
+           "keygen", "refusal"]
+
+logger = logging.getLogger(__name__)
+
+# ZAP domains: the authenticator tells the two endpoints' key lists apart by them.
+CLIENT_DOMAIN = "wsd-clients"
+AGENT_DOMAIN = "wsd-agents"
+# Keys refused are logged once each (a refused peer reconnects every few
+# hundred milliseconds); past this many, no more are remembered or logged.
+_REFUSED_LOGGED = 1024
+
+# -- the coordinator's side ------------------------------------------------------------------
+
+
+class _KeyList:
+    """A ZAP credentials provider: admits the listed keys of one domain."""
+
+    def __init__(self, keys: dict[bytes, str]) -> None:
+        self.keys = keys
+        self.refused: set[bytes] = set()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self.keys:
+            return True
+        if len(self.refused) < _REFUSED_LOGGED and key not in self.refused:
+            self.refused.add(key)
+            logger.warning("refused a CURVE key listed nowhere on %s: %s", domain, key.decode())
+        return False
+
+
+class _RoleAuthenticator(ThreadAuthenticator):
+    """pyzmq's ZAP thread, with the User-Id of a client key set to its role."""
+
+    def __init__(self, context: zmq.Context, roles: dict[bytes, Role]) -> None:
+        super().__init__(context, log=logger)
+        self.roles = roles
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        return self.roles.get(z85.encode(client_public_key), Role.AGENT)
+
+
+class CurveGate:
+    """The coordinator's CURVE: its keys, the ZAP thread, and its sockets' options.
+
+    Loading fails with ConfigError (file, key, mode); the ZAP thread starts
+    before any socket binds, so no connection slips in unauthenticated.
+    """
+
+    def __init__(self, security: SecurityConfig, context: zmq.Context) -> None:
+        self.security = security
+        self._auth: _RoleAuthenticator | None = None
+        if not (security.curve_clients or security.curve_agents):
+            return
+        if security.server_secret_key is None:
+            raise ConfigError("[security] server_secret_key must be set on the coordinator "
+                              "when curve_clients or curve_agents is true")
+        self.public, self.secret = load_secret(security.server_secret_key, "[security] server_secret_key")
+        roles: dict[bytes, Role] = {}
+        providers: dict[str, _KeyList] = {}
+        if security.curve_clients:
+            clients: dict[bytes, str] = {}
+            for role, folder in ((Role.VIEWER, security.viewer_keys), (Role.ADMIN, security.admin_keys)):
+                for key, path in (load_folder(folder, f"[security] {role}_keys") if folder else {}).items():
+                    if key in clients:
+                        raise ConfigError(f"[security] the same key is in {clients[key]} and {path}: "
+                                          f"a client key has one role; remove one of them")
+                    clients[key], roles[key] = path, role
+            providers[CLIENT_DOMAIN] = _KeyList(clients)
+        if security.curve_agents:
+            if security.agent_keys is None:
+                raise ConfigError("[security] agent_keys must be set when curve_agents is true")
+            providers[AGENT_DOMAIN] = _KeyList(load_folder(security.agent_keys, "[security] agent_keys"))
+        auth = _RoleAuthenticator(context, roles)
+        try:
+            auth.start()
+        except zmq.ZMQError as e:
+            raise TransportError(f"cannot start the ZAP authenticator ({e}): one runs already "
+                                 f"in this ZeroMQ context; give the coordinator its own") from e
+        for domain, provider in providers.items():
+            auth.configure_curve_callback(domain, provider)
+        self._auth = auth
+
+    @property
+    def roles(self) -> bool:
+        """True when client messages carry a role to check."""
+        return self.security.curve_clients
+
+    def secure(self, sock: zmq.Socket, domain: str) -> bool:
+        """Make ``sock`` a CURVE server of ``domain`` if configured; True if it is one now."""
+        on = self.security.curve_clients if domain == CLIENT_DOMAIN else self.security.curve_agents
+        if on:
+            sock.curve_server = True
+            sock.curve_publickey = self.public
+            sock.curve_secretkey = self.secret
+            sock.zap_domain = domain.encode()
+        return on
+
+    def stop(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+
+def refusal(role: str | None, frame: bytes) -> bytes | None:
+    """The ``forbidden`` reply to a state-changing request from a non-admin key, else None.
+
+    ``role`` None means no CURVE on the client endpoint: every client is
+    admin, as the loopback binding is the protection. Frames that do not
+    decode pass on: the coordinator answers them with the protocol error.
+    """
+    if role is None or role == Role.ADMIN:
+        return None
+    try:
+        message = p.decode(frame, p.CLIENT_OPS)
+    except p.ProtocolError:
+        return None
+    if message.op in p.READ_ONLY_OPS:
+        return None
+    return p.error_reply(message.id, ErrorCode.FORBIDDEN,
+                         f"op: {message.op} changes state, and this client's key is a {role} key: "
+                         f"only keys in [security] admin_keys may")
+
+
+def is_loopback(endpoint: str) -> bool:
+    """True for a tcp endpoint on a loopback address, and for ipc and inproc ones."""
+    if not endpoint.startswith("tcp://"):
+        return True
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name or interface: reachable from elsewhere, as far as we know
+        return False
+
+
+# -- the connecting side (clients and agents) ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    """A CURVE client's keys (z85): its own pair and the coordinator's public key."""
+
+    public: bytes
+    secret: bytes
+    server: bytes
+
+    @classmethod
+    def load(cls, client_key: str, server_key: str) -> ClientKeys:
+        """From the client's NAME.key_secret and the coordinator's certificate."""
+        public, secret = load_secret(client_key, "--curve-client-key")
+        return cls(public, secret, load_public(server_key, "--curve-server-key"))
+
+    def apply(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` a CURVE client; before connect."""
+        sock.curve_serverkey = self.server
+        sock.curve_publickey = self.public
+        sock.curve_secretkey = self.secret
+
+
+def agent_keys(security: SecurityConfig) -> ClientKeys | None:
+    """The agents' CURVE keys when ``curve_agents`` is on, else None; ConfigError when incomplete."""
+    if not security.curve_agents:
+        return None
+    if security.agent_secret_key is None:
+        raise ConfigError("[security] agent_secret_key must be set when curve_agents is true")
+    public, secret = load_secret(security.agent_secret_key, "[security] agent_secret_key")
+    if security.server_public_key is not None:
+        server = load_public(security.server_public_key, "[security] server_public_key")
+    else:
+        assert security.server_secret_key is not None  # SecurityConfig checks one is set
+        server = load_secret(security.server_secret_key, "[security] server_secret_key")[0]
+    return ClientKeys(public, secret, server)
+
+
+def keygen(name: str, directory: str | os.PathLike[str] = ".") -> tuple[Path, Path]:
+    """Write NAME.key and NAME.key_secret (mode 0600) in ``directory``; never overwrites.
+
+    The pair is written in a private (0700) temporary folder first, so the
+    secret is never readable by others, then linked into place.
+    """
+    if not name or os.sep in name or name.startswith("."):
+        raise ConfigError(f"key name must be a plain file name, got {name!r}")
+    directory = Path(directory)
+    targets = (directory / f"{name}.key", directory / f"{name}.key_secret")
+    for target in targets:
+        if target.exists():
+            raise ConfigError(f"{target} exists already: remove it or choose another name")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=directory, prefix=".wsd-keygen-") as private:
+            written = zmq.auth.create_certificates(private, name)
+            os.chmod(written[0], 0o644)
+            os.chmod(written[1], 0o600)
+            for source, target in zip(written, targets):
+                os.link(source, target)  # fails rather than replace a key made meanwhile
+    except OSError as e:
+        raise ConfigError(f"cannot write a key pair in {directory}: {e}") from e
+    return targets

@@ -1,0 +1,135 @@
+"""``[security]``: the configuration section of CURVE keys and client roles, and key files.
+
+``[security]`` turns on ZeroMQ's CURVE (encryption and authentication by
+public key) on the coordinator's client endpoint, its agent endpoint, or both.
+Keys are ZeroMQ certificate files (``wsctl keygen`` writes them): NAME.key holds
+a public key, NAME.key_secret both halves. The coordinator lists the public
+keys it admits in folders: ``viewer_keys`` (may ping, status, ranks, stats,
+events), ``admin_keys`` (everything) and ``agent_keys``. ``wsd.auth`` enforces
+it on the sockets.
+
+Secret key files readable or writable by anyone but their owner, and public
+key files others may write, are refused at start-up (``ConfigError`` naming
+the file and its mode). Imports neither torch nor the protocol: ``wsd.config``
+loads this section.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from enum import StrEnum
+
+import zmq.auth
+
+from wsd.errors import ConfigError
+
+__all__ = ["Role", "SecurityConfig", "load_folder", "load_public", "load_secret"]
+
+
+class Role(StrEnum):
+    """What an authenticated client key may do; carried as ZeroMQ's User-Id."""
+
+    VIEWER = "viewer"
+    """Read-only operations: ping, status, ranks, stats, events."""
+    ADMIN = "admin"
+    """Every operation, state-changing ones included."""
+    AGENT = "agent"
+    """An agent on the agent endpoint."""
+
+
+def _check_path(name: str, value: object) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"{name} must be a path, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SecurityConfig:
+    """``[security]``: CURVE on the coordinator's endpoints, keys and client roles."""
+
+    curve_clients: bool = False
+    """CURVE on the client endpoint: only keys in ``viewer_keys`` or ``admin_keys`` connect."""
+    curve_agents: bool = False
+    """CURVE on the agent endpoint: only keys in ``agent_keys`` connect."""
+    server_secret_key: str | None = None
+    """The coordinator's certificate with its secret key (NAME.key_secret, mode 0600)."""
+    server_public_key: str | None = None
+    """The coordinator's public certificate (NAME.key), as agents read it;
+    None: the public half of ``server_secret_key``."""
+    viewer_keys: str | None = None
+    """Folder of public certificates (*.key) of clients that may only read."""
+    admin_keys: str | None = None
+    """Folder of public certificates (*.key) of clients that may do everything."""
+    agent_keys: str | None = None
+    """Folder of public certificates (*.key) of the agents admitted on the agent endpoint."""
+    agent_secret_key: str | None = None
+    """The agents' own certificate with its secret key (NAME.key_secret, mode 0600)."""
+
+    def __post_init__(self) -> None:
+        for name in ("curve_clients", "curve_agents"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("server_secret_key", "server_public_key", "viewer_keys", "admin_keys",
+                     "agent_keys", "agent_secret_key"):
+            _check_path(name, getattr(self, name))
+        if self.curve_clients and self.viewer_keys is None and self.admin_keys is None:
+            raise ValueError("curve_clients is true but neither viewer_keys nor admin_keys is set: "
+                             "no client could connect")
+        if (self.curve_clients or self.curve_agents) and \
+                self.server_secret_key is None and self.server_public_key is None:
+            raise ValueError("curve_clients or curve_agents is true: set server_secret_key "
+                             "(the coordinator) or server_public_key (agents)")
+
+
+# -- key files ---------------------------------------------------------------------------
+
+
+def _mode(path: str, what: str) -> int:
+    try:
+        return os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ConfigError(f"{what}: key file {path} not found") from None
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot read key file {path}: {e}") from e
+
+
+def _load(path: str, what: str) -> tuple[bytes, bytes | None]:
+    try:
+        return zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{what}: {path} is not a ZeroMQ certificate "
+                          f"(write one with `wsctl keygen`): {e}") from e
+
+
+def load_secret(path: str, what: str) -> tuple[bytes, bytes]:
+    """(public, secret) z85 keys from a certificate only its owner may read, or ConfigError."""
+    mode = _mode(path, what)
+    if mode & 0o077:
+        raise ConfigError(
+            f"{what}: secret key file {path} has mode {stat.S_IMODE(mode):04o}: "
+            f"group and others must have no access to it (chmod 600 {path})")
+    public, secret = _load(path, what)
+    if secret is None:
+        raise ConfigError(f"{what}: {path} holds no secret key: "
+                          f"give the NAME.key_secret file, not NAME.key")
+    return public, secret
+
+
+def load_public(path: str, what: str) -> bytes:
+    """A z85 public key from a certificate others cannot rewrite, or ConfigError."""
+    mode = _mode(path, what)
+    if mode & 0o022:
+        raise ConfigError(
+            f"{what}: key file {path} has mode {stat.S_IMODE(mode):04o}: "
+            f"group and others must not be able to write it (chmod 644 {path})")
+    return _load(path, what)[0]
+
+
+def load_folder(folder: str, what: str) -> dict[bytes, str]:
+    """{z85 public key: file} of every *.key certificate in ``folder``."""
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".key"))
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot list key folder {folder}: {e}") from e
+    return {load_public(os.path.join(folder, n), what): os.path.join(folder, n) for n in names}

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import zmq
 
 from wsd import protocol as p
+from wsd.auth import ClientKeys
 from wsd.config import AgentConfig
 from wsd.errors import WsdError
 from wsd.link import AgentLink
@@ -112,9 +113,11 @@ class Agent:
         heartbeat_timeout: float = 5.0,
         context: zmq.Context | None = None,
         extra: dict[str, Any] | None = None,
+        curve: ClientKeys | None = None,
     ) -> None:
         self.manager = manager
         self.endpoint = endpoint
+        self._curve = curve  # CURVE keys when [security] curve_agents is on
         self.rank = rank
         self.world_size = world_size
         self.tp_size = tp_size
@@ -244,6 +247,8 @@ class Agent:
     def _run(self) -> None:
         sock = make_socket(self._context, zmq.DEALER)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a coordinator that is not there
+        if self._curve is not None:
+            self._curve.apply(sock)
         try:
             connect(sock, self.endpoint)
         except WsdError:

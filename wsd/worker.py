@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from wsd.agent import Agent
+from wsd.auth import agent_keys
 from wsd.config import CoordinatorMode, WsdConfig, load_config
 from wsd.distributed import (
     DistContext,
@@ -101,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         env = read_torchrun_env()
         config = load_config(args.config)
+        curve = agent_keys(config.security)  # key files checked before anything starts
     except ConfigError as e:
         print(f"wsd.worker: {e}", file=sys.stderr)
         return 2
@@ -118,6 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 heartbeat_interval=config.coordinator.heartbeat_interval,
                 heartbeat_timeout=config.coordinator.heartbeat_timeout,
                 extra={"backend": ctx.backend, "local_rank": env.local_rank, "idle": args.idle},
+                curve=curve,
             ).start()
             logger.info("%r on %s, TP group %d of size %d, agent to %s", manager, ctx.backend,
                         ctx.tp_index, ctx.tp_size, endpoint)

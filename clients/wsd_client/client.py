@@ -17,7 +17,8 @@ from typing import Any
 import zmq
 
 from wsd import protocol as p
-from wsd.errors import WsdError
+from wsd.auth import ClientKeys
+from wsd.errors import ConfigError, WsdError
 from wsd.protocol import ErrorCode, Op
 
 __all__ = ["DEFAULT_ENDPOINT", "Client", "ClientError", "CommandResult", "Unavailable"]
@@ -84,10 +85,22 @@ class Client:
         timeout: float = 5.0,
         retries: int = 2,
         context: zmq.Context | None = None,
+        curve_server_key: str | None = None,
+        curve_client_key: str | None = None,
     ) -> None:
+        """``curve_server_key``: the coordinator's public certificate; ``curve_client_key``:
+        this client's NAME.key_secret (default ``$WSD_CURVE_SERVER_KEY``,
+        ``$WSD_CURVE_CLIENT_KEY``); both, to connect with CURVE, or neither."""
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         self.endpoint = endpoint or os.environ.get("WSD_ENDPOINT") or DEFAULT_ENDPOINT
+        server_key = curve_server_key or os.environ.get("WSD_CURVE_SERVER_KEY")
+        client_key = curve_client_key or os.environ.get("WSD_CURVE_CLIENT_KEY")
+        if bool(server_key) != bool(client_key):
+            raise ConfigError("CURVE needs both the coordinator's public key (--curve-server-key, "
+                              "WSD_CURVE_SERVER_KEY) and this client's secret key "
+                              "(--curve-client-key, WSD_CURVE_CLIENT_KEY); only one is given")
+        self._curve = ClientKeys.load(client_key, server_key) if client_key and server_key else None
         self.timeout = timeout
         self.retries = retries
         self._context = context or zmq.Context.instance()
@@ -109,6 +122,8 @@ class Client:
         if self._sock is None:
             sock = self._context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if self._curve is not None:
+                self._curve.apply(sock)
             try:
                 sock.connect(self.endpoint)
             except zmq.ZMQError as e:

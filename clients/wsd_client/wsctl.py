@@ -17,9 +17,16 @@ applies them at the same engine step)::
     wsctl set-ubatches N            1..64 ubatch slots per lane
     wsctl reserve SIZE              size every slot, e.g. 4096, 512KiB, 64MiB
 
+Keys (no coordinator involved)::
+
+    wsctl keygen NAME [--dir DIR]   a CURVE key pair: DIR/NAME.key (public) and
+                                    DIR/NAME.key_secret (mode 0600)
+
 Options taken by every command, before or after its name: ``--endpoint``
 (default ``$WSD_ENDPOINT``, else ``tcp://127.0.0.1:7601``), ``--timeout`` seconds
-per request (default 5), ``--json``.
+per request (default 5), ``--json``; with CURVE, ``--curve-server-key FILE`` (the
+coordinator's public certificate, default ``$WSD_CURVE_SERVER_KEY``) and
+``--curve-client-key FILE`` (your NAME.key_secret, default ``$WSD_CURVE_CLIENT_KEY``).
 
 JSON output (``--json``): exactly one JSON document per result on stdout, one
 per line, keys sorted; nothing on stdout when the command fails.
@@ -72,7 +79,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from wsd.auth import keygen
 from wsd.config import MAX_UBATCHES, parse_size
+from wsd.errors import ConfigError
 from wsd_client import render
 from wsd_client.client import Client, ClientError, CommandResult
 
@@ -233,6 +242,26 @@ def _command(call: Callable[[Client, argparse.Namespace], CommandResult]) -> Han
     return run
 
 
+# -- keys ---------------------------------------------------------------------------
+
+
+def _keygen(client: Client | None, args: argparse.Namespace, out: Output) -> Exit:
+    public, secret = keygen(args.name, args.dir)
+    doc = {"public": str(public), "secret": str(secret)}
+    out.emit(doc, lambda: (
+        f"public key  {public}\n"
+        f"secret key  {secret} (mode 0600: keep it where it is, readable by you only)\n"
+        f"Copy {public.name} into the coordinator's [security] viewer_keys folder (read only) "
+        f"or admin_keys folder (everything), or agent_keys for agents; then connect with\n"
+        f"  wsctl --curve-client-key {secret} --curve-server-key SERVER.key ..."))
+    return Exit.OK
+
+
+def _keygen_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", metavar="NAME", help="file name of the pair: NAME.key, NAME.key_secret")
+    p.add_argument("--dir", default=".", help="folder to write them in (default: the current one)")
+
+
 # -- the command table ------------------------------------------------------------
 
 
@@ -312,6 +341,8 @@ class Spec:
     help: str
     run: Handler
     options: tuple[Callable[[argparse.ArgumentParser], None], ...] = ()
+    client: bool = True
+    """Talks to a coordinator (``run`` gets a Client); False: ``run`` gets None."""
 
 
 COMMANDS: dict[str, Spec] = {
@@ -337,6 +368,8 @@ COMMANDS: dict[str, Spec] = {
                      _command(lambda c, a: c.equalize(a.group, wait=a.wait)), (_target,)),
     "trim": Spec("drop unused capacity (unlocked only)",
                  _command(lambda c, a: c.trim(a.group, wait=a.wait)), (_target,)),
+    "keygen": Spec("write a CURVE key pair (NAME.key, NAME.key_secret)", _keygen,
+                   (_keygen_options,), client=False),
 }
 
 
@@ -357,6 +390,11 @@ def _common(p: argparse.ArgumentParser, top: bool) -> None:
                    help=f"seconds to wait for each reply (default: {DEFAULT_TIMEOUT:g})")
     p.add_argument("--json", action="store_true", default=default(False),
                    help="one JSON document per result per line on stdout (stable keys, see README)")
+    p.add_argument("--curve-server-key", metavar="FILE", default=default(None),
+                   help="the coordinator's public certificate, to connect with CURVE "
+                        "(default: $WSD_CURVE_SERVER_KEY)")
+    p.add_argument("--curve-client-key", metavar="FILE", default=default(None),
+                   help="your NAME.key_secret from `wsctl keygen` (default: $WSD_CURVE_CLIENT_KEY)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -377,9 +415,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # usage error (2) or --help (0): a code, as for every outcome
         return e.code if isinstance(e.code, int) else Exit.USAGE
     out = Output(args.json, sys.stdout)
+    spec = COMMANDS[args.command]
     try:
-        with Client(args.endpoint, timeout=args.timeout) as client:
-            return int(COMMANDS[args.command].run(client, args, out))
+        if not spec.client:
+            return int(spec.run(None, args, out))  # type: ignore[arg-type]
+        with Client(args.endpoint, timeout=args.timeout, curve_server_key=args.curve_server_key,
+                    curve_client_key=args.curve_client_key) as client:
+            return int(spec.run(client, args, out))
+    except ConfigError as e:  # a key file missing, unreadable or open to others
+        print(f"wsctl: {e}", file=sys.stderr)
+        return Exit.USAGE
     except ClientError as e:
         print(f"wsctl: {e}", file=sys.stderr)
         return Exit.ERROR

@@ -1,0 +1,337 @@
+"""Promise 8: CURVE keys, client roles, loopback by default; and the agent socket's size limit.
+
+Real coordinators in threads on random loopback ports, with real CURVE key
+pairs written by ``wsctl keygen``, real ZAP (pyzmq's authenticator), the real
+Python client, wsctl and in-process agents. A key listed nowhere, and a
+plain-text peer, must get nothing at all: the tests bound that wait and expect
+``Unavailable`` (clients) or no registration (agents).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.auth
+from conftest import coordinator_config, wait_until
+from zmq.utils.monitor import recv_monitor_message
+
+from wsd import WorkspaceManager
+from wsd import protocol as p
+from wsd.agent import Agent
+from wsd.auth import ClientKeys, agent_keys, is_loopback, keygen
+from wsd.config import MAX_LANES, MAX_UBATCHES, CoordinatorConfig, load_config
+from wsd.errors import ConfigError
+from wsd.protocol import COMMAND_OPS, ErrorCode, Op
+from wsd.security import SecurityConfig
+from wsd.server import Coordinator
+from wsd_client import wsctl
+from wsd_client.client import Client, ClientError, Unavailable
+
+# How long a refused peer is given to get in anyway: a listed key connects in
+# milliseconds on loopback, so this only bounds the wait for "nothing happened".
+REFUSED_WAIT = 1.0
+
+
+class Keys:
+    """Key pairs written by keygen, and the coordinator's folders of public keys."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.pairs = root / "pairs"
+        for name in ("server", "admin", "viewer", "stranger", "agent", "rogue_agent"):
+            keygen(name, self.pairs)
+        for folder, names in (("admin", ["admin"]), ("viewer", ["viewer"]), ("agents", ["agent"])):
+            (root / folder).mkdir()
+            for name in names:
+                shutil.copy(self.pairs / f"{name}.key", root / folder / f"{name}.key")
+
+    def secret(self, name: str) -> str:
+        return str(self.pairs / f"{name}.key_secret")
+
+    def public(self, name: str) -> str:
+        return str(self.pairs / f"{name}.key")
+
+    def security(self, **overrides) -> SecurityConfig:
+        options = {"server_secret_key": self.secret("server"), "viewer_keys": str(self.root / "viewer"),
+                   "admin_keys": str(self.root / "admin"), "agent_keys": str(self.root / "agents"),
+                   "agent_secret_key": self.secret("agent")}
+        return SecurityConfig(**{**options, **overrides})
+
+    def client(self, coordinator: Coordinator, name: str, timeout: float = 5.0) -> Client:
+        return Client(coordinator.client_endpoint, timeout=timeout, retries=0,
+                      curve_server_key=self.public("server"), curve_client_key=self.secret(name))
+
+
+@pytest.fixture
+def keys(tmp_path) -> Keys:
+    return Keys(tmp_path / "keys")
+
+
+@pytest.fixture
+def serve(tmp_path):
+    """Start coordinators with a [security] section; all are stopped afterwards."""
+    started: list[Coordinator] = []
+
+    def start(security: SecurityConfig, **overrides) -> Coordinator:
+        coordinator = Coordinator(coordinator_config(tmp_path, **overrides), security=security).start()
+        started.append(coordinator)
+        return coordinator
+
+    yield start
+    for coordinator in started:
+        coordinator.stop(timeout=10)
+
+
+@pytest.fixture
+def agents():
+    made: list[Agent] = []
+
+    def make(coordinator: Coordinator, rank: int, world: int, curve: ClientKeys | None) -> Agent:
+        agent = Agent(WorkspaceManager("cpu", 1), endpoint=coordinator.agent_endpoint, rank=rank,
+                      world_size=world, idle=True, heartbeat_interval=0.2, heartbeat_timeout=1.0,
+                      curve=curve).start()
+        made.append(agent)
+        return agent
+
+    yield make
+    for agent in made:
+        agent.stop(timeout=10)
+
+
+# -- client roles ------------------------------------------------------------------------------
+
+
+def test_admin_key_may_change_state(keys, serve):
+    """Fails if CURVE keeps an admin out, or the admin role is refused a command."""
+    coordinator = serve(keys.security(curve_clients=True))
+    with keys.client(coordinator, "admin") as admin:
+        result = admin.lock(wait=False)
+        assert result.seq == 1
+        assert admin.status()["desired"]["locked"] is True
+
+
+def test_viewer_key_reads_and_every_state_changing_op_is_forbidden(keys, serve):
+    """Fails if a viewer can read nothing, if any command op gets through for a viewer, or
+    if a refused command consumes a sequence number or touches the desired state."""
+    coordinator = serve(keys.security(curve_clients=True))
+    with keys.client(coordinator, "admin") as admin, keys.client(coordinator, "viewer") as viewer:
+        admin.set_ubatches(2, wait=False)  # a desired state that is not blank
+        before = viewer.status()
+        assert viewer.ping()["seq"] == 1
+        assert viewer.ranks()["ranks"] == []
+        assert "complete" in viewer.stats()
+        assert viewer.events()["cursor"] >= 0
+        commands = {
+            Op.LOCK: lambda c: c.lock(wait=False), Op.UNLOCK: lambda c: c.unlock(wait=False),
+            Op.SET_UBATCHES: lambda c: c.set_ubatches(4, wait=False),
+            Op.RESERVE: lambda c: c.reserve(4096, wait=False),
+            Op.EQUALIZE: lambda c: c.equalize(wait=False), Op.TRIM: lambda c: c.trim(wait=False),
+        }
+        assert set(commands) == COMMAND_OPS  # a new command op must be added here
+        for op, call in commands.items():
+            with pytest.raises(ClientError) as refused:
+                call(viewer)
+            assert refused.value.code is ErrorCode.FORBIDDEN, op
+            assert str(op) in refused.value.message and "viewer" in refused.value.message
+        after = viewer.status()
+        assert (after["seq"], after["desired"]) == (before["seq"], before["desired"]) == (1, before["desired"])
+        assert admin.lock(wait=False).seq == 2  # no number was spent on the refusals
+
+
+def test_unlisted_key_and_plain_text_client_get_nothing(keys, serve):
+    """Fails if a key in no folder, or a client without CURVE, gets any answer at all."""
+    coordinator = serve(keys.security(curve_clients=True))
+    for client in (keys.client(coordinator, "stranger", timeout=REFUSED_WAIT),
+                   Client(coordinator.client_endpoint, timeout=REFUSED_WAIT, retries=0)):
+        with client, pytest.raises(Unavailable):
+            client.ping()
+    with keys.client(coordinator, "admin") as admin:  # the coordinator was up all along
+        assert admin.ping()["seq"] == 0
+
+
+def test_wsctl_connects_with_curve_keys_from_flags_and_environment(keys, serve, capsys, monkeypatch):
+    """Fails if wsctl ignores --curve-*-key or WSD_CURVE_*, or hides a viewer's refusal."""
+    coordinator = serve(keys.security(curve_clients=True))
+    endpoint = ["--endpoint", coordinator.client_endpoint, "--timeout", "3"]
+    assert wsctl.main([*endpoint, "ping", "--curve-server-key", keys.public("server"),
+                       "--curve-client-key", keys.secret("admin")]) == 0
+    monkeypatch.setenv("WSD_CURVE_SERVER_KEY", keys.public("server"))
+    monkeypatch.setenv("WSD_CURVE_CLIENT_KEY", keys.secret("viewer"))
+    assert wsctl.main([*endpoint, "status"]) == 0
+    capsys.readouterr()
+    assert wsctl.main([*endpoint, "lock"]) == 1
+    assert "forbidden" in capsys.readouterr().err
+    monkeypatch.delenv("WSD_CURVE_SERVER_KEY")
+    assert wsctl.main([*endpoint, "ping"]) == 2  # one key of two: a usage error
+    assert "--curve-server-key" in capsys.readouterr().err
+
+
+# -- agents ------------------------------------------------------------------------------------
+
+
+def test_agents_register_only_with_a_listed_key(keys, serve, agents):
+    """Fails if CURVE on the agent endpoint keeps a listed agent out, or lets an agent with an
+    unlisted key, or with no CURVE at all, register."""
+    security = keys.security(curve_agents=True)
+    coordinator = serve(security, world_size=3)
+    good = agents(coordinator, 0, 3, agent_keys(security))
+    rogue = agents(coordinator, 1, 3, ClientKeys.load(keys.secret("rogue_agent"), keys.public("server")))
+    plain = agents(coordinator, 2, 3, None)
+    assert good.wait_registered(10)
+    assert not rogue.wait_registered(REFUSED_WAIT) and not plain.wait_registered(0)
+    with Client(coordinator.client_endpoint, timeout=5) as client:  # clients stay plain here
+        assert client.status()["ranks"]["live"] == 1
+
+
+# -- key files ---------------------------------------------------------------------------------
+
+
+def test_key_files_others_may_read_or_write_are_refused_at_start_up(keys, tmp_path):
+    """Fails if a secret key readable by group or others, or a public key others may rewrite,
+    is used instead of refused with the file and its mode."""
+    config = coordinator_config(tmp_path)
+    os.chmod(keys.secret("server"), 0o640)
+    with pytest.raises(ConfigError, match=r"server_secret_key.*server\.key_secret has mode 0640"):
+        Coordinator(config, security=keys.security(curve_clients=True))
+    with pytest.raises(ConfigError, match="mode 0640"):  # agents read it when server_public_key is unset
+        agent_keys(keys.security(curve_agents=True))
+    os.chmod(keys.secret("server"), 0o600)
+    os.chmod(keys.secret("viewer"), 0o604)
+    with pytest.raises(ConfigError, match=r"--curve-client-key.*viewer\.key_secret has mode 0604"):
+        Client("tcp://127.0.0.1:1", curve_server_key=keys.public("server"),
+               curve_client_key=keys.secret("viewer"))
+    os.chmod(keys.root / "admin" / "admin.key", 0o666)
+    with pytest.raises(ConfigError, match=r"admin_keys.*admin\.key has mode 0666"):
+        Coordinator(config, security=keys.security(curve_clients=True))
+    os.chmod(keys.root / "admin" / "admin.key", 0o644)
+    Coordinator(config, security=keys.security(curve_clients=True)).stop()  # fixed: it starts
+
+
+def test_security_section_loads_from_file_and_environment(keys, tmp_path):
+    """Fails if [security] is not read by load_config, or a half-configured CURVE is accepted."""
+    path = tmp_path / "wsd.toml"
+    path.write_text(f'[security]\ncurve_clients = true\nserver_secret_key = "{keys.secret("server")}"\n'
+                    f'admin_keys = "{keys.root / "admin"}"\n')
+    config = load_config(path, env={"WSD_SECURITY_CURVE_AGENTS": "true"})
+    assert config.security.curve_clients and config.security.curve_agents
+    assert config.security.admin_keys == str(keys.root / "admin")
+    path.write_text("[security]\ncurve_clients = true\n")
+    with pytest.raises(ConfigError, match=r"wsd\.toml: \[security\] .*viewer_keys nor admin_keys"):
+        load_config(path, env={})
+
+
+# -- where the client endpoint listens ---------------------------------------------------------
+
+
+def test_client_endpoint_is_loopback_by_default_and_says_nothing(tmp_path, caplog):
+    """Fails if the default client (or agent) endpoint is reachable from other hosts, or if a
+    loopback coordinator without CURVE warns anyway."""
+    defaults = load_config(env={}).coordinator
+    assert is_loopback(defaults.client_endpoint) and is_loopback(defaults.agent_endpoint)
+    config = CoordinatorConfig(client_endpoint=defaults.client_endpoint.rsplit(":", 1)[0] + ":0",
+                               agent_endpoint=defaults.agent_endpoint.rsplit(":", 1)[0] + ":0",
+                               state_file=str(tmp_path / "state"))
+    with caplog.at_level(logging.WARNING, logger="wsd"):
+        coordinator = Coordinator(config)
+    coordinator.stop()
+    assert coordinator.client_endpoint.startswith("tcp://127.0.0.1:")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_non_loopback_bind_without_curve_warns(keys, tmp_path, caplog):
+    """Fails if a coordinator reachable from other hosts without CURVE says nothing, or warns
+    about an endpoint CURVE protects."""
+    wide = coordinator_config(tmp_path, client_endpoint="tcp://0.0.0.0:0")
+    with caplog.at_level(logging.WARNING, logger="wsd"):
+        Coordinator(wide).stop()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "clients endpoint tcp://0.0.0.0:" in warnings[0]
+    assert "curve_clients" in warnings[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="wsd"):
+        Coordinator(wide, security=keys.security(curve_clients=True)).stop()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+# -- wsctl keygen ------------------------------------------------------------------------------
+
+
+def test_keygen_writes_a_zeromq_certificate_pair_with_a_private_secret(tmp_path, capsys):
+    """Fails if keygen's files do not load as ZeroMQ certificates, if the secret is readable by
+    anyone but its owner, if it says nothing of where the public key goes, or if it overwrites."""
+    folder = tmp_path / "mine"
+    assert wsctl.main(["keygen", "alice", "--dir", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "viewer_keys" in out and "admin_keys" in out and str(folder / "alice.key") in out
+    public, none = zmq.auth.load_certificate(folder / "alice.key")
+    again, secret = zmq.auth.load_certificate(folder / "alice.key_secret")
+    assert none is None and secret is not None and public == again and len(public) == 40
+    assert stat.S_IMODE(os.stat(folder / "alice.key_secret").st_mode) == 0o600
+    assert sorted(os.listdir(folder)) == ["alice.key", "alice.key_secret"]  # no temporary left
+    assert wsctl.main(["keygen", "alice", "--dir", str(folder)]) == 2
+    assert "exists already" in capsys.readouterr().err
+    assert zmq.auth.load_certificate(folder / "alice.key_secret")[1] == secret
+
+
+# -- the agent socket's size limit ----------------------------------------------------------------
+
+
+def test_oversize_agent_frame_is_dropped_and_the_coordinator_serves_on(start_coordinator, agents):
+    """Fails if the agent ROUTER has no MAXMSGSIZE (an agent could make it buffer any amount:
+    the oversize frame would reach the core and be refused there), or if dropping it hurts
+    the coordinator or a well-behaved rank."""
+    limit = 64 * 1024
+    coordinator = start_coordinator(max_agent_message_bytes=limit, world_size=1)
+    good = agents(coordinator, 0, 1, None)
+    assert good.wait_registered(10)
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    raw.linger = 0
+    monitor = raw.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    try:
+        raw.connect(coordinator.agent_endpoint)
+
+        def next_event(timeout_ms: int = 5000) -> int:
+            assert monitor.poll(timeout_ms), "no socket event in time"
+            return recv_monitor_message(monitor)["event"]
+
+        assert next_event() == zmq.EVENT_CONNECTED
+        raw.send(b"\xc1" * (limit - 64))  # garbage under the limit: read and refused
+        assert raw.poll(5000), "no reply to a frame under the limit"
+        assert p.decode(raw.recv()).op is Op.REJECTED
+        refused = coordinator.core.dropped_bad_agent_frames
+        raw.send(b"\xc1" * (limit + 1))
+        assert next_event() == zmq.EVENT_DISCONNECTED  # cut off, unread
+        assert coordinator.core.dropped_bad_agent_frames == refused
+        with Client(coordinator.client_endpoint, timeout=5) as client:
+            assert client.ping()["epoch"] == coordinator.core.epoch
+            wait_until(lambda: client.status()["ranks"]["live"] == 1, 5, "rank 0 live")
+            assert client.lock().complete and good.manager.is_locked()
+    finally:
+        raw.disable_monitor()
+        monitor.close(linger=0)
+        raw.close(linger=0)
+        context.term()
+
+
+def test_default_agent_limit_passes_the_largest_stats_reply(start_coordinator):
+    """Fails if the default agent limit cuts off a legitimate stats reply: a rank with the most
+    slots a manager allows (64 ubatches x 64 lanes) must still report in full."""
+    coordinator = start_coordinator(world_size=1)  # max_agent_message_bytes at its default
+    assert coordinator.config.max_agent_message_bytes == CoordinatorConfig().max_agent_message_bytes
+    manager = WorkspaceManager("cpu", MAX_UBATCHES, MAX_LANES)
+    agent = Agent(manager, endpoint=coordinator.agent_endpoint, rank=0, world_size=1, idle=True,
+                  heartbeat_interval=0.2, heartbeat_timeout=1.0).start()
+    try:
+        assert agent.wait_registered(10)
+        with Client(coordinator.client_endpoint, timeout=10) as client:
+            stats = client.stats()
+        assert stats["complete"] and not stats["missing"] and len(stats["ranks"]) == 1
+    finally:
+        agent.stop(timeout=10)

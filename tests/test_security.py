@@ -19,6 +19,7 @@ import pytest
 import zmq
 import zmq.auth
 from conftest import coordinator_config, wait_until
+from procs import COORDINATOR_READY, coordinator_section, python, spawn, torchrun, worker_env, write_config  # noqa: F401
 from zmq.utils.monitor import recv_monitor_message
 
 from wsd import WorkspaceManager
@@ -187,6 +188,27 @@ def test_agents_register_only_with_a_listed_key(keys, serve, agents):
     assert not rogue.wait_registered(REFUSED_WAIT) and not plain.wait_registered(0)
     with Client(coordinator.client_endpoint, timeout=5) as client:  # clients stay plain here
         assert client.status()["ranks"]["live"] == 1
+
+
+def test_coordinator_and_worker_processes_use_curve_from_one_config_file(keys, tmp_path, spawn):  # noqa: F811
+    """Fails if ``wsd coordinator`` ignores [security], or a torchrun worker's agent does not
+    connect with the configured keys (it would never register on a CURVE agent endpoint)."""
+    security = {"curve_clients": True, "curve_agents": True, "server_secret_key": keys.secret("server"),
+                "admin_keys": str(keys.root / "admin"), "agent_keys": str(keys.root / "agents"),
+                "agent_secret_key": keys.secret("agent")}
+    config = write_config(tmp_path / "wsd.toml", {"coordinator": {**coordinator_section(tmp_path),
+                                                                  "world_size": 1},
+                                                  "security": security})
+    coordinator = spawn(python("-m", "wsd.cli", "coordinator", "--config", config), name="wsd coordinator")
+    agent_endpoint, client_endpoint = coordinator.wait_for(COORDINATOR_READY, 30).groups()
+    spawn(torchrun(1, config, "--idle"), name="torchrun",
+          env=worker_env(WSD_COORDINATOR_CONNECT_ENDPOINT=agent_endpoint))
+    with Client(client_endpoint, timeout=5, curve_server_key=keys.public("server"),
+                curve_client_key=keys.secret("admin")) as admin:
+        wait_until(lambda: admin.status()["ranks"]["live"] == 1, 60, "the worker's agent to register")
+        assert admin.lock(timeout=10).complete
+    with Client(client_endpoint, timeout=REFUSED_WAIT, retries=0) as plain, pytest.raises(Unavailable):
+        plain.ping()
 
 
 # -- key files ---------------------------------------------------------------------------------

@@ -297,7 +297,7 @@ def bench_agreement(rounds: int, calls: int, state_dir: str) -> tuple[float, flo
 
 
 def state_write_cost(directory: str, commands: int) -> float:
-    """Median microseconds of one command's atomic state-file write (write, fsync, rename, fsync dir)."""
+    """Median microseconds of recording one command (a journal record appended and fsynced)."""
     with tempfile.TemporaryDirectory(prefix="wsd-bench-", dir=directory) as d:
         log = CommandLog(str(Path(d) / "cost.state"), 4096)
         return statistics.median(_timed(lambda: log.append("lock", {}, None, 0.0)) for _ in range(commands))
@@ -341,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         print(f"{step:>12.1f} {bare:>10.1f} {step / bare:>7.2f}")
         ratios["agreement wsd/bare"] = step / bare
     print()
-    print("atomic state-file write per command (write, fsync, rename, fsync dir), median us:")
+    print("recording one command (journal append + fsync), median us:")
     for directory in dict.fromkeys([args.state_dir or tempfile.gettempdir(), tempfile.gettempdir()]):
         print(f"  {directory}: {state_write_cost(directory, 20 if args.quick else 100):.0f}"
               f"{'  (used above)' if directory == (args.state_dir or tempfile.gettempdir()) else ''}")

@@ -301,10 +301,10 @@ def test_command_numbered_and_persisted_before_it_is_sent(h, monkeypatch):
     """Promise 6: a restarted coordinator knows every command it ever sent."""
     h.register_all()
     order: list[tuple[str, Any]] = []
-    write, encode = h.core.log._write, p.encode
+    write, encode = h.core.log._append_record, p.encode
 
-    def spy_write(document):
-        write(document)
+    def spy_write(record):
+        write(record)
         on_disk = CommandLog(h.config.state_file, 100)
         on_disk.load()
         order.append(("on disk", on_disk.seq))
@@ -312,7 +312,7 @@ def test_command_numbered_and_persisted_before_it_is_sent(h, monkeypatch):
     def spy_encode(op, body=None, request_id=0):
         order.append(("encoded", op))
         return encode(op, body, request_id)
-    monkeypatch.setattr(h.core.log, "_write", spy_write)
+    monkeypatch.setattr(h.core.log, "_append_record", spy_write)
     monkeypatch.setattr(p, "encode", spy_encode)
     sent = h.client(Op.SET_UBATCHES, {"n": 4, "wait": False})
     monkeypatch.undo()
@@ -748,7 +748,8 @@ def test_agent_ahead_of_the_log_bumps_seq(tmp_path):
     """If the state file was lost, agents' applied seqs must not be handed out again."""
     first = make(tmp_path)
     issue_three(first)
-    (tmp_path / "coordinator.state").unlink()
+    for name in ("coordinator.state", "coordinator.state.journal"):  # snapshot and journal
+        (tmp_path / name).unlink()
     second = make(tmp_path)
     assert second.core.log.seq == 0 and second.core.recovered is False
     sent = second.register(0, applied_seq=3)
@@ -816,6 +817,22 @@ def test_damaged_state_file_refuses_to_start(tmp_path, damage):
     with pytest.raises(StateFileError, match="coordinator.state"):
         make(tmp_path)
     assert path.read_bytes() == damaged  # left for the operator to repair
+
+
+def test_torn_last_journal_record_is_dropped_and_reported(tmp_path):
+    """A crash mid-append leaves part of a record that was never sent: the coordinator
+    must start from the commands before it and say so in an event, not refuse to start
+    (nor replay half a command)."""
+    first = make(tmp_path)
+    issue_three(first)
+    journal = tmp_path / "coordinator.state.journal"
+    journal.write_bytes(journal.read_bytes()[:-3])  # the third record cut short
+    second = make(tmp_path)
+    assert second.core.recovered is True and second.core.log.seq == 2
+    assert second.core.log.desired(0)["locked"] is True  # the unlock of group 0 was torn
+    (repaired,) = second.events("state_repaired")
+    assert "coordinator.state.journal" in repaired["detail"] and "never sent" in repaired["detail"]
+    assert make(tmp_path).events("state_repaired") == []  # repaired once, for good
 
 
 # -- bad input -------------------------------------------------------------

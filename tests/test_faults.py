@@ -178,9 +178,10 @@ def test_coordinator_killed_mid_command_restarts_from_its_state_file(tmp_path, s
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
 def test_damaged_state_file_is_refused_at_start_up_and_left_alone(tmp_path, spawn, damage):  # noqa: F811
-    """Without the check a coordinator would start afresh at seq 0 and hand out numbers
-    that agents already applied (they would skip those commands); without leaving the
-    file alone, the operator could not repair it."""
+    """The snapshot damaged (the commands are in its journal beside it). Without the
+    check a coordinator would start afresh at seq 0 and hand out numbers that agents
+    already applied (they would skip those commands); without leaving the file alone,
+    the operator could not repair it."""
     config = coordinator_file(tmp_path)
     proc, _, clients = run_coordinator(spawn, config)
     with Client(clients, timeout=5) as client:
@@ -198,6 +199,29 @@ def test_damaged_state_file_is_refused_at_start_up_and_left_alone(tmp_path, spaw
     assert f"{path}: not a valid coordinator state file" in out, out
     assert "Traceback" not in out and "wsd coordinator ready" not in out, out
     assert path.read_bytes() == damaged, "the damaged state file was overwritten"
+
+
+@pytest.mark.timeout(60)
+def test_journal_cut_short_by_a_crash_is_recovered_and_reported(tmp_path, spawn):  # noqa: F811
+    """A crash mid-append leaves the journal's last record cut short; that command was
+    never sent (sending follows the fsync). Without the repair the coordinator could
+    not start again; without the event the operator would not know."""
+    config = coordinator_file(tmp_path)
+    proc, _, clients = run_coordinator(spawn, config)
+    with Client(clients, timeout=5) as client:
+        assert [client.lock().seq, client.set_ubatches(4).seq] == [1, 2]
+    proc.send(signal.SIGKILL)
+    proc.wait(10)
+    journal = tmp_path / "state.journal"
+    journal.write_bytes(journal.read_bytes()[:-5])
+    _, _, clients = run_coordinator(spawn, config)
+    with Client(clients, timeout=5) as client:
+        status = client.status()
+        assert status["seq"] == 1 and status["desired"]["locked"] is True, status
+        assert status["desired"]["num_ubatches"] is None, status
+        (repaired,) = [e for e in client.events()["events"] if e["kind"] == "state_repaired"]
+        assert str(journal) in repaired["detail"], repaired
+        assert client.unlock().seq == 2  # the torn number is handed out again: no agent saw it
 
 
 @pytest.mark.timeout(90)

@@ -89,6 +89,8 @@ class CoordinatorCore:
         self.events = EventLog(config.event_capacity)
         self.started = wall()
         self.events.add(EventKind.STARTED, self.started, seq=self.log.seq, recovered=self.recovered)
+        if self.log.repaired:  # a torn last journal record was dropped: tell the operator
+            self.events.add(EventKind.STATE_REPAIRED, self.started, detail=self.log.repaired)
         self._commands: dict[int, _PendingCommand] = {}
         self._stats: dict[int, _PendingStats] = {}
         self._stats_ids = 0

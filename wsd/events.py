@@ -12,6 +12,7 @@ __all__ = ["EventKind", "EventLog"]
 
 class EventKind(StrEnum):
     STARTED = "started"
+    STATE_REPAIRED = "state_repaired"
     JOINED = "joined"
     LOST = "lost"
     BACK = "back"

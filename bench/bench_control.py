@@ -38,6 +38,7 @@ import zmq
 from wsd import protocol as p
 from wsd.commandlog import CommandLog
 from wsd.config import AgentConfig, CoordinatorConfig
+from wsd.link import AgentLink
 from wsd.protocol import Op
 from wsd.server import Coordinator
 from wsd.simulated import SimulatedManager, SimulatedRanks
@@ -164,9 +165,11 @@ def _request(size: int, reply_size: int) -> bytes:
 
 def frame_sizes() -> dict[str, tuple[int, int]]:
     """(request, reply) bytes of one rank's leg of a stats round and of a command."""
-    snapshot = SimulatedManager(SLOTS).snapshot()
-    stats = (len(p.encode(Op.STATS_REQUEST, {"request": 1})),
-             len(p.encode(Op.STATS_REPLY, {"rank": 1, "request": 1, "stats": snapshot, "step": 0})))
+    # The reply exactly as a simulated rank sends it (a rank number of the same width).
+    link = AgentLink(SimulatedManager(SLOTS), rank=1, world_size=2, idle=True)
+    request = p.encode(Op.STATS_REQUEST, {"request": 1})
+    [reply] = link.on_frame(request, 0.0)
+    stats = (len(request), len(reply))
     command = (len(p.encode(Op.COMMAND, {"seq": 1, "action": "lock", "args": {}, "group": None})),
                len(p.encode(Op.ACK, {"rank": 1, "seq": 1, "step": 0, "ok": True, "error": None})))
     return {"stats": stats, "command": command}

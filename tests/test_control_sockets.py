@@ -12,6 +12,7 @@ from wsd import WorkspaceLockedError, WorkspaceManager, use_ubatch
 from wsd.agent import Agent
 from wsd.protocol import ErrorCode
 from wsd_client.client import Client, ClientError, Unavailable
+from wsd_client.rows import rank_slots
 
 
 @pytest.fixture
@@ -78,8 +79,9 @@ def test_stats_per_rank_and_slot(start_coordinator, agents):
         stats = client.stats()
     assert stats["complete"] and stats["missing"] == []
     by_rank = {r["rank"]: r for r in stats["ranks"]}
-    assert [s["capacity_bytes"] for s in by_rank[0]["slots"]] == [0, 4096]
-    assert [s["requests"] for s in by_rank[1]["slots"]] == [1, 0]
+    assert by_rank[0]["slots"]["capacity_bytes"] == [0, 4096]  # the compact answer: columns
+    assert by_rank[1]["slots"]["requests"] == [1, 0]
+    assert [s["capacity_bytes"] for s in rank_slots(by_rank[0])] == [0, 4096]  # the documented rows
     assert stats["total_bytes"] == 4096 + 256
 
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import msgpack
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from wsd import protocol as p
 from wsd.commandlog import CommandLog
@@ -22,7 +24,8 @@ from wsd.coordinator import AGENT, CLIENT, CoordinatorCore
 from wsd.errors import StateFileError
 from wsd.protocol import ErrorCode, Op
 from wsd.registry import RankState
-from wsd.stats import ManagerStats, PersistentStats, SlotStats
+from wsd.stats import (PERSISTENT_COLUMNS, SLOT_COLUMNS, VIOLATION_COLUMNS, LockViolation, ManagerStats,
+                       PersistentStats, SlotStats)
 
 WALL0 = 1_700_000_000.0
 MONO0 = 500.0
@@ -177,13 +180,13 @@ def h(tmp_path) -> Harness:
 
 def snapshot(capacities: list[int], *, persistent: int = 0, locked: bool = False,
              peak: int | None = None, requests: int = 1) -> dict[str, Any]:
-    """A snapshot in the agent's wire form (ManagerStats.to_dict), one lane."""
+    """A snapshot in the agent's wire form (ManagerStats.to_wire: slots as columns), one lane."""
     slots = tuple(
         SlotStats(ubatch=i, lane=0, capacity_bytes=c, peak_requested_bytes=c if peak is None else peak,
                   requests=requests, resizes=1 if c else 0, lock_violations=0, last_violation=None,
                   persistent=(PersistentStats("k", "tensor", persistent),) if persistent and i == 0 else ())
         for i, c in enumerate(capacities))
-    return ManagerStats("cpu", len(capacities), 1, locked, slots).to_dict()
+    return ManagerStats("cpu", len(capacities), 1, locked, slots).to_wire()
 
 
 # -- imports ---------------------------------------------------------------
@@ -490,19 +493,37 @@ def test_stats_aggregated_per_rank_slot_and_group(h):
     by_rank = {r["rank"]: r for r in result["ranks"]}
     assert by_rank[0]["total_bytes"] == 4000 and by_rank[0]["step"] == 5
     assert by_rank[1]["total_bytes"] == 7256 and by_rank[1]["capacity_bytes"] == 7000
-    assert [s["capacity_bytes"] for s in by_rank[1]["slots"]] == [4000, 3000]
+    assert by_rank[1]["slots"]["capacity_bytes"] == [4000, 3000]
+    assert by_rank[1]["slots"]["persistent"] == {"slot": [0], "key": ["k"], "kind": ["tensor"], "nbytes": [256]}
     assert result["total_bytes"] == 4000 + 7256 + 0 + 512
     g0, g1 = result["groups"]
     assert (g0["tp_group"], g0["ranks"], g0["reporting"]) == (0, [0, 1], [0, 1])
     assert (g0["total_bytes"], g0["rank_bytes_min"], g0["rank_bytes_max"], g0["skew_bytes"]) == (
         11256, 4000, 7256, 3256)
-    s0, s1 = g0["slots"]
-    assert (s0["ubatch"], s0["capacity_min"], s0["capacity_max"], s0["capacity_total"], s0["skew_bytes"]) == (
-        0, 1000, 4000, 5000, 3000)
-    assert (s1["ubatch"], s1["capacity_min"], s1["capacity_max"], s1["skew_bytes"]) == (1, 3000, 3000, 0)
-    assert s0["requests"] == 2 and s0["peak_requested_max"] == 4000
+    s = g0["slots"]
+    assert (s["ubatch"], s["lane"], s["ranks"]) == ([0, 1], [0, 0], [[0, 1], [0, 1]])
+    assert (s["capacity_min"], s["capacity_max"], s["capacity_total"], s["skew_bytes"]) == (
+        [1000, 3000], [4000, 3000], [5000, 6000], [3000, 0])
+    assert s["requests"] == [2, 2] and s["peak_requested_max"] == [4000, 3000]
+    assert g1["slots"]["capacity_max"] == [512, 0] and g1["slots"]["skew_bytes"] == [512, 0]
     assert g0["locked_consistent"] is True and g1["locked_consistent"] is False
     assert g1["skew_bytes"] == 512
+
+
+def test_stats_group_with_ranks_disagreeing_on_slots(h):
+    """Ranks of a group mid-reconfiguration hold different slots: the group's
+    per-slot summary matches slots by (ubatch, lane) and names who has each,
+    instead of pairing the columns by position (which would fold rank 0's
+    third slot into nothing, or misalign them)."""
+    h.register_all([0, 1])
+    request, _ = stats_round(h, {"group": 0})
+    stats_reply(h, 0, request, snapshot([100, 200, 300]))
+    result = only_reply(stats_reply(h, 1, request, snapshot([50, 400]))).result
+    [g0] = result["groups"]
+    s = g0["slots"]
+    assert (s["ubatch"], s["ranks"]) == ([0, 1, 2], [[0, 1], [0, 1], [0]])
+    assert (s["capacity_min"], s["capacity_max"], s["skew_bytes"]) == ([50, 200, 300], [100, 400, 300], [50, 200, 0])
+    assert g0["num_ubatches_consistent"] is False
 
 
 def test_stats_missing_ranks_and_timeout_partial(h):
@@ -548,34 +569,61 @@ def _without_slots(stats):
     del stats["slots"]
 
 
+def _slots_as_rows(stats):  # the old row form, one map per slot
+    stats["slots"] = [{"ubatch": 0, "lane": 0, "capacity_bytes": 128}]
+
+
+def _column_not_a_list(stats):
+    stats["slots"]["capacity_bytes"] = 128
+
+
 def _text_capacity(stats):
-    stats["slots"][0]["capacity_bytes"] = "128"
+    stats["slots"]["capacity_bytes"][0] = "128"
 
 
 def _text_ubatch(stats):  # sorting slots of several ranks would compare str with int
-    stats["slots"][0]["ubatch"] = "0"
+    stats["slots"]["ubatch"][0] = "0"
 
 
-def _slot_without_requests(stats):
-    del stats["slots"][0]["requests"]
+def _without_requests(stats):
+    del stats["slots"]["requests"]
 
 
-def _slot_not_a_map(stats):
-    stats["slots"] = [[0, 0, 128]]
+def _ragged_columns(stats):  # rows would silently be cut to the shortest column
+    stats["slots"]["resizes"].append(1)
 
 
 def _boolean_violations(stats):  # True is an int in Python, never a count
-    stats["slots"][0]["lock_violations"] = True
+    stats["slots"]["lock_violations"][0] = True
+
+
+def _violation_of_no_slot(stats):  # a client expanding the rows would index past the end
+    stats["slots"]["last_violation"] = {"slot": [5], "caller": ["f.py:1:g"], "requested": [2],
+                                        "capacity": [1], "time": [1.0]}
+
+
+def _persistent_key_not_text(stats):
+    stats["slots"]["persistent"] = {"slot": [0], "key": [7], "kind": ["tensor"], "nbytes": [1]}
+
+
+def _persistent_without_sizes(stats):
+    stats["slots"]["persistent"] = {"slot": [0], "key": ["k"], "kind": ["tensor"]}
 
 
 @pytest.mark.parametrize(("spoil", "named"), [
     (_without_slots, "slots: missing"),
-    (_text_capacity, "slots[0].capacity_bytes"),
-    (_text_ubatch, "slots[0].ubatch"),
-    (_slot_without_requests, "slots[0].requests: missing"),
-    (_slot_not_a_map, "slots[0]: expected dict"),
-    (_boolean_violations, "slots[0].lock_violations: expected int, got bool"),
-], ids=["no-slots", "text-capacity", "text-ubatch", "slot-key-missing", "slot-not-a-map", "bool-count"])
+    (_slots_as_rows, "slots: expected map, got list"),
+    (_column_not_a_list, "slots.capacity_bytes: expected list, got int"),
+    (_text_capacity, "slots.capacity_bytes[0]: expected int, got str"),
+    (_text_ubatch, "slots.ubatch[0]"),
+    (_without_requests, "slots.requests: missing"),
+    (_ragged_columns, "slots.resizes: 2 entries, expected 1"),
+    (_boolean_violations, "slots.lock_violations[0]: expected int, got bool"),
+    (_violation_of_no_slot, "slots.last_violation.slot[0]: slot index 5 out of range"),
+    (_persistent_key_not_text, "slots.persistent.key[0]: expected str, got int"),
+    (_persistent_without_sizes, "slots.persistent.nbytes: missing"),
+], ids=["no-slots", "slots-as-rows", "column-not-a-list", "text-capacity", "text-ubatch", "column-missing",
+        "ragged", "bool-count", "violation-of-no-slot", "persistent-key", "persistent-column-missing"])
 def test_invalid_stats_snapshot_does_not_break_the_round(h, spoil, named):
     """A snapshot the aggregator cannot read (a buggy or newer agent) must not
     lose the client its answer (it used to raise inside the aggregation, after
@@ -591,6 +639,42 @@ def test_invalid_stats_snapshot_does_not_break_the_round(h, spoil, named):
     assert "invalid stats snapshot" in bad["reason"] and named in bad["reason"]
     assert h.core.dropped_bad_agent_frames == 1
     assert h.ok(Op.PING)["seq"] == 0
+
+
+# Values that no column of a snapshot ever accepts, per the column's kind.
+_NEVER = {
+    int: [None, "7", 1.5, True, [], {}, b"7"],
+    str: [None, 7, 1.5, False, [], {}, b"k"],
+    float: [None, "1.0", True, [], {}],
+}
+_SLOT_KINDS = {**{f"slots.{c}": int for c in SLOT_COLUMNS},
+               **{f"slots.last_violation.{c}": k for c, k in zip(VIOLATION_COLUMNS, (int, str, int, int, float))},
+               **{f"slots.persistent.{c}": k for c, k in zip(PERSISTENT_COLUMNS, (int, str, str, int))}}
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_any_wrong_entry_in_any_snapshot_column_is_named(tmp_path_factory, data):
+    """The fast check of the columnar snapshot looks at whole columns at once;
+    whatever entry of whichever column is wrong, the rank must be reported
+    missing with the column named (not let through to the clients, whose row
+    expansion would fail or print junk), and the other rank's answer kept."""
+    h = make(tmp_path_factory.mktemp("core"))
+    h.register_all([0, 1])
+    where = data.draw(st.sampled_from(sorted(_SLOT_KINDS)), "column")
+    bad_value = data.draw(st.sampled_from(_NEVER[_SLOT_KINDS[where]]), "value")
+    stats = ManagerStats("cpu", 3, 1, False, tuple(
+        SlotStats(i, 0, 64 * i, 64 * i, i, 1, 1, LockViolation("m.py:1:f", 128, 64 * i, 2.5),
+                  (PersistentStats("k", "tensor", 8),)) for i in range(3))).to_wire()
+    *path, name = where.split(".")[1:]
+    column = stats["slots"][path[0]][name] if path else stats["slots"][name]
+    column[data.draw(st.integers(0, len(column) - 1), "entry")] = bad_value
+    request, _ = stats_round(h, {"group": 0})
+    stats_reply(h, 0, request, snapshot([128]))
+    result = only_reply(stats_reply(h, 1, request, stats)).result
+    assert [r["rank"] for r in result["ranks"]] == [0]
+    [bad] = [m for m in result["missing"] if m["rank"] == 1]
+    assert f"{where}[" in bad["reason"], bad["reason"]
 
 
 def test_invalid_stats_snapshot_at_the_timeout(h):

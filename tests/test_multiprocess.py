@@ -21,6 +21,7 @@ from procs import processes, python
 from wsd import WorkspaceManager, use_ubatch
 from wsd.agent import Agent, tp_side_group
 from wsd_client.client import Client
+from wsd_client.rows import stats_rows
 
 HEARTBEAT_INTERVAL = 0.2
 HEARTBEAT_TIMEOUT = 1.0
@@ -249,7 +250,7 @@ def test_stats_per_rank_and_slot_with_group_totals(cluster):
         c.workers.ask(r, "request", 1, (r + 1) * 4096)  # grows slot 1 to exactly this
         c.workers.ask(r, "request", 1, 512)  # fits: one more request, no growth
         quiet[r] = c.workers.ask(r, "quiet")["loop_requests"]
-    stats = c.client.stats()
+    stats = stats_rows(c.client.stats())  # the documented rows, from the compact answer
     assert stats["complete"] and stats["missing"] == []
     by_rank = {r["rank"]: r for r in stats["ranks"]}
     assert sorted(by_rank) == [0, 1, 2, 3]

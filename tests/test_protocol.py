@@ -118,6 +118,19 @@ def test_every_op_round_trips(op):
     assert set(message.body) == {f.name for f in p.SCHEMAS[op]}
 
 
+def test_spliced_frames_are_the_frames_encoded_whole():
+    """A value encoded once and spliced in (a simulated rank's snapshot, the
+    coordinator's stats answer built as replies arrive) must give exactly the
+    message that encoding it whole gives, or the other side would read
+    another message, or none."""
+    stats = {"slots": {"capacity_bytes": [4096, 0]}, "locked": False}
+    body = {"rank": 3, "request": 9, "step": 2}
+    spliced = p.encode(Op.STATS_REPLY, body, 7, packed={"stats": msgpack.packb(stats)})
+    assert p.decode(spliced) == p.decode(p.encode(Op.STATS_REPLY, {**body, "stats": stats}, 7))
+    result = {"ranks": [{"rank": 0}], "complete": True}
+    assert p.ok_reply_packed(5, msgpack.packb(result)) == p.ok_reply(5, result)
+
+
 def test_defaults_filled_in_and_not_shared():
     """Optional fields get their documented default; a mutable default is a fresh
     copy, so one message mutating its body cannot change the next one's."""

@@ -48,10 +48,10 @@ def test_stats_has_every_rank_with_its_slots(swarm):
         stats = client.stats()
     assert stats["complete"] and stats["missing"] == []
     assert [r["rank"] for r in stats["ranks"]] == list(range(RANKS))
-    assert all(len(r["slots"]) == SLOTS for r in stats["ranks"])
-    assert len(stats["groups"]) == 4 and all(len(g["slots"]) == SLOTS for g in stats["groups"])
+    assert all(len(r["slots"]["capacity_bytes"]) == SLOTS for r in stats["ranks"])
+    assert len(stats["groups"]) == 4 and all(len(g["slots"]["capacity_max"]) == SLOTS for g in stats["groups"])
     # The wire form is exactly what a real manager sends.
-    ManagerStats.from_dict(stats["ranks"][0])
+    assert ManagerStats.from_wire(stats["ranks"][0]) == SimulatedManager(SLOTS).stats()
     assert stats["total_bytes"] == RANKS * SimulatedManager(SLOTS).stats().total_bytes
 
 
@@ -104,3 +104,27 @@ def test_snapshot_wire_form_is_the_dataclasses():
     stats = ManagerStats("cuda:0", 3, 2, True, slots)
     assert stats.to_dict() == {**dataclasses.asdict(stats), "total_bytes": stats.total_bytes}
     assert ManagerStats.from_dict(stats.to_dict()) == stats
+
+
+def test_columnar_wire_form_expands_to_the_row_form():
+    """The compact form (to_wire) is what agents send and clients expand with
+    slot_rows: expanded, it must give exactly the documented rows of to_dict,
+    last violations and persistent buffers on the right slots, and survive
+    msgpack both ways; else wsctl --json would print other numbers than the
+    manager holds."""
+    import msgpack
+
+    from wsd.stats import LockViolation, PersistentStats, SlotStats, slot_rows
+
+    violation = LockViolation("model.py:12:forward", 4096, 1024, 1.5)
+    slots = tuple(
+        SlotStats(i // 2, i % 2, 4096 * i, 4000 * i, i, 1, i % 3, violation if i % 3 else None,
+                  (PersistentStats("ids", "tensor", 512), PersistentStats("handle", "resource", 0)) if i % 2 else ())
+        for i in range(6)
+    )
+    stats = ManagerStats("cuda:0", 3, 2, True, slots)
+    wire = msgpack.unpackb(msgpack.packb(stats.to_wire()))
+    assert wire["total_bytes"] == stats.total_bytes and wire["slots"]["capacity_bytes"] == [4096 * i for i in range(6)]
+    rows = [{**row, "persistent": tuple(row["persistent"])} for row in slot_rows(wire["slots"])]
+    assert rows == list(stats.to_dict()["slots"])
+    assert ManagerStats.from_wire(wire) == stats

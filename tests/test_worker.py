@@ -29,6 +29,7 @@ from wsd.manager import WorkspaceManager
 from wsd.server import Coordinator
 from wsd.workload import TensorParallelMlp, run_workload, steady_tokens, warmup_tokens
 from wsd_client.client import Client
+from wsd_client.rows import stats_rows
 
 GOOD_ENV = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
@@ -169,7 +170,7 @@ def cluster(tmp_path_factory):
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            stats = client.stats(timeout=2)
+            stats = stats_rows(client.stats(timeout=2))
             if stats["ranks"]:
                 samples.append(stats)
             if len(stats["ranks"]) == 2 and all(r["locked"] for r in stats["ranks"]):
@@ -220,7 +221,7 @@ def test_set_ubatches_applies_at_the_same_step_on_both_ranks(cluster):
     assert result.same_step and all(result.same_step.values())
 
     def three_slots_used():
-        ranks = client.stats(timeout=2)["ranks"]
+        ranks = stats_rows(client.stats(timeout=2))["ranks"]
         return len(ranks) == 2 and all(
             r["num_ubatches"] == 3 and len(r["slots"]) == 3 and r["slots"][2]["requests"] > 0 for r in ranks
         ) and ranks
@@ -242,7 +243,7 @@ def test_idle_worker_serves_the_manager_and_applies_on_receipt(tmp_path, spawn, 
         wait_until(lambda: client.status()["ranks"]["live"] == 1, 60, "the idle rank to register")
         assert client.set_ubatches(4, timeout=10).complete
         assert client.reserve(4096, timeout=10).complete
-        rank = client.stats()["ranks"][0]
+        rank = stats_rows(client.stats())["ranks"][0]
         assert rank["num_ubatches"] == 4 and [s["capacity_bytes"] for s in rank["slots"]] == [4096] * 4
         assert all(s["requests"] == 0 for s in rank["slots"])  # nothing computed
     pids = proc.tree()

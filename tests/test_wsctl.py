@@ -23,6 +23,7 @@ from wsd.agent import Agent
 from wsd.fmt import format_bytes
 from wsd_client import render, wsctl
 from wsd_client.client import Client
+from wsd_client.rows import stats_rows
 
 KiB = 1024
 
@@ -362,10 +363,10 @@ def test_watch_frame_shows_growth_since_the_last_round(cluster):
     """Fails if a slot that grew between two rounds is not marked with how much."""
     coordinator, (agent,) = cluster(1)
     with Client(coordinator.client_endpoint, timeout=5) as client:
-        before = client.stats()
+        before = stats_rows(client.stats())
         with use_ubatch(1):
             agent.manager.get_simultaneous(((4096,), torch.uint8))
-        after = client.stats()
+        after = stats_rows(client.stats())
     rows = {int(r.split()[2]): r for r in render.watch(after, before, "h").splitlines()[2:]}
     assert "+4.0 KiB" in rows[1] and "+" not in rows[0]
 

@@ -75,7 +75,7 @@ class _ManagerBackend:
         return {"locked": self.manager.is_locked(), "num_ubatches": self.manager.num_ubatches}
 
     def snapshot(self) -> dict[str, Any]:
-        return self.manager.stats().to_dict()
+        return self.manager.stats().to_wire()
 
     def apply(self, action: str, args: dict[str, Any]) -> None:
         manager = self.manager

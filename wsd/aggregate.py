@@ -1,64 +1,102 @@
 """Aggregation of per-rank manager snapshots: per rank, per slot, per TP group.
 
-Input is what agents send (``ManagerStats.to_dict()``); output is plain lists
-and maps, ready for msgpack or JSON. No sockets, no torch.
+Input is what agents send (``ManagerStats.to_wire()``: each rank's slots as
+equal-length columns); output is plain lists and maps, ready for msgpack or
+JSON, with the slots of every rank and of every group as columns too (the
+``stats`` answer; ``wsd_client.stats_rows`` expands it into rows). No
+sockets, no torch.
 
 Each snapshot is checked and read out in one pass as its reply arrives
-(``read_snapshot``), while the other ranks are still answering; what is left
-for the end of a round (``aggregate_stats``) is the per-group arithmetic over
-the numbers read out, so that the answer leaves soon after the last reply.
+(``read_snapshot``), and its part of the answer encoded then, while the other
+ranks are still answering; so is a TP group's part once all its ranks have
+answered (``StatsRound``). What is left for the end of a round is the groups
+with ranks missing and the splicing of the encoded parts, so that the answer
+leaves soon after the last reply.
 """
 
 from __future__ import annotations
 
-from operator import itemgetter
+from itertools import chain
+from operator import sub
 from typing import Any
 
-__all__ = ["Snapshot", "aggregate_stats", "read_snapshot"]
+import msgpack
 
-_RANK_FIELDS = {"device": str, "num_ubatches": int, "num_lanes": int, "locked": bool, "slots": list}
-# The slot's numbers aggregation reads, in the order of a ``Snapshot`` row.
-_SLOT_FIELDS = ("ubatch", "lane", "capacity_bytes", "peak_requested_bytes", "requests", "resizes",
-                "lock_violations")
-_slot_row = itemgetter(*_SLOT_FIELDS)
-_INT_ONLY = {int}
+from wsd.stats import PERSISTENT_COLUMNS, SLOT_COLUMNS, VIOLATION_COLUMNS
+
+__all__ = ["Snapshot", "StatsRound", "read_snapshot"]
+
+_RANK_FIELDS = {"device": str, "num_ubatches": int, "num_lanes": int, "locked": bool, "slots": dict}
+# The sparse tables' columns and the type of each.
+_VIOLATION_TYPES = dict(zip(VIOLATION_COLUMNS, (int, str, int, int, float)))
+_PERSISTENT_TYPES = dict(zip(PERSISTENT_COLUMNS, (int, str, str, int)))
 _MISSING = object()
+_LIST = {list}
+_INT = {int}
+_NAMES = {int: "int", str: "str", float: "number", bool: "bool", dict: "map", list: "list"}
+# One packer for the whole process: the coordinator's core runs on one thread.
+_packer = msgpack.Packer(use_bin_type=True)
 
 
 def _need(where: str, value: Any, kind: type) -> None:
     if value is _MISSING:
         raise ValueError(f"{where}: missing")
     # bool is an int in Python; it is never a count of bytes.
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise ValueError(f"{where}: expected {kind.__name__}, got {type(value).__name__}")
+    if isinstance(value, bool) and kind is not bool:
+        raise ValueError(f"{where}: expected {_NAMES[kind]}, got bool")
+    if kind is float and isinstance(value, int):
+        return  # a whole number of seconds
+    if not isinstance(value, kind):
+        raise ValueError(f"{where}: expected {_NAMES[kind]}, got {type(value).__name__}")
 
 
-def _checked_row(i: int, slot: Any) -> tuple[int, ...]:
-    """The exact check of one slot: its row, or ValueError naming the key."""
-    _need(f"slots[{i}]", slot, dict)
-    for key in _SLOT_FIELDS:
-        _need(f"slots[{i}].{key}", slot.get(key, _MISSING), int)
-    return _slot_row(slot)
+def _column(where: str, value: Any, kind: type, length: int | None) -> list[Any]:
+    """One column: a list of ``length`` values of ``kind``, or ValueError naming it.
+
+    The common case is one type test of the whole column (msgpack decodes
+    integers as exactly ``int``); anything else takes the exact check, which
+    raises naming the entry or accepts what it always accepted (say an int
+    subclass from a caller in the same process).
+    """
+    _need(where, value, list)
+    if length is not None and len(value) != length:
+        raise ValueError(f"{where}: {len(value)} entries, expected {length} (one per slot)")
+    if not set(map(type, value)) <= {kind}:
+        for i, item in enumerate(value):
+            _need(f"{where}[{i}]", item, kind)
+    return value
+
+
+def _table(where: str, value: Any, types: dict[str, type], slots: int) -> None:
+    """A sparse table of a snapshot: equal-length columns, ``slot`` indexing a slot."""
+    _need(where, value, dict)
+    length = None
+    for name, kind in types.items():
+        column = _column(f"{where}.{name}", value.get(name, _MISSING), kind, length)
+        length = len(column)
+    for i, slot in enumerate(value["slot"]):
+        if not 0 <= slot < slots:
+            raise ValueError(f"{where}.slot[{i}]: slot index {slot} out of range 0..{slots - 1}")
 
 
 class Snapshot:
-    """One rank's checked snapshot and the numbers aggregation reads from it.
+    """One rank's checked snapshot, the columns aggregation reads, and its encoded part.
 
-    ``rows`` holds one tuple per slot in ``_SLOT_FIELDS`` order; ``summary`` is
-    the rank's entry of the ``stats`` result, built once here.
+    ``columns`` holds the slot columns in ``SLOT_COLUMNS`` order; ``packed``
+    is the rank's entry of the ``stats`` answer, already msgpack-encoded.
     """
 
-    __slots__ = ("rank", "tp_group", "rows", "total_bytes", "locked", "num_ubatches", "summary")
+    __slots__ = ("rank", "tp_group", "columns", "total_bytes", "locked", "num_ubatches", "packed")
 
     def __init__(self, rank: int, tp_group: int, step: int, stats: dict[str, Any],
-                 rows: list[tuple[int, ...]]) -> None:
+                 columns: list[list[int]]) -> None:
         self.rank = rank
         self.tp_group = tp_group
-        self.rows = rows
+        self.columns = columns
         self.total_bytes = stats.get("total_bytes", 0)
         self.locked = stats["locked"]
         self.num_ubatches = stats["num_ubatches"]
-        self.summary = {
+        self.packed = _packer.pack({
             "rank": rank,
             "tp_group": tp_group,
             "step": step,
@@ -67,89 +105,129 @@ class Snapshot:
             "num_lanes": stats["num_lanes"],
             "locked": self.locked,
             "total_bytes": self.total_bytes,
-            "capacity_bytes": sum(r[2] for r in rows),
-            "lock_violations": sum(r[6] for r in rows),
-            "slots": stats["slots"],  # passed on as the agent sent them
-        }
+            "capacity_bytes": sum(columns[2]),
+            "lock_violations": sum(columns[6]),
+            "slots": stats["slots"],  # passed on as the agent sent them, once checked
+        })
+
+
+def _plain_table(table: Any, kinds: dict[str, type], slots: int) -> bool:
+    """A sparse table in the form agents send (see ``_plain``)."""
+    parts = list(map(table.__getitem__, kinds))
+    if set(map(type, parts)) != _LIST or len(set(map(len, parts))) != 1:
+        return False
+    if not parts[0]:
+        return True
+    for column, kind in zip(parts, kinds.values()):
+        if set(map(type, column)) != {kind}:
+            return False
+    return 0 <= min(parts[0]) and max(parts[0]) < slots
+
+
+def _plain(stats: dict[str, Any]) -> list[list[int]] | None:
+    """The slot columns of a snapshot in the form agents send, or None to check exactly.
+
+    One cheap pass over the common case: every column a list of the same
+    length, one type test over all the numbers at once (msgpack decodes
+    integers as exactly ``int``), the sparse tables likewise. Anything it does
+    not recognise goes to the exact check, which names what is wrong.
+    """
+    try:
+        slots = stats["slots"]
+        columns = list(map(slots.__getitem__, SLOT_COLUMNS))
+        n = len(columns[0])
+        if set(map(type, columns)) != _LIST or set(map(len, columns)) != {n}:
+            return None
+        if n and set(map(type, chain(*columns))) != _INT:
+            return None
+        for name, kinds in (("last_violation", _VIOLATION_TYPES), ("persistent", _PERSISTENT_TYPES)):
+            table = slots.get(name)
+            if table is not None and not _plain_table(table, kinds, n):
+                return None
+    except (KeyError, TypeError):  # a key missing, or not a map or list
+        return None
+    return columns
 
 
 def read_snapshot(rank: int, tp_group: int, step: int, stats: dict[str, Any]) -> Snapshot:
-    """Check that ``stats`` has what aggregation reads and read it out, in one pass.
+    """Check ``stats`` (a ``to_wire`` snapshot) and read it out, in one pass.
 
-    Raises ValueError naming the key otherwise. Checked as each reply arrives,
-    so that one agent's bad snapshot cannot break the aggregation of everyone
-    else's.
+    Raises ValueError naming the key otherwise (``slots.requests[3]: expected
+    int, got str``). Checked as each reply arrives, so that one agent's bad
+    snapshot cannot break the aggregation of everyone else's, nor a client's
+    expansion of the answer into rows.
     """
     for key, kind in _RANK_FIELDS.items():
         _need(key, stats.get(key, _MISSING), kind)
     if "total_bytes" in stats:
         _need("total_bytes", stats["total_bytes"], int)
-    rows = []
-    for i, slot in enumerate(stats["slots"]):
-        # The common case costs one lookup of all seven numbers and one type
-        # test of them together (msgpack decodes integers as exactly ``int``);
-        # anything else takes the exact check, which raises naming the key or
-        # accepts what it always accepted (say an int subclass from a caller in
-        # the same process).
-        try:
-            row = _slot_row(slot)
-            plain = set(map(type, row)) == _INT_ONLY
-        except (KeyError, TypeError):  # a key missing, or not a map
-            plain = False
-        if not plain:
-            row = _checked_row(i, slot)
-        rows.append(row)
-    return Snapshot(rank, tp_group, step, stats, rows)
+    columns = _plain(stats)
+    if columns is None:
+        columns = _checked_columns(stats["slots"])
+    return Snapshot(rank, tp_group, step, stats, columns)
 
 
-def _fold(rows: list[tuple[int, ...]]) -> tuple[int, ...]:
-    """(capacity min, max, total, peak max, requests, resizes, violations) of one slot's rows.
+def _checked_columns(slots: dict[str, Any]) -> list[list[int]]:
+    """The exact check of a snapshot's slots: its columns, or ValueError naming the key."""
+    length = None
+    columns = []
+    for name in SLOT_COLUMNS:
+        column = _column(f"slots.{name}", slots.get(name, _MISSING), int, length)
+        length = len(column)
+        columns.append(column)
+    for name, types in (("last_violation", _VIOLATION_TYPES), ("persistent", _PERSISTENT_TYPES)):
+        if name in slots:
+            _table(f"slots.{name}", slots[name], types, length or 0)
+    return columns
 
-    One pass of plain comparisons and additions: cheaper than transposing and
-    calling min/max/sum per column for the few ranks a TP group has.
+
+# The per-group slot columns of the answer, in the order _group_slots fills them.
+_GROUP_SLOT_COLUMNS = ("ubatch", "lane", "ranks", "capacity_min", "capacity_max", "capacity_total",
+                       "skew_bytes", "peak_requested_max", "requests", "resizes", "lock_violations")
+
+
+def _group_slots(members: list[Snapshot]) -> dict[str, list[Any]]:
+    """Per (ubatch, lane) of a TP group: capacity min, max, total and skew, peak, counts.
+
+    The usual case (every member has the same slots in the same order) is a
+    column-wise pass over the members' columns; otherwise slots are matched by
+    (ubatch, lane), a rank lacking one missing from its ``ranks``.
     """
-    _, _, low, peak, requests, resizes, violations = rows[0]
-    high = total = low
-    for _, _, capacity, p, q, r, v in rows[1:]:
-        if capacity < low:
-            low = capacity
-        if capacity > high:
-            high = capacity
-        if p > peak:
-            peak = p
-        total += capacity
-        requests += q
-        resizes += r
-        violations += v
-    return low, high, total, peak, requests, resizes, violations
+    if not members:
+        return {c: [] for c in _GROUP_SLOT_COLUMNS}
+    first = members[0].columns
+    if all(m.columns[0] == first[0] and m.columns[1] == first[1] for m in members):
+        ranks = [m.rank for m in members]
+        if len(members) == 1:  # a TP group of one: its numbers are the rank's
+            _, _, capacity, peak, requests, resizes, violations = first
+            return dict(zip(_GROUP_SLOT_COLUMNS, (
+                first[0], first[1], [ranks] * len(capacity), capacity, capacity, capacity,
+                [0] * len(capacity), peak, requests, resizes, violations)))
+        per = [list(zip(*(m.columns[c] for m in members))) for c in range(2, 7)]
+        low = list(map(min, per[0]))
+        high = list(map(max, per[0]))
+        return dict(zip(_GROUP_SLOT_COLUMNS, (
+            first[0], first[1], [ranks] * len(low), low, high, list(map(sum, per[0])),
+            list(map(sub, high, low)), list(map(max, per[1])), list(map(sum, per[2])),
+            list(map(sum, per[3])), list(map(sum, per[4])))))
+    by_slot: dict[tuple[int, int], tuple[list[int], list[tuple[int, ...]]]] = {}
+    for m in members:
+        for row in zip(*m.columns):
+            entry = by_slot.setdefault(row[:2], ([], []))
+            entry[0].append(m.rank)
+            entry[1].append(row)
+    out: dict[str, list[Any]] = {c: [] for c in _GROUP_SLOT_COLUMNS}
+    for (ubatch, lane), (ranks, rows) in sorted(by_slot.items()):
+        _, _, capacity, peak, requests, resizes, violations = zip(*rows)
+        values = (ubatch, lane, ranks, min(capacity), max(capacity), sum(capacity),
+                  max(capacity) - min(capacity), max(peak), sum(requests), sum(resizes), sum(violations))
+        for column, value in zip(_GROUP_SLOT_COLUMNS, values):
+            out[column].append(value)
+    return out
 
 
 def _group_summary(group: int, members: list[Snapshot], expected: list[int],
                    missing: dict[int, str]) -> dict[str, Any]:
-    by_slot: dict[tuple[int, int], tuple[list[int], list[tuple[int, ...]]]] = {}
-    for m in members:
-        for row in m.rows:
-            entry = by_slot.get(row[:2])
-            if entry is None:
-                entry = by_slot[row[:2]] = ([], [])
-            entry[0].append(m.rank)
-            entry[1].append(row)
-    slots = []
-    for (ubatch, lane), (ranks, rows) in sorted(by_slot.items()):
-        low, high, total, peak, requests, resizes, violations = _fold(rows)
-        slots.append({
-            "ubatch": ubatch,
-            "lane": lane,
-            "ranks": ranks,
-            "capacity_min": low,
-            "capacity_max": high,
-            "capacity_total": total,
-            "skew_bytes": high - low,
-            "peak_requested_max": peak,
-            "requests": requests,
-            "resizes": resizes,
-            "lock_violations": violations,
-        })
     totals = [m.total_bytes for m in members]
     return {
         "tp_group": group,
@@ -162,28 +240,65 @@ def _group_summary(group: int, members: list[Snapshot], expected: list[int],
         "skew_bytes": (max(totals) - min(totals)) if totals else 0,
         "locked_consistent": len({m.locked for m in members}) <= 1,
         "num_ubatches_consistent": len({m.num_ubatches for m in members}) <= 1,
-        "slots": slots,
+        "slots": _group_slots(members),
     }
 
 
-def aggregate_stats(
-    replies: dict[int, Snapshot],
-    expected: dict[int, list[int]],
-    missing: dict[int, str],
-) -> dict[str, Any]:
-    """Aggregate ``{rank: Snapshot}``.
+class StatsRound:
+    """One ``stats`` request's replies, aggregated as they arrive.
 
-    ``expected`` maps each TP group in scope to its ranks; ``missing`` gives the
-    reason for every expected rank that did not reply.
+    ``expected`` maps each TP group in scope to its ranks, as the round
+    starts. Once every rank of a group has answered, that group's part of the
+    answer is final (its members are all in) and is built and encoded then,
+    while other ranks are still answering; ``finish`` builds the rest (groups
+    with ranks missing) and splices the encoded parts.
     """
-    ordered = [replies[rank] for rank in sorted(replies)]
-    by_group: dict[int, list[Snapshot]] = {g: [] for g in expected}
-    for snapshot in ordered:
-        by_group.setdefault(snapshot.tp_group, []).append(snapshot)
-    return {
-        "complete": not missing,
-        "total_bytes": sum(s.total_bytes for s in ordered),
-        "ranks": [s.summary for s in ordered],
-        "groups": [_group_summary(g, by_group[g], members, missing) for g, members in sorted(expected.items())],
-        "missing": [{"rank": rank, "reason": reason} for rank, reason in sorted(missing.items())],
-    }
+
+    def __init__(self, expected: dict[int, list[int]]) -> None:
+        self.expected = expected
+        self.replies: dict[int, Snapshot] = {}
+        self._owed = {g: set(ranks) for g, ranks in expected.items()}
+        self._packed: dict[int, bytes] = {}
+
+    def add(self, snapshot: Snapshot) -> None:
+        self.replies[snapshot.rank] = snapshot
+        group = snapshot.tp_group
+        owed = self._owed.get(group)
+        if owed is None or snapshot.rank not in owed:
+            return
+        owed.discard(snapshot.rank)
+        if not owed:
+            members = [self.replies[r] for r in self.expected[group]]
+            if all(m.tp_group == group for m in members):
+                self._packed[group] = _packer.pack(_group_summary(group, members, self.expected[group], {}))
+
+    def finish(self, expected: dict[int, list[int]], missing: dict[int, str]) -> bytes:
+        """The encoded ``stats`` result (a msgpack map).
+
+        ``expected`` maps each TP group in scope to its ranks now; ``missing``
+        gives the reason for every expected rank that did not reply.
+        """
+        replies = self.replies
+        ordered = [replies[rank] for rank in sorted(replies)]
+        by_group: dict[int, list[Snapshot]] = {g: [] for g in expected}
+        for snapshot in ordered:
+            by_group.setdefault(snapshot.tp_group, []).append(snapshot)
+        groups = []
+        for g, members in sorted(expected.items()):
+            packed = self._packed.get(g)
+            # Built early only if nothing changed since: same ranks, none of them missing now.
+            if packed is None or members != self.expected.get(g) or any(r in missing for r in members):
+                packed = _packer.pack(_group_summary(g, by_group[g], members, missing))
+            groups.append(packed)
+        # msgpack frames a map or an array as a header followed by its items,
+        # so parts encoded earlier are spliced in behind headers rather than
+        # decoded and encoded again at the end of the round.
+        pack = _packer.pack
+        return b"".join([
+            _packer.pack_map_header(5),
+            pack("complete"), pack(not missing),
+            pack("total_bytes"), pack(sum(s.total_bytes for s in ordered)),
+            pack("ranks"), _packer.pack_array_header(len(ordered)), *(s.packed for s in ordered),
+            pack("groups"), _packer.pack_array_header(len(groups)), *groups,
+            pack("missing"), pack([{"rank": rank, "reason": reason} for rank, reason in sorted(missing.items())]),
+        ])

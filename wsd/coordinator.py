@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wsd import protocol as p
-from wsd.aggregate import Snapshot, aggregate_stats, read_snapshot
+from wsd.aggregate import StatsRound, read_snapshot
 from wsd.commandlog import Command, CommandLog
 from wsd.config import CoordinatorConfig
 from wsd.errors import StateFileError
@@ -58,7 +58,7 @@ class _PendingStats:
     group: int | None
     targets: set[int]
     deadline: float
-    replies: dict[int, Snapshot] = field(default_factory=dict)
+    gathered: StatsRound  # the replies so far, aggregated as they arrive
     lost: set[int] = field(default_factory=set)
     invalid: dict[int, str] = field(default_factory=dict)
     # Targets that have neither answered nor been lost: done when empty, checked
@@ -284,7 +284,7 @@ class CoordinatorCore:
             return []
         pending.owed.discard(info.rank)
         try:
-            pending.replies[info.rank] = read_snapshot(info.rank, info.tp_group, body["step"], body["stats"])
+            pending.gathered.add(read_snapshot(info.rank, info.tp_group, body["step"], body["stats"]))
         except ValueError as e:  # a buggy or newer agent: the others' answer must not suffer
             self.dropped_bad_agent_frames += 1
             logger.warning("rank %d sent an invalid stats snapshot: %s", info.rank, e)
@@ -401,6 +401,7 @@ class CoordinatorCore:
         self._stats[request] = _PendingStats(
             route=route, request_id=message.id, group=group, targets={i.rank for i in live},
             deadline=self.clock() + (message.body["timeout"] or self.config.stats_timeout),
+            gathered=StatsRound(self._stats_scope(group)),
         )
         frame = p.encode(Op.STATS_REQUEST, {"request": request})
         out: list[Out] = [(AGENT, (i.peer,), frame) for i in live]
@@ -408,16 +409,19 @@ class CoordinatorCore:
             out += self._finish_stats(request)
         return out
 
+    def _stats_scope(self, group: int | None) -> dict[int, list[int]]:
+        """Each TP group a stats request covers, with its expected ranks."""
+        groups = self.registry.groups() if group is None else [group]
+        return {g: self.registry.expected(g) for g in groups}
+
     def _finish_stats(self, request: int) -> list[Out]:
         pending = self._stats.pop(request)
-        groups = self.registry.groups() if pending.group is None else [pending.group]
-        expected = {g: self.registry.expected(g) for g in groups}
         missing = self.registry.missing(pending.group)
-        for rank in pending.targets - set(pending.replies):
+        for rank in pending.targets - set(pending.gathered.replies):
             missing[rank] = pending.invalid.get(rank) or (
                 "lost while asked" if rank in pending.lost else "no reply within the stats timeout")
-        result = aggregate_stats(pending.replies, expected, missing)
-        return [(CLIENT, pending.route, p.ok_reply(pending.request_id, result))]
+        result = pending.gathered.finish(self._stats_scope(pending.group), missing)  # already encoded
+        return [(CLIENT, pending.route, p.ok_reply_packed(pending.request_id, result))]
 
     def _events(self, route: Route, message: p.Message) -> list[Out]:
         events, cursor = self.events.since(message.body["cursor"], message.body["limit"])

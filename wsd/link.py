@@ -44,8 +44,9 @@ class Backend(Protocol):
         """``{"locked": bool, "num_ubatches": int}`` for heartbeats."""
         ...
 
-    def snapshot(self) -> dict[str, Any]:
-        """``ManagerStats.to_dict()`` of the rank's manager, for stats requests."""
+    def snapshot(self) -> dict[str, Any] | bytes:
+        """``ManagerStats.to_wire()`` of the rank's manager, for stats requests,
+        or that map already msgpack-encoded (a backend that keeps it)."""
         ...
 
     def apply(self, action: str, args: dict[str, Any]) -> None:
@@ -198,10 +199,11 @@ class AgentLink:
         return []
 
     def _on_stats_request(self, body: dict[str, Any], now: float) -> list[bytes]:
-        return [p.encode(Op.STATS_REPLY, {
-            "rank": self.rank, "request": body["request"],
-            "stats": self.backend.snapshot(), "step": self.steps,
-        })]
+        reply = {"rank": self.rank, "request": body["request"], "step": self.steps}
+        stats = self.backend.snapshot()
+        if isinstance(stats, bytes):
+            return [p.encode(Op.STATS_REPLY, reply, packed={"stats": stats})]
+        return [p.encode(Op.STATS_REPLY, {**reply, "stats": stats})]
 
     def _on_rejected(self, body: dict[str, Any], now: float) -> list[bytes]:
         if self.rejected != body["message"]:

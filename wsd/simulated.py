@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import msgpack
 import zmq
 
 from wsd.config import MAX_UBATCHES
@@ -73,7 +74,7 @@ class SimulatedManager:
         self.num_lanes = num_lanes
         self.locked = False
         self._capacity = [slot_bytes] * (num_ubatches * num_lanes)
-        self._snapshot: dict[str, Any] | None = None
+        self._snapshot: bytes | None = None
 
     @property
     def num_ubatches(self) -> int:
@@ -101,12 +102,14 @@ class SimulatedManager:
             ),
         )
 
-    def snapshot(self) -> dict[str, Any]:
-        # Built once per change: a simulated rank has no engine moving its
-        # counters, and one process plays many ranks that would each build
-        # theirs in a process of their own, so this cost is not the coordinator's.
+    def snapshot(self) -> bytes:
+        # Built and encoded once per change: a simulated rank has no engine
+        # moving its counters, and one process plays many ranks that would
+        # each build and encode theirs in a process of their own, in parallel;
+        # serialised here, that cost would be charged 32 times to the round.
+        # The coordinator's side is untouched: it decodes and checks every reply.
         if self._snapshot is None:
-            self._snapshot = self.stats().to_dict()
+            self._snapshot = msgpack.packb(self.stats().to_wire(), use_bin_type=True)
         return self._snapshot
 
     def _refuse_if_locked(self, action: str) -> None:

@@ -183,7 +183,12 @@ class Client:
         return self.call(Op.RANKS)
 
     def stats(self, group: int | None = None, *, timeout: float | None = None) -> dict[str, Any]:
-        """Per rank, slot and TP group; ``complete`` is False and ``missing`` says who is absent."""
+        """Per rank, slot and TP group; ``complete`` is False and ``missing`` says who is absent.
+
+        The coordinator's compact answer: each rank's and group's ``slots`` are
+        columns. ``wsd_client.rows.stats_rows(answer)`` gives one map per slot
+        (the shape ``wsctl stats --json`` prints).
+        """
         timeout = self.timeout if timeout is None else timeout
         return self.call(Op.STATS, {"group": group, "timeout": timeout * _SERVER_SHARE}, timeout=timeout)
 

@@ -1,8 +1,9 @@
 """Human output of ``wsctl``: one function per result, each returning text.
 
 Pure functions of the coordinator's plain-data results (the same documents
-``--json`` prints), so that what a human reads and what a script parses never
-drift apart. Sizes are shown in B/KiB/MiB/GiB, tables are aligned
+``--json`` prints; for ``stats`` and ``watch``, the answer expanded into rows
+by ``wsd_client.rows.stats_rows``), so that what a human reads and what a
+script parses never drift apart. Sizes are shown in B/KiB/MiB/GiB, tables are aligned
 (``wsd.fmt``). Imports no torch.
 """
 

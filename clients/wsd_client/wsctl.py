@@ -84,6 +84,7 @@ from wsd.config import MAX_UBATCHES, parse_size
 from wsd.errors import ConfigError
 from wsd_client import render
 from wsd_client.client import Client, ClientError, CommandResult
+from wsd_client.rows import stats_rows
 
 __all__ = ["COMMANDS", "Exit", "main"]
 
@@ -145,7 +146,7 @@ def _ranks(client: Client, args: argparse.Namespace, out: Output) -> Exit:
 
 
 def _stats(client: Client, args: argparse.Namespace, out: Output) -> Exit:
-    doc = client.stats(args.group)
+    doc = stats_rows(client.stats(args.group))
     out.emit(doc, lambda: render.stats(doc))
     return Exit.OK if doc["complete"] else Exit.PARTIAL
 
@@ -156,7 +157,7 @@ def _watch(client: Client, args: argparse.Namespace, out: Output) -> Exit:
     code, rounds = Exit.OK, 0
     try:
         while True:
-            doc = client.stats(args.group)
+            doc = stats_rows(client.stats(args.group))
             rounds += 1
             code = Exit.OK if doc["complete"] else Exit.PARTIAL
             of = f"/{args.count}" if args.count else ""

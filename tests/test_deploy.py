@@ -12,6 +12,7 @@ stops everything it started on Ctrl-C, on SIGTERM, and when its coordinator dies
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -26,10 +27,15 @@ from typing import Any
 import pytest
 import yaml
 from conftest import wait_until
-from procs import spawn, wait_gone, worker_env, write_config  # noqa: F401  (spawn is a fixture)
+from procs import COORDINATOR_READY, python, spawn, wait_gone, worker_env, write_config  # noqa: F401  (spawn is a fixture)
 
+from wsd import WorkspaceManager
+from wsd.agent import Agent
+from wsd.auth import agent_keys
 from wsd.config import load_config
-from wsd_client.client import Client
+from wsd.protocol import ErrorCode
+from wsd_client import wsctl
+from wsd_client.client import Client, ClientError
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 RUN_SH = DEPLOY / "local" / "run.sh"
@@ -40,6 +46,8 @@ DASHBOARD = DEPLOY / "grafana" / "wsd-dashboard.json"
 ALERTS = DEPLOY / "prometheus" / "wsd-alerts.yml"
 SCRAPE = DEPLOY / "prometheus" / "prometheus.yml"
 KUBERNETES = DEPLOY / "kubernetes"
+INSTALL_KEYS = KUBERNETES / "install-keys.sh"
+README = DEPLOY / "README.md"
 
 
 def _ids(paths: list[Path]) -> list[str]:
@@ -50,7 +58,8 @@ def test_every_recipe_is_there():
     """The parametrized checks below run over what they find: pin what must be found, so
     that a renamed or deleted recipe fails here instead of silently dropping out."""
     assert {"local/run.sh", "slurm/wsd.sbatch"} <= set(_ids(SHELL_SCRIPTS))
-    assert {"local/wsd.toml", "slurm/wsd.toml", "kubernetes/wsd.toml"} <= set(_ids(TOML_FILES))
+    assert {"local/wsd.toml", "slurm/wsd.toml", "slurm/wsd-curve.toml", "kubernetes/wsd.toml"} <= set(_ids(TOML_FILES))
+    assert "kubernetes/install-keys.sh" in _ids(SHELL_SCRIPTS)
     assert {"kubernetes/kustomization.yaml", "kubernetes/coordinator.yaml", "kubernetes/workers.yaml",
             "prometheus/prometheus.yml", "prometheus/wsd-alerts.yml"} <= set(_ids(YAML_FILES))
     assert DASHBOARD.is_file() and (DEPLOY / "README.md").is_file()
@@ -132,6 +141,8 @@ def test_kubernetes_manifests_reference_what_exists():
     kustomization = _documents(KUBERNETES / "kustomization.yaml")[0]
     assert sorted(kustomization["resources"]) == ["coordinator.yaml", "workers.yaml"]
     generated = {g["name"] for g in kustomization["configMapGenerator"]}
+    for generator in kustomization["configMapGenerator"]:
+        assert all((KUBERNETES / f).is_file() for f in generator["files"]), generator
     claims = {d["metadata"]["name"] for d in manifests if d["kind"] == "PersistentVolumeClaim"}
     templates = [t for _, t in _pod_specs()]
     for service in (d for d in manifests if d["kind"] == "Service"):
@@ -151,25 +162,171 @@ def test_kubernetes_manifests_reference_what_exists():
                 assert volume["configMap"]["name"] in generated
             if "persistentVolumeClaim" in volume:
                 assert volume["persistentVolumeClaim"]["claimName"] in claims
-        for container in spec["containers"]:
+        for container in spec["containers"] + spec.get("initContainers", []):
             assert {m["name"] for m in container["volumeMounts"]} <= set(volumes)
+        mounted = {m["name"] for c in spec["containers"] + spec.get("initContainers", []) for m in c["volumeMounts"]}
+        assert set(volumes) <= mounted, f"volumes no container mounts: {set(volumes) - mounted}"
 
 
-def test_kubernetes_keys_are_a_read_only_secret_mounted_alike_everywhere():
-    mounts = []
-    for _, template in _pod_specs():
+_SECURITY_FILES = ("server_secret_key", "server_public_key", "agent_secret_key")
+_SECURITY_FOLDERS = ("viewer_keys", "admin_keys", "agent_keys")
+
+
+def _spec(kind: str) -> dict[str, Any]:
+    (template,) = [t for w, t in _pod_specs() if w["kind"] == kind]
+    return template["spec"]
+
+
+def _install_keys(spec: dict[str, Any]) -> tuple[dict[str, Any], str, str]:
+    """The install-keys initContainer, and its SECRETS and KEYS folders."""
+    (init,) = [c for c in spec.get("initContainers", []) if c["name"] == "install-keys"]
+    env = {e["name"]: e["value"] for e in init["env"]}
+    return init, env["SECRETS"], env["KEYS"]
+
+
+def _secret_sources(volume: dict[str, Any]) -> list[tuple[str, list[dict[str, str]] | None, bool]]:
+    """(Secret, items or None for every entry, optional) of a secret or projected volume."""
+    if "secret" in volume:
+        s = volume["secret"]
+        return [(s["secretName"], s.get("items"), s.get("optional", False))]
+    if "projected" in volume:
+        sources = volume["projected"]["sources"]
+        assert all(set(s) == {"secret"} for s in sources), volume["name"]
+        return [(s["secret"]["name"], s["secret"].get("items"), s["secret"].get("optional", False))
+                for s in sources]
+    return []
+
+
+def _installed(spec: dict[str, Any]) -> tuple[dict[str, tuple[str, str]], dict[str, list[str]]]:
+    """What install-keys makes under KEYS in this pod, read from the manifest: files
+    {relative path: (Secret, entry)} picked by items, and folders {relative path: [Secrets
+    every entry of which lands there]} (each mount is a folder, empty or not)."""
+    init, secrets, _ = _install_keys(spec)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    files: dict[str, tuple[str, str]] = {}
+    folders: dict[str, list[str]] = {}
+    for mount in init["volumeMounts"]:
+        sources = _secret_sources(volumes[mount["name"]])
+        if not sources:
+            continue
+        assert mount["mountPath"].startswith(secrets + "/"), mount
+        base = mount["mountPath"][len(secrets) + 1:]
+        folders.setdefault(base, [])
+        for name, items, _ in sources:
+            if items is None:
+                folders[base].append(name)
+                continue
+            for item in items:
+                path = f"{base}/{item['path']}"
+                assert path not in files, f"two items install {path}"
+                files[path] = (name, item["key"])
+    return files, folders
+
+
+def _under(path: str, keys: str) -> str:
+    """``path`` relative to the keys folder ``keys``."""
+    assert path.startswith(keys + "/"), f"{path} is not under {keys}"
+    return path[len(keys) + 1:]
+
+
+def _public_half(entry: str) -> str:
+    assert entry.endswith(".key_secret"), entry
+    return entry[: -len("_secret")]
+
+
+def test_kubernetes_security_paths_are_the_keys_each_pod_installs():
+    """Every [security] path of kubernetes/wsd.toml must be a file or folder that the pod
+    reading it gets from its Secrets (a wrong path is a pod that never starts); a file's
+    name must say what its entry is (install-keys picks the mode by the name, and a secret
+    key installed as NAME.key would be world-readable); and no pod holds the other's secret
+    key. Read from the manifests: items, mounts, the initContainer's folders."""
+    security = load_config(KUBERNETES / "wsd.toml", env={}).security
+    assert security.curve_clients and security.curve_agents
+    layouts = {}
+    for kind, files_read, folders_read, not_held in (
+            ("Deployment", ("server_secret_key",), _SECURITY_FOLDERS, ("agent_secret_key",)),
+            ("Job", ("agent_secret_key", "server_public_key"), (), ("server_secret_key",))):
+        spec = _spec(kind)
+        _, _, keys = _install_keys(spec)
+        files, folders = _installed(spec)
+        layouts[kind] = files, folders
+
+        def relative(key: str) -> str:
+            return _under(getattr(security, key), keys)  # noqa: B023  (keys: this pod's, used now)
+
+        for key in files_read:
+            assert relative(key) in files, f"{kind}: [security] {key} is installed by no item"
+        for key in folders_read:
+            assert relative(key) in folders, f"{kind}: [security] {key} is not a mounted folder"
+        for key in not_held:
+            assert relative(key) not in files, f"{kind} holds {key}, which only the other pod needs"
+        for path, (secret, entry) in files.items():
+            assert Path(path).suffix == Path(entry).suffix, f"{kind}: {secret}/{entry} installed as {path}"
+    (coordinator_files, _), (worker_files, _) = layouts["Deployment"], layouts["Job"]
+    keys = _install_keys(_spec("Deployment"))[2]
+    assert _install_keys(_spec("Job"))[2] == keys  # one wsd.toml for both pods
+    # The pairs match: the agents pin the public half of the coordinator's secret key, and
+    # the coordinator admits the public half of the agents' one.
+    secret, entry = coordinator_files[_under(security.server_secret_key, keys)]
+    assert worker_files[_under(security.server_public_key, keys)] == (secret, _public_half(entry))
+    secret, entry = worker_files[_under(security.agent_secret_key, keys)]
+    agents_folder = _under(security.agent_keys, keys)
+    assert (secret, _public_half(entry)) in [e for p, e in coordinator_files.items()
+                                             if os.path.dirname(p) == agents_folder and p.endswith(".key")]
+
+
+def test_kubernetes_liveness_probe_is_a_listed_viewer():
+    """With CURVE on the client endpoint a plain `wsctl ping` gets nothing: the probe would
+    fail and the kubelet restart the coordinator forever. Its keys must be installed, and its
+    public key be in the viewer folder."""
+    security = load_config(KUBERNETES / "wsd.toml", env={}).security
+    command = _container("Deployment")["livenessProbe"]["exec"]["command"]
+    options = dict(zip(command[1:-1:2], command[2:-1:2]))
+    assert command[0] == "wsctl" and command[-1] == "ping", command
+    assert options["--curve-server-key"] == security.server_public_key
+    spec = _spec("Deployment")
+    keys = _install_keys(spec)[2]
+    files, _ = _installed(spec)
+    client = _under(options["--curve-client-key"], keys)
+    secret, entry = files[client]
+    viewers = _under(security.viewer_keys, keys)
+    # wsd lists *.key directly in the folder, not below it.
+    assert (secret, _public_half(entry)) in [e for p, e in files.items() if os.path.dirname(p) == viewers]
+    assert files[_under(security.server_public_key, keys)][1].endswith(".key")
+
+
+def test_kubernetes_secret_keys_reach_wsd_only_through_the_mode_fixing_init_container():
+    """With fsGroup the kubelet makes Secret-volume files group-readable (mode | 0440), and
+    wsd refuses such a secret key: no main container may mount a Secret; each pod's
+    install-keys initContainer, same image and user, runs install-keys.sh (the generated
+    ConfigMap) into an in-memory emptyDir that the main container mounts read-only."""
+    kustomization = _documents(KUBERNETES / "kustomization.yaml")[0]
+    generators = {g["name"]: g["files"] for g in kustomization["configMapGenerator"]}
+    assert generators["wsd-install-keys"] == [INSTALL_KEYS.name]
+    for workload, template in _pod_specs():
         spec = template["spec"]
-        (volume,) = [v for v in spec["volumes"] if "secret" in v]
-        assert volume["secret"]["secretName"] == "wsd-curve-keys"
-        assert volume["secret"]["defaultMode"] == 0o400
-        # Optional until the security issue lands: the pods must start without it.
-        assert volume["secret"]["optional"] is True
-        for container in spec["containers"]:
-            (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
-            assert mount["readOnly"] is True
-            mounts.append(mount["mountPath"])
-    assert len(mounts) == 2 and set(mounts) == {"/etc/wsd/keys"}
-
+        assert spec["securityContext"]["fsGroup"] and spec["securityContext"]["runAsNonRoot"] is True
+        init, _, keys = _install_keys(spec)
+        (main,) = spec["containers"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert init["image"] == main["image"]
+        for container in (init, main):
+            assert "runAsUser" not in container.get("securityContext", {}), "one user for the pod"
+        script_dir = os.path.dirname(init["command"][-1])
+        (script_mount,) = [m for m in init["volumeMounts"] if m["mountPath"] == script_dir]
+        assert volumes[script_mount["name"]]["configMap"]["name"] == "wsd-install-keys"
+        assert init["command"] == ["bash", f"{script_dir}/{INSTALL_KEYS.name}"]
+        assert not [m for m in main["volumeMounts"] if _secret_sources(volumes[m["name"]])], \
+            f"{workload['kind']}: the main container mounts a Secret"
+        (written,) = [m for m in init["volumeMounts"] if m["mountPath"] == keys]
+        (read,) = [m for m in main["volumeMounts"] if m["mountPath"] == keys]
+        assert written["name"] == read["name"] and read["readOnly"] is True and not written.get("readOnly")
+        assert volumes[read["name"]]["emptyDir"]["medium"] == "Memory"
+        secret_volumes = [v for v in volumes.values() if _secret_sources(v)]
+        assert secret_volumes
+        for volume in secret_volumes:
+            mode = (volume.get("secret") or volume.get("projected"))["defaultMode"]
+            assert mode | 0o440 == 0o440, f"{volume['name']}: mode {mode:o} gives others access"
 
 def test_kubernetes_workers_rendezvous_and_world_agree_with_the_configuration():
     """The Job's node count, torchrun's arguments, the headless Service and wsd.toml's world
@@ -211,14 +368,15 @@ def test_kustomize_renders_the_manifests_with_the_configuration():
                             timeout=60)
     assert result.returncode == 0, result.stderr
     documents = [d for d in yaml.safe_load_all(result.stdout) if d]
-    (config_map,) = [d for d in documents if d["kind"] == "ConfigMap"]
-    assert config_map["data"]["wsd.toml"] == (KUBERNETES / "wsd.toml").read_text()
-    name = config_map["metadata"]["name"]
-    assert name.startswith("wsd-config-")
+    config_maps = {d["metadata"]["name"].rsplit("-", 1)[0]: d for d in documents if d["kind"] == "ConfigMap"}
+    assert set(config_maps) == {"wsd-config", "wsd-install-keys"}
+    assert config_maps["wsd-config"]["data"]["wsd.toml"] == (KUBERNETES / "wsd.toml").read_text()
+    assert config_maps["wsd-install-keys"]["data"]["install-keys.sh"] == INSTALL_KEYS.read_text()
+    hashed = sorted(d["metadata"]["name"] for d in config_maps.values())
     for doc in documents:
         if doc["kind"] in ("Deployment", "Job"):
             names = [v["configMap"]["name"] for v in doc["spec"]["template"]["spec"]["volumes"] if "configMap" in v]
-            assert names == [name]
+            assert sorted(names) == hashed
 
 
 # -- metric names --------------------------------------------------------------------------------
@@ -516,3 +674,206 @@ def test_local_script_names_a_bad_knob(tmp_path, knob, value):
     assert result.returncode == 2
     assert result.stderr.startswith(f"wsd-local: {knob} must be"), result.stderr
     assert _leftovers(tmp_path) == []
+
+
+# -- CURVE keys, for real: the documented steps, the mounts, a coordinator --------------------------
+
+
+def _readme_block(heading: str) -> str:
+    """The first ```sh block of deploy/README.md after ``heading``."""
+    text = README.read_text()
+    block = re.search(r"```sh\n(.*?)```", text[text.index(heading):], re.S)
+    assert block, heading
+    return block.group(1)
+
+
+def _run_readme_block(heading: str, cwd: Path) -> list[list[str]]:
+    """Run the block as written in ``cwd`` (HOME there too), with a ``kubectl`` that only
+    records its arguments; the calls it recorded."""
+    shim, log = cwd / "shim", cwd / "kubectl.log"
+    shim.mkdir()
+    (shim / "kubectl").write_text(f"#!{sys.executable}\nimport json, sys\n"
+                                  f"open({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    (shim / "kubectl").chmod(0o755)
+    (cwd / "home").mkdir()
+    env = {**os.environ, "HOME": str(cwd / "home"),
+           "PATH": os.pathsep.join([str(shim), os.path.dirname(sys.executable), os.environ["PATH"]])}
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", _readme_block(heading)], cwd=cwd, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def _secrets(calls: list[list[str]], cwd: Path) -> dict[str, dict[str, bytes]]:
+    """{Secret: {entry: content}} that `kubectl create secret generic` would have made."""
+    secrets = {}
+    for call in calls:
+        if call[:3] != ["create", "secret", "generic"]:
+            continue
+        data = {}
+        for arg in call[4:]:
+            assert arg.startswith("--from-file="), arg
+            key, _, path = arg[len("--from-file="):].rpartition("=")
+            source = cwd / path
+            for file in sorted(source.iterdir()) if source.is_dir() else [source]:
+                data[key or file.name] = file.read_bytes()
+        secrets[call[3]] = data
+    return secrets
+
+
+def _mount_as_kubelet(target: Path, volume: dict[str, Any], secrets: dict[str, dict[str, bytes]]) -> None:
+    """The volume as the kubelet mounts it with fsGroup: files in a timestamped folder behind
+    ..data, visible names linked to it, modes defaultMode | 0440."""
+    entries: dict[str, bytes] = {}
+    for name, items, optional in _secret_sources(volume):
+        if name not in secrets:
+            assert optional, f"Secret {name} is required and the documented steps make none"
+            continue
+        if items is None:
+            entries.update(secrets[name])
+        for item in items or []:
+            assert item["key"] in secrets[name], f"Secret {name} has no entry {item['key']}"
+            entries[item["path"]] = secrets[name][item["key"]]
+    mode = (volume.get("secret") or volume.get("projected"))["defaultMode"] | 0o440
+    data = target / "..2025_01_01_00_00_00.000000001"
+    data.mkdir(parents=True)
+    (target / "..data").symlink_to(data.name)
+    for path, content in entries.items():
+        (data / path).parent.mkdir(parents=True, exist_ok=True)
+        (data / path).write_bytes(content)
+        (data / path).chmod(mode)
+        top = path.split("/")[0]
+        if not (target / top).is_symlink():
+            (target / top).symlink_to(f"..data/{top}")
+
+
+def _install_pod_keys(kind: str, root: Path, secrets: dict[str, dict[str, bytes]]) -> Path:
+    """Mount the pod's Secret volumes under ``root`` as the kubelet would and run the pod's
+    install-keys initContainer over them, with its own environment; the keys folder."""
+    spec = _spec(kind)
+    init, secrets_dir, keys = _install_keys(spec)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for mount in init["volumeMounts"]:
+        if _secret_sources(volumes[mount["name"]]):
+            _mount_as_kubelet(root / mount["mountPath"].lstrip("/"), volumes[mount["name"]], secrets)
+    env = {**os.environ, **{e["name"]: str(root / e["value"].lstrip("/")) for e in init["env"]}}
+    result = subprocess.run(["bash", str(INSTALL_KEYS)], env=env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    return root / keys.lstrip("/")
+
+
+def _modes(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mode & 0o777 for p in folder.rglob("*") if p.is_file()}
+
+
+def test_kubernetes_install_keys_gives_each_pod_its_keys_with_modes_wsd_accepts(tmp_path):
+    """The documented kubectl steps, the manifests' Secret volumes as the kubelet mounts them
+    with fsGroup (group-readable) and install-keys.sh: secret keys end 0600, public ones
+    0644, each pod holds only its own secret, and the ..data entries are not copied."""
+    secrets = _secrets(_run_readme_block("### Keys on Kubernetes", tmp_path), tmp_path)
+    coordinator = _install_pod_keys("Deployment", tmp_path / "coordinator", secrets)
+    worker = _install_pod_keys("Job", tmp_path / "worker", secrets)
+    assert _modes(coordinator) == {
+        "coordinator/coordinator.key_secret": 0o600, "coordinator/coordinator.key": 0o644,
+        "coordinator/probe.key_secret": 0o600, "agents/agents.key": 0o644, "admin/alice.key": 0o644,
+        "viewer/grafana.key": 0o644, "viewer/probe.key": 0o644}
+    assert _modes(worker) == {"coordinator/coordinator.key": 0o644, "agents/agents.key_secret": 0o600}
+
+
+def _start_secured(spawn, config: Path, tmp_path: Path, cwd: Path, env: Mapping[str, str]):  # noqa: F811
+    """`wsd coordinator` with ``config`` on OS-chosen loopback ports; its two endpoints."""
+    base = {k: v for k, v in worker_env().items() if not k.startswith("WSD_")}
+    proc = spawn(python("-m", "wsd.cli", "coordinator", "--config", str(config)), cwd=cwd, name="wsd coordinator",
+                 env={**base, "WSD_COORDINATOR_AGENT_ENDPOINT": "tcp://127.0.0.1:0",
+                      "WSD_COORDINATOR_CLIENT_ENDPOINT": "tcp://127.0.0.1:0",
+                      "WSD_COORDINATOR_STATE_FILE": str(tmp_path / "state"), **env})
+    return proc.wait_for(COORDINATOR_READY, 30).groups()
+
+
+def _check_roles(client_endpoint: str, server_key: Path, admin_key: Path, viewer_key: Path) -> None:
+    with Client(client_endpoint, timeout=5, retries=0, curve_server_key=str(server_key),
+                curve_client_key=str(admin_key)) as admin:
+        assert admin.lock(wait=False).seq == 1
+    with Client(client_endpoint, timeout=5, retries=0, curve_server_key=str(server_key),
+                curve_client_key=str(viewer_key)) as viewer:
+        assert viewer.status()["desired"]["locked"] is True
+        with pytest.raises(ClientError) as refused:
+            viewer.unlock(wait=False)
+        assert refused.value.code is ErrorCode.FORBIDDEN
+
+
+def test_kubernetes_example_config_starts_a_coordinator_on_the_installed_keys(tmp_path, spawn):  # noqa: F811
+    """kubernetes/wsd.toml, its [security] paths moved (WSD_SECURITY_*) under a root holding
+    what each pod's install-keys produced from the documented Secrets: `wsd coordinator`
+    starts; the admin key locks, the viewer key is forbidden; the liveness probe's command
+    answers; a worker's agent registers with the worker pod's keys."""
+    secrets = _secrets(_run_readme_block("### Keys on Kubernetes", tmp_path), tmp_path)
+    config = load_config(KUBERNETES / "wsd.toml", env={})
+    roots = {kind: tmp_path / kind for kind in ("Deployment", "Job")}
+    for kind, root in roots.items():
+        _install_pod_keys(kind, root, secrets)
+
+    def moved(kind: str) -> dict[str, str]:
+        return {f"WSD_SECURITY_{key.upper()}": str(roots[kind] / getattr(config.security, key).lstrip("/"))
+                for key in _SECURITY_FILES + _SECURITY_FOLDERS}
+
+    agent_endpoint, client_endpoint = _start_secured(spawn, KUBERNETES / "wsd.toml", tmp_path, tmp_path,
+                                                     moved("Deployment"))
+    home = tmp_path / "home" / ".wsd"
+    keys = roots["Deployment"] / "etc/wsd/keys"
+    _check_roles(client_endpoint, keys / "coordinator/coordinator.key", home / "alice.key_secret",
+                 home / "grafana.key_secret")
+    probe = _container("Deployment")["livenessProbe"]["exec"]["command"]
+    probe = [str(roots["Deployment"] / a.lstrip("/")) if a.startswith("/etc/wsd/") else a for a in probe]
+    probe[probe.index("--endpoint") + 1] = client_endpoint
+    assert wsctl.main(probe[1:]) == 0
+    worker = load_config(KUBERNETES / "wsd.toml", env=moved("Job")).security
+    agent = Agent(WorkspaceManager("cpu", 1), endpoint=agent_endpoint, rank=0,
+                  world_size=config.coordinator.world_size, tp_size=config.worker.tp_size, idle=True,
+                  heartbeat_interval=0.2, heartbeat_timeout=2.0, curve=agent_keys(worker)).start()
+    try:
+        with Client(client_endpoint, timeout=5, curve_server_key=str(keys / "coordinator/coordinator.key"),
+                    curve_client_key=str(home / "alice.key_secret")) as admin:
+            wait_until(lambda: admin.status()["ranks"]["live"] == 1, 30, "the agent to register")
+    finally:
+        agent.stop(timeout=10)
+
+
+def _local_with_security(path: Path) -> Path:
+    """local/wsd.toml with its commented [security] section uncommented."""
+    text = (DEPLOY / "local" / "wsd.toml").read_text()
+    head, marker, tail = text.partition("# [security]\n")
+    assert marker, "local/wsd.toml has no commented [security] section"
+    lines = tail.splitlines()
+    assert all(line.startswith("# ") for line in lines), "the commented section must end the file"
+    path.write_text(head + "[security]\n" + "\n".join(line[2:] for line in lines) + "\n")
+    return path
+
+
+def test_slurm_curve_example_is_the_plain_one_plus_security():
+    """slurm/wsd-curve.toml is wsd.toml with CURVE: any other difference is drift."""
+    plain = load_config(DEPLOY / "slurm" / "wsd.toml", env={})
+    curve = load_config(DEPLOY / "slurm" / "wsd-curve.toml", env={})
+    assert plain.security.curve_clients is False and curve.security.curve_clients is True
+    assert curve.security.curve_agents is True
+    assert dataclasses.replace(curve, security=plain.security, source=plain.source) == plain
+
+
+@pytest.mark.parametrize("example", ["slurm/wsd-curve.toml", "local/wsd.toml"])
+def test_security_example_starts_a_coordinator_on_the_documented_keys(example, tmp_path, spawn):  # noqa: F811
+    """The documented keygen steps for Slurm and one machine, run as written, then `wsd
+    coordinator` with the example (local: its [security] section uncommented) from that
+    directory, as the recipes run it: the relative key paths resolve, the admin key locks, the
+    viewer key is forbidden, and the agents' keys load."""
+    _run_readme_block("### Keys for Slurm and one machine", tmp_path)
+    config = DEPLOY / example if example.startswith("slurm") else _local_with_security(tmp_path / "local.toml")
+    security = load_config(config, env={}).security
+    assert security.curve_clients and security.curve_agents
+    _, client_endpoint = _start_secured(spawn, config, tmp_path, tmp_path, {})
+    home = tmp_path / "home" / ".wsd"
+    _check_roles(client_endpoint, tmp_path / security.server_public_key, home / "alice.key_secret",
+                 home / "grafana.key_secret")
+    # The workers run from the same directory: their keys, relative paths made absolute here.
+    worker = dataclasses.replace(security, **{key: str(tmp_path / getattr(security, key))
+                                              for key in _SECURITY_FILES + _SECURITY_FOLDERS})
+    assert agent_keys(worker).server == agent_keys(dataclasses.replace(worker, server_public_key=None)).server

@@ -196,7 +196,7 @@ class CoordinatorConfig:
     """Largest message accepted from a client (ZeroMQ MAXMSGSIZE)."""
     max_agent_message_bytes: int = _size_field(16 << 20)
     """Largest frame accepted from an agent; a larger one drops that agent's connection
-    (ZeroMQ MAXMSGSIZE). A stats reply of 64 ubatches x 64 lanes is about 0.7 MB."""
+    (ZeroMQ MAXMSGSIZE). A stats reply of 64 x 64 slots is about 30 KB (340 KB at worst)."""
     high_water_mark: int = 10_000
     """Messages queued per peer before sends to it are dropped."""
     event_capacity: int = 10_000

@@ -26,7 +26,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["Rank", "WorkerFailed", "Workers"]
+__all__ = ["COMMAND_METHODS", "Rank", "WorkerFailed", "Workers", "recording_manager"]
 
 # The forkserver imports torch once; each worker is then a cheap fork of a
 # process with no threads, sockets or process group yet. Forking the pytest
@@ -41,6 +41,30 @@ _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "wsd.agent"])
 GLOO_TIMEOUT = datetime.timedelta(seconds=20)
 # How often a wait looks at the queues and the processes again.
 _POLL = 0.01
+# The manager methods through which an agent applies commands.
+COMMAND_METHODS = ("lock", "unlock", "set_num_ubatches", "reserve_bytes", "equalize", "trim")
+
+
+def recording_manager(num_ubatches: int = 2) -> tuple[Any, list[list[Any]]]:
+    """A cpu WorkspaceManager whose command methods append ``[name, args]`` to a list.
+
+    The agent applies commands through these methods, so the list holds every
+    real application, whatever the agent believes it did.
+    """
+    from wsd import WorkspaceManager
+
+    manager = WorkspaceManager("cpu", num_ubatches)
+    calls: list[list[Any]] = []
+
+    def recording(name: str, method: Callable[..., None]) -> Callable[..., None]:
+        def record(*args: Any) -> None:
+            calls.append([name, list(args)])
+            method(*args)
+        return record
+
+    for name in COMMAND_METHODS:
+        setattr(manager, name, recording(name, getattr(manager, name)))
+    return manager, calls
 
 
 class WorkerFailed(AssertionError):

@@ -13,16 +13,14 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from conftest import wait_until
-from mp import Rank, Workers
+from mp import Rank, Workers, recording_manager
 from procs import COORDINATOR_READY, coordinator_section, python, spawn, write_config  # noqa: F401
 
-from wsd import WorkspaceManager
 from wsd.agent import Agent, tp_side_group
 from wsd_client.client import Client
 
@@ -31,7 +29,6 @@ HEARTBEAT_TIMEOUT = 1.0
 # The engine's pace: a short sleep per step keeps two busy workers from
 # starving the coordinator on a two-core machine.
 STEP_PAUSE = 0.002
-_RECORDED = ("lock", "unlock", "set_num_ubatches")
 
 
 def paced_engine(me: Rank, endpoint: str, tp_size: int) -> None:
@@ -43,17 +40,7 @@ def paced_engine(me: Rank, endpoint: str, tp_size: int) -> None:
     ``step()`` among them); ``stop``. Every command the agent applies is
     recorded through the manager's own methods.
     """
-    manager = WorkspaceManager("cpu", 2)
-    calls: list[list[Any]] = []
-
-    def recording(name: str, method: Callable[..., None]) -> Callable[..., None]:
-        def record(*args: Any) -> None:
-            calls.append([name, list(args)])
-            method(*args)
-        return record
-
-    for name in _RECORDED:
-        setattr(manager, name, recording(name, getattr(manager, name)))
+    manager, calls = recording_manager()
     agent = Agent(manager, endpoint=endpoint, rank=me.rank, world_size=me.world_size, tp_size=tp_size,
                   tp_group=tp_side_group(me.rank, me.world_size, tp_size), idle=False,
                   heartbeat_interval=HEARTBEAT_INTERVAL, heartbeat_timeout=HEARTBEAT_TIMEOUT).start()

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 from conftest import wait_until
-from mp import Rank, WorkerFailed, Workers
+from mp import Rank, WorkerFailed, Workers, recording_manager
 from procs import processes, python
 
-from wsd import WorkspaceManager, use_ubatch
+from wsd import use_ubatch
 from wsd.agent import Agent, tp_side_group
 from wsd_client.client import Client
 from wsd_client.rows import stats_rows
@@ -34,7 +34,6 @@ STEP_PAUSE = 0.002
 STOP_MARGIN = 150
 # Bytes of the loop's own request on slot 0 (256 float32).
 LOOP_BYTES = 1024
-_RECORDED = ("lock", "unlock", "set_num_ubatches", "reserve_bytes", "equalize", "trim")
 
 
 def engine(me: Rank, endpoint: str, tp_size: int) -> None:
@@ -46,19 +45,7 @@ def engine(me: Rank, endpoint: str, tp_size: int) -> None:
     it: the same step on every member, so none is left in a collective) and
     ``stop`` (leave now). A failed ``step()`` is reported and ends the loop.
     """
-    manager = WorkspaceManager("cpu", 2)
-    calls: list[list[Any]] = []
-
-    def recording(name: str, method: Callable[..., None]) -> Callable[..., None]:
-        def record(*args: Any) -> None:
-            calls.append([name, list(args)])
-            method(*args)
-        return record
-
-    # The agent applies commands through these methods: every real
-    # application is recorded, whatever the agent believes it did.
-    for name in _RECORDED:
-        setattr(manager, name, recording(name, getattr(manager, name)))
+    manager, calls = recording_manager()
     group = tp_side_group(me.rank, me.world_size, tp_size)
     agent = Agent(manager, endpoint=endpoint, rank=me.rank, world_size=me.world_size,
                   tp_size=tp_size, tp_group=group, idle=False,

@@ -203,6 +203,12 @@ class CoordinatorConfig:
     """Events kept in the log; older ones are dropped first."""
     log_capacity: int = 4096
     """Commands kept for replay to agents that missed them."""
+    metrics_port: int | None = None
+    """TCP port of the Prometheus endpoint (``/metrics``); 0: any free port. None: no endpoint."""
+    metrics_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds; loopback unless Prometheus scrapes from elsewhere."""
+    metrics_refresh: float = 5.0
+    """Seconds between the stats rounds that refresh the per-slot metrics (when the endpoint is on)."""
 
     def __post_init__(self) -> None:
         _coerce_enum(self, "mode", CoordinatorMode)
@@ -234,6 +240,11 @@ class CoordinatorConfig:
         _check_range("high_water_mark", self.high_water_mark, 1, 10_000_000)
         _check_range("event_capacity", self.event_capacity, 1, 10_000_000)
         _check_range("log_capacity", self.log_capacity, 1, 10_000_000)
+        if self.metrics_port is not None:
+            _check_range("metrics_port", self.metrics_port, 0, 65535)
+        if not isinstance(self.metrics_host, str) or not self.metrics_host:
+            raise ValueError(f"metrics_host must be an address such as 127.0.0.1, got {self.metrics_host!r}")
+        _check_positive("metrics_refresh", self.metrics_refresh, 3600.0)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,10 +9,11 @@ socket loop that drives it is ``wsd.server.Coordinator``. Imports no torch.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from wsd import protocol as p
@@ -21,6 +22,7 @@ from wsd.commandlog import Command, CommandLog
 from wsd.config import CoordinatorConfig
 from wsd.errors import StateFileError
 from wsd.events import EventKind, EventLog
+from wsd.metrics import CommandOutcome, CommandStats, Published, StatsView, core_view
 from wsd.protocol import ErrorCode, Op, ProtocolError
 from wsd.registry import RankState, RegistrationError, Registry
 
@@ -42,6 +44,7 @@ class _PendingCommand:
     targets: set[int]
     deadline: float
     missing: dict[int, str]
+    numbered: float = 0.0  # monotonic time it got its seq: the start of its latency
     acks: dict[int, dict[str, Any]] = field(default_factory=dict)
     lost: set[int] = field(default_factory=set)
     # Targets neither acknowledged nor lost: done when empty, checked in O(1) per ack.
@@ -53,7 +56,7 @@ class _PendingCommand:
 
 @dataclass
 class _PendingStats:
-    route: Route
+    route: Route | None  # None: the coordinator's own round, for the metrics
     request_id: int
     group: int | None
     targets: set[int]
@@ -100,6 +103,14 @@ class CoordinatorCore:
         self._baselines: dict[int, int] = {}
         self._inconsistent: set[int] = set()
         self.dropped_bad_agent_frames = 0
+        # Metrics: counters kept here on the loop thread; the HTTP thread reads only
+        # ``published``, immutable views replaced whole (see wsd.metrics).
+        self.heartbeats = 0
+        self.command_stats = CommandStats()
+        self.published = Published()
+        self._metrics = config.metrics_port is not None
+        self._next_refresh = clock() if self._metrics else math.inf
+        self._refresh_round: int | None = None
         self._client_ops: dict[Op, Callable[[Route, p.Message], list[Out]]] = {
             Op.PING: self._ping,
             Op.STATUS: self._status,
@@ -174,11 +185,18 @@ class CoordinatorCore:
             self._next_pulse = now + self.config.heartbeat_interval
             pulse = p.encode(Op.PULSE, {"epoch": self.epoch})
             out += [(AGENT, (i.peer,), pulse) for i in self.registry.live()]
+            if self._metrics:
+                self._publish_core()
+        if now >= self._next_refresh:
+            self._next_refresh = now + self.config.metrics_refresh
+            if self._refresh_round not in self._stats:  # the last one is still out: skip this one
+                out += self._start_stats(None, 0, None, self.config.stats_timeout)
+                self._refresh_round = self._stats_ids
         return out
 
     def next_deadline(self) -> float:
         """When ``tick`` next has something to do (monotonic clock)."""
-        deadlines = [self._next_pulse, self.registry.next_expiry()]
+        deadlines = [self._next_pulse, self.registry.next_expiry(), self._next_refresh]
         deadlines += [c.deadline for c in self._commands.values()]
         deadlines += [s.deadline for s in self._stats.values()]
         return min(deadlines)
@@ -231,6 +249,7 @@ class CoordinatorCore:
         return out
 
     def _heartbeat(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
+        self.heartbeats += 1
         info = self.registry.heartbeat(peer, body, self.clock())
         if info is None:  # e.g. we restarted: ask the agent to register again
             return [(AGENT, (peer,), p.encode(Op.PULSE, {"epoch": self.epoch, "registered": False}))]
@@ -354,7 +373,7 @@ class CoordinatorCore:
         pending = _PendingCommand(
             command=command, route=route if body["wait"] else None, request_id=message.id,
             targets=targets, deadline=now + (body["timeout"] or self.config.command_timeout),
-            missing=self.registry.missing(group),
+            missing=self.registry.missing(group), numbered=now,
         )
         self._commands[command.seq] = pending
         if not body["wait"]:
@@ -388,6 +407,9 @@ class CoordinatorCore:
         self.events.add(EventKind.COMMAND_APPLIED, self.wall(), seq=seq, action=command.action,
                         group=command.group, steps={str(a["rank"]): a["step"] for a in acks},
                         pending=waiting, complete=result["complete"])
+        outcome = (CommandOutcome.FAILED if result["failed"] else
+                   CommandOutcome.COMPLETE if result["complete"] else CommandOutcome.PARTIAL)
+        self.command_stats.record(command.action, outcome, self.clock() - pending.numbered)
         if pending.route is None:
             return []
         return [(CLIENT, pending.route, p.ok_reply(pending.request_id, result))]
@@ -395,13 +417,16 @@ class CoordinatorCore:
     def _stats_request(self, route: Route, message: p.Message) -> list[Out]:
         group = message.body["group"]
         self._check_group_arg(group)
+        return self._start_stats(route, message.id, group, message.body["timeout"] or self.config.stats_timeout)
+
+    def _start_stats(self, route: Route | None, request_id: int, group: int | None, timeout: float) -> list[Out]:
+        """Ask every live rank of ``group`` (None: all) for a snapshot; route None: for the metrics."""
         self._stats_ids += 1
         request = self._stats_ids
         live = self.registry.live(group)
         self._stats[request] = _PendingStats(
-            route=route, request_id=message.id, group=group, targets={i.rank for i in live},
-            deadline=self.clock() + (message.body["timeout"] or self.config.stats_timeout),
-            gathered=StatsRound(self._stats_scope(group)),
+            route=route, request_id=request_id, group=group, targets={i.rank for i in live},
+            deadline=self.clock() + timeout, gathered=StatsRound(self._stats_scope(group)),
         )
         frame = p.encode(Op.STATS_REQUEST, {"request": request})
         out: list[Out] = [(AGENT, (i.peer,), frame) for i in live]
@@ -421,7 +446,17 @@ class CoordinatorCore:
             missing[rank] = pending.invalid.get(rank) or (
                 "lost while asked" if rank in pending.lost else "no reply within the stats timeout")
         result = pending.gathered.finish(self._stats_scope(pending.group), missing)  # already encoded
+        if pending.route is None:  # the metrics' round: publish it, no one to answer
+            self.published = replace(self.published, stats=StatsView(self.wall(), result))
+            self._publish_core()
+            return []
         return [(CLIENT, pending.route, p.ok_reply_packed(pending.request_id, result))]
+
+    def _publish_core(self) -> None:
+        """Give the metrics endpoint a fresh copy of the registry and counters (replaced whole)."""
+        view = core_view(self.registry, seq=self.log.seq, heartbeats=self.heartbeats,
+                         inconsistent=self._inconsistent, commands=self.command_stats)
+        self.published = replace(self.published, core=view)
 
     def _events(self, route: Route, message: p.Message) -> list[Out]:
         events, cursor = self.events.since(message.body["cursor"], message.body["limit"])

@@ -17,6 +17,7 @@ from wsd.auth import AGENT_DOMAIN, CLIENT_DOMAIN, CurveGate, is_loopback, refusa
 from wsd.config import CoordinatorConfig
 from wsd.coordinator import AGENT, CoordinatorCore, Out
 from wsd.errors import WsdError
+from wsd.metrics import MetricsServer
 from wsd.protocol import ErrorCode, error_reply
 from wsd.security import Role, SecurityConfig
 from wsd.transport import bind, make_socket, send_nowait
@@ -51,6 +52,7 @@ class Coordinator:
                 self._context.term()
             raise
         self._stop = threading.Event()
+        self.metrics: MetricsServer | None = None
         self._thread: threading.Thread | None = None
         self._agents = make_socket(self._context, zmq.ROUTER, hwm=config.high_water_mark)
         self._clients = make_socket(self._context, zmq.ROUTER, hwm=config.high_water_mark)
@@ -71,10 +73,28 @@ class Coordinator:
             if not curve[who] and not is_loopback(endpoint):
                 logger.warning("%s endpoint %s is reachable from other hosts without CURVE: anyone "
                                "who reaches it may connect; set [security] curve_%s", who, endpoint, who)
+        if config.metrics_port is not None:
+            try:  # bound now, as the sockets are; it serves whatever the core last published
+                self.metrics = MetricsServer(lambda: self.core.published, config.metrics_host,
+                                             config.metrics_port)
+            except WsdError:
+                self._close()
+                raise
+            if not is_loopback(f"tcp://{config.metrics_host}:{self.metrics.port}"):
+                logger.warning("metrics endpoint %s is reachable from other hosts: anyone who reaches it "
+                               "may read every rank's figures; set [coordinator] metrics_host to keep it "
+                               "local", self.metrics.url)
         self.dropped_sends = 0
         logger.info("coordinator %s: agents on %s, clients on %s (seq %d%s)",
                     self.core.epoch[:8], self.agent_endpoint, self.client_endpoint,
                     self.core.log.seq, ", recovered" if self.core.recovered else "")
+        if self.metrics is not None:
+            logger.info("coordinator metrics on %s", self.metrics.url)
+
+    @property
+    def metrics_url(self) -> str | None:
+        """``http://HOST:PORT/metrics`` with the bound port, or None with no metrics port."""
+        return None if self.metrics is None else self.metrics.url
 
     def start(self) -> Coordinator:
         """Serve in a background thread; returns self."""
@@ -177,6 +197,8 @@ class Coordinator:
     def _close(self) -> None:
         if self._agents.closed:
             return
+        if self.metrics is not None:
+            self.metrics.stop()
         self._agents.close(linger=0)
         self._clients.close(linger=0)
         self._gate.stop()

@@ -20,12 +20,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 from conftest import wait_until
 from procs import COORDINATOR_READY, python, spawn, wait_gone, worker_env, write_config  # noqa: F401  (spawn is a fixture)
 
@@ -33,6 +35,7 @@ from wsd import WorkspaceManager
 from wsd.agent import Agent
 from wsd.auth import agent_keys
 from wsd.config import load_config
+from wsd.metrics import FAMILIES
 from wsd.protocol import ErrorCode
 from wsd_client import wsctl
 from wsd_client.client import Client, ClientError
@@ -381,52 +384,14 @@ def test_kustomize_renders_the_manifests_with_the_configuration():
 
 # -- metric names --------------------------------------------------------------------------------
 
-_SLOT = ("rank", "tp_group", "ubatch", "lane")
-_RANK = ("rank", "tp_group", "host")
-_GROUP = ("tp_group",)
-
-# The families the coordinator exports, {name: (kind, labels)}, mirroring the
-# contract of issue 6. The exporter (wsd/metrics.py) does not exist yet: when
-# it lands it must export this as wsd.metrics.FAMILIES in the same shape, and
-# _families() below then reads it from the code; delete this mirror then.
-FAMILIES_MIRROR: dict[str, tuple[str, tuple[str, ...]]] = {
-    "wsd_slot_capacity_bytes": ("gauge", _SLOT),
-    "wsd_slot_peak_requested_bytes": ("gauge", _SLOT),
-    "wsd_slot_requests_total": ("counter", _SLOT),
-    "wsd_slot_resizes_total": ("counter", _SLOT),
-    "wsd_slot_lock_violations_total": ("counter", _SLOT),
-    "wsd_rank_up": ("gauge", _RANK),
-    "wsd_rank_locked": ("gauge", _RANK),
-    "wsd_rank_ubatches": ("gauge", _RANK),
-    "wsd_rank_last_step": ("gauge", _RANK),
-    "wsd_rank_workspace_bytes": ("gauge", _RANK),
-    "wsd_group_workspace_bytes": ("gauge", _GROUP),
-    "wsd_group_skew_bytes": ("gauge", _GROUP),
-    "wsd_group_consistent": ("gauge", _GROUP),
-    "wsd_command_duration_seconds": ("histogram", ("action",)),
-    "wsd_commands_total": ("counter", ("action", "result")),
-    "wsd_ranks": ("gauge", ("state",)),
-    "wsd_heartbeats_total": ("counter", ()),
-    "wsd_command_seq": ("gauge", ()),
-    "wsd_stats_age_seconds": ("gauge", ()),
-}
-
 # Labels Prometheus adds to every series of a target (the scrape configs' relabelling adds namespace).
 _TARGET_LABELS = {"job", "instance", "namespace"}
 
 
-def _families() -> Mapping[str, tuple[str, tuple[str, ...]]]:
-    try:
-        from wsd import metrics  # type: ignore[attr-defined]
-    except ImportError:
-        return FAMILIES_MIRROR
-    return getattr(metrics, "FAMILIES", FAMILIES_MIRROR)
-
-
 def _series() -> dict[str, frozenset[str]]:
-    """Every series name the exporter emits, with the labels it carries."""
+    """Every series name the exporter emits (wsd.metrics.FAMILIES), with the labels it carries."""
     series = {}
-    for name, (kind, labels) in _families().items():
+    for name, (kind, labels) in FAMILIES.items():
         if kind == "counter":
             series[name if name.endswith("_total") else name + "_total"] = frozenset(labels)
         elif kind == "histogram":
@@ -549,7 +514,7 @@ def test_dashboard_panels_are_well_formed():
 
 def test_scrape_config_targets_the_coordinators_metrics_port():
     """The static target and the Kubernetes discovery must point where the recipes put the
-    metrics port (7602; the [coordinator] key that sets it arrives with the exporter)."""
+    metrics port: 7602, the [coordinator] metrics_port of every example configuration."""
     (document,) = _documents(SCRAPE)
     jobs = {job["job_name"]: job for job in document["scrape_configs"]}
     assert document["rule_files"] == [ALERTS.name]
@@ -561,6 +526,12 @@ def test_scrape_config_targets_the_coordinators_metrics_port():
     assert {p["name"]: p["port"] for p in svc["spec"]["ports"]}[port_name] == 7602
     for job in jobs.values():
         assert job["metrics_path"] == "/metrics"
+    for path in TOML_FILES:
+        assert load_config(path, env={}).coordinator.metrics_port == 7602, path
+    (port,) = [p for p in _container("Deployment")["ports"] if p["name"] == "metrics"]
+    assert port["containerPort"] == 7602
+    # Inside the pod, Prometheus comes from another pod: loopback would be unreachable.
+    assert load_config(KUBERNETES / "wsd.toml", env={}).coordinator.metrics_host == "0.0.0.0"
 
 
 # -- deploy/local/run.sh, for real -------------------------------------------------------------------
@@ -576,6 +547,7 @@ def _local_env(tmp_path: Path, **knobs: str) -> dict[str, str]:
     return {**env, "PYTHON": sys.executable, "TMPDIR": str(tmp_path),
             "WSD_COORDINATOR_AGENT_ENDPOINT": "tcp://127.0.0.1:0",
             "WSD_COORDINATOR_CLIENT_ENDPOINT": "tcp://127.0.0.1:0",
+            "WSD_COORDINATOR_METRICS_PORT": "0",
             "WSD_COORDINATOR_STATE_FILE": str(tmp_path / "state"),
             "WSD_COORDINATOR_HEARTBEAT_INTERVAL": "0.2", "WSD_COORDINATOR_HEARTBEAT_TIMEOUT": "1.0",
             **_SMALL_WORKLOAD, **knobs}
@@ -585,9 +557,17 @@ def _start_cluster(spawn, tmp_path: Path, nproc: int, **knobs: str):  # noqa: F8
     proc = spawn(["bash", str(RUN_SH)], env=_local_env(tmp_path, NPROC=str(nproc), **knobs), name="run.sh")
     endpoint = proc.wait_for(r"wsd-local: clients on (\S+)", 60).group(1)
     proc.wait_for(rf"wsd-local: try +WSD_ENDPOINT={re.escape(endpoint)} wsctl status", 5)
+    metrics_url = proc.wait_for(r"wsd-local: Prometheus metrics on (http://\S+)", 5).group(1)
     client = Client(endpoint, timeout=5)
     wait_until(lambda: client.status()["ranks"]["live"] == nproc, 60, f"{nproc} ranks to register")
-    return proc, client
+    return proc, client, metrics_url
+
+
+def _ranks_up(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return {s.labels["rank"]: s.value for f in text_string_to_metric_families(text) if f.name == "wsd_rank_up"
+            for s in f.samples}
 
 
 def _leftovers(tmp_path: Path) -> list[str]:
@@ -599,10 +579,12 @@ def test_local_script_runs_a_cluster_shows_chosen_ranks_and_stops_on_ctrl_c(tmp_
     torchrun, then the coordinator: every process gone, exit 0. Only local rank 0 prints
     (SHOW_RANKS, torchrun's --local-ranks-filter); rank 1's output is in LOG_DIR."""
     logs = tmp_path / "logs"
-    proc, client = _start_cluster(spawn, tmp_path, 2, SHOW_RANKS="0", LOG_DIR=str(logs))
+    proc, client, metrics_url = _start_cluster(spawn, tmp_path, 2, SHOW_RANKS="0", LOG_DIR=str(logs))
     with client:
         status = client.status()
         assert status["world_size"] == 2 and status["tp_size"] == 2  # told up front; one group per node
+    # The metrics URL the script printed (from the coordinator's ready line) answers.
+    wait_until(lambda: _ranks_up(metrics_url) == {"0": 1.0, "1": 1.0}, 10, "both ranks up in /metrics")
     proc.wait_for(r"rank 0/2 wsd.workload INFO warm-up done", 30)
     pids = proc.tree()
     assert len(pids) >= 5, pids  # run.sh, the coordinator, torchrun, two workers
@@ -621,7 +603,7 @@ def test_local_script_runs_a_cluster_shows_chosen_ranks_and_stops_on_ctrl_c(tmp_
 def test_local_script_stops_everything_on_sigterm(tmp_path, spawn):  # noqa: F811
     """SIGTERM to the script alone (as a service manager sends it): the TERM trap stops what
     it started. Idle workers, empty SHOW_RANKS: every rank prints."""
-    proc, client = _start_cluster(spawn, tmp_path, 2, SHOW_RANKS="", WORKER_ARGS="--idle")
+    proc, client, _ = _start_cluster(spawn, tmp_path, 2, SHOW_RANKS="", WORKER_ARGS="--idle")
     client.close()
     pids = proc.tree()
     assert len(pids) >= 5, pids
@@ -636,7 +618,7 @@ def test_local_script_stops_everything_on_sigterm(tmp_path, spawn):  # noqa: F81
 def test_local_script_stops_the_workers_when_its_coordinator_dies(tmp_path, spawn):  # noqa: F811
     """A coordinator that dies (here SIGKILL) leaves no workers running on their own: the
     script stops them and exits 1."""
-    proc, client = _start_cluster(spawn, tmp_path, 1, WORKER_ARGS="--idle")
+    proc, client, _ = _start_cluster(spawn, tmp_path, 1, WORKER_ARGS="--idle")
     client.close()
     pids = proc.tree()
     coordinators = [p for p in pids if "wsd.cli coordinator" in _cmdline(p)]
@@ -786,6 +768,7 @@ def _start_secured(spawn, config: Path, tmp_path: Path, cwd: Path, env: Mapping[
     proc = spawn(python("-m", "wsd.cli", "coordinator", "--config", str(config)), cwd=cwd, name="wsd coordinator",
                  env={**base, "WSD_COORDINATOR_AGENT_ENDPOINT": "tcp://127.0.0.1:0",
                       "WSD_COORDINATOR_CLIENT_ENDPOINT": "tcp://127.0.0.1:0",
+                      "WSD_COORDINATOR_METRICS_PORT": "0", "WSD_COORDINATOR_METRICS_HOST": "127.0.0.1",
                       "WSD_COORDINATOR_STATE_FILE": str(tmp_path / "state"), **env})
     return proc.wait_for(COORDINATOR_READY, 30).groups()
 

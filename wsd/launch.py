@@ -35,8 +35,9 @@ __all__ = ["READY", "CoordinatorProcess", "serve_coordinator", "stop_process_gro
 logger = logging.getLogger(__name__)
 
 READY = "wsd coordinator ready:"
-"""Start of the line a foreground coordinator prints once bound: ``READY agents URL clients URL``."""
-_READY_LINE = re.compile(re.escape(READY) + r" agents (\S+) clients (\S+)")
+"""Start of the line a foreground coordinator prints once bound: ``READY agents URL clients URL``,
+followed by ``metrics URL`` when it serves metrics."""
+_READY_LINE = re.compile(re.escape(READY) + r" agents (\S+) clients (\S+)(?: metrics (\S+))?")
 # How often foreground loops look at their flags and children.
 _POLL = 0.2
 # torchrun gives its workers 30 s between SIGTERM and SIGKILL; wsd up waits a
@@ -70,7 +71,8 @@ def serve_coordinator(config: WsdConfig, *, exit_with_parent: bool = False) -> i
     with stop_signals(lambda signum: stop.set()):
         coordinator.start()
         try:
-            print(f"{READY} agents {coordinator.agent_endpoint} clients {coordinator.client_endpoint}",
+            metrics = "" if coordinator.metrics_url is None else f" metrics {coordinator.metrics_url}"
+            print(f"{READY} agents {coordinator.agent_endpoint} clients {coordinator.client_endpoint}{metrics}",
                   flush=True)
             while not stop.wait(_POLL):
                 if not coordinator.serving:
@@ -131,6 +133,7 @@ class CoordinatorProcess:
         self.proc: subprocess.Popen | None = None
         self.agent_endpoint = ""
         self.client_endpoint = ""
+        self.metrics_url: str | None = None
 
     def start(self, timeout: float) -> CoordinatorProcess:
         """Start it and wait for its ready line; LaunchError with what it printed otherwise."""
@@ -149,7 +152,7 @@ class CoordinatorProcess:
             code = self.stop()
             raise LaunchError(f"the coordinator did not become ready within {timeout:g} s "
                               f"(exit code {code}); its log above says why")
-        self.agent_endpoint, self.client_endpoint = match.group(1), match.group(2)
+        self.agent_endpoint, self.client_endpoint, self.metrics_url = match.groups()
         return self
 
     def alive(self) -> bool:
@@ -222,6 +225,8 @@ def up(nproc: int, config_path: str | None, *, out: Callable[[str], object] = _s
             out(f"wsd up: clients on {coordinator.client_endpoint} "
                 f"(agents on {coordinator.agent_endpoint}); {nproc} workers under torchrun, pid {torchrun.pid}")
             out(f"wsd up: try   WSD_ENDPOINT={coordinator.client_endpoint} wsctl status")
+            if coordinator.metrics_url is not None:
+                out(f"wsd up: Prometheus metrics on {coordinator.metrics_url}")
             out("wsd up: Ctrl-C stops everything")
             while not stop.wait(_POLL):
                 if torchrun.poll() is not None or not coordinator.alive():

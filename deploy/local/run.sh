@@ -119,8 +119,9 @@ trap stop_everything EXIT
 # The coordinator, in a session of its own (setsid) so that a terminal's Ctrl-C
 # reaches only this script, which stops it last. It learns the world size up
 # front, so that clients see the ranks that have not registered yet. Its
-# stdout carries one line, "wsd coordinator ready: agents URL clients URL",
-# naming the ports it bound (the OS picks them for port 0); its log goes to stderr.
+# stdout carries one line, "wsd coordinator ready: agents URL clients URL", then
+# "metrics URL" when [coordinator] metrics_port is set, naming the ports it bound
+# (the OS picks them for port 0); its log goes to stderr.
 WSD_COORDINATOR_WORLD_SIZE=${WSD_COORDINATOR_WORLD_SIZE:-$NPROC} \
     setsid "$PYTHON" -m wsd.cli coordinator "${config_args[@]}" >"$RUN_DIR/coordinator.out" &
 COORDINATOR=$!
@@ -140,7 +141,7 @@ while [[ -z $ready ]]; do
     ((SECONDS < deadline)) || die "the coordinator was not ready within $READY_TIMEOUT s"
     sleep 0.1
 done
-read -r _ _ _ _ AGENT_ENDPOINT _ CLIENT_ENDPOINT <<<"$ready"
+read -r _ _ _ _ AGENT_ENDPOINT _ CLIENT_ENDPOINT _ METRICS_URL _ <<<"$ready"
 
 torchrun_args=(--standalone --nproc-per-node "$NPROC")  # --standalone: a rendezvous port the OS picks
 [[ -n $SHOW_RANKS ]] && torchrun_args+=(--local-ranks-filter "$SHOW_RANKS")
@@ -152,6 +153,7 @@ TORCHRUN=$!
 
 say "clients on $CLIENT_ENDPOINT (agents on $AGENT_ENDPOINT); $NPROC workers under torchrun, pid $TORCHRUN; showing local ranks ${SHOW_RANKS:-all}"
 say "try   WSD_ENDPOINT=$CLIENT_ENDPOINT wsctl status"
+[[ -n $METRICS_URL ]] && say "Prometheus metrics on $METRICS_URL"
 say "Ctrl-C stops everything"
 
 # Until a signal (its trap ends the script) or one of the two ends by itself.

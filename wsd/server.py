@@ -20,7 +20,7 @@ from wsd.errors import WsdError
 from wsd.metrics import MetricsServer
 from wsd.protocol import ErrorCode, error_reply
 from wsd.security import Role, SecurityConfig
-from wsd.transport import bind, make_socket, send_nowait
+from wsd.transport import bind, make_socket, raise_fd_limit, send_nowait
 
 __all__ = ["Coordinator"]
 
@@ -34,6 +34,8 @@ _BATCH = 256
 _HARD_LIMIT_FACTOR = 4
 # The loop wakes at least this often to notice stop().
 _MAX_POLL = 0.1
+# Descriptors beyond one per agent connection: clients, ZAP, the metrics endpoint, logs.
+_FD_HEADROOM = 256
 
 
 class Coordinator:
@@ -51,6 +53,8 @@ class Coordinator:
             if self._own_context:
                 self._context.term()
             raise
+        if config.world_size is not None:  # one descriptor per agent connection
+            raise_fd_limit(config.world_size + _FD_HEADROOM)
         self._stop = threading.Event()
         self.metrics: MetricsServer | None = None
         self._thread: threading.Thread | None = None

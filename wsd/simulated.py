@@ -19,7 +19,6 @@ import argparse
 import heapq
 import logging
 import os
-import resource
 import signal
 import threading
 import time
@@ -33,7 +32,7 @@ from wsd.config import MAX_UBATCHES
 from wsd.errors import WsdError
 from wsd.link import AgentLink
 from wsd.stats import ManagerStats, PersistentStats, SlotStats
-from wsd.transport import connect, make_socket, send_nowait
+from wsd.transport import connect, make_socket, raise_fd_limit, send_nowait
 
 __all__ = ["SimulatedManager", "SimulatedRanks", "SimulationError", "main"]
 
@@ -177,6 +176,10 @@ class SimulatedRanks:
         self._failed: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = os.pipe()
+        self.max_lag = 0.0
+        """Seconds the loop served a timer (registration, heartbeat) late, at most, so far:
+        a figure near the heartbeat timeout would mean that the simulation, not the
+        coordinator, is to blame for a rank marked lost."""
 
     def __enter__(self) -> SimulatedRanks:
         return self.start()
@@ -188,7 +191,7 @@ class SimulatedRanks:
 
     def start(self, timeout: float = 30.0) -> SimulatedRanks:
         """Open every rank's socket on the loop thread; returns once they are connecting."""
-        _raise_fd_limit(len(self.ranks) * _FDS_PER_RANK + 64)
+        raise_fd_limit(len(self.ranks) * _FDS_PER_RANK + 64)
         if self._own_context:
             self._context.set(zmq.MAX_SOCKETS, max(1024, len(self.ranks) + 64))
         self._thread = threading.Thread(target=self._run, name="wsd-simulated", daemon=True)
@@ -269,15 +272,20 @@ class SimulatedRanks:
         heapq.heapify(timers)
         while not self._stop.is_set():
             now = time.monotonic()
+            oldest_due = None
             while timers and timers[0][0] <= now + _TIMER_SLACK:
                 due, i = heapq.heappop(timers)
                 if due != scheduled[i]:
                     continue
+                if oldest_due is None:
+                    oldest_due = due
                 link = links[i]
                 for frame in link.on_time(max(now, due)):
                     send_nowait(sockets[i], [frame])
                 scheduled[i] = link.due()
                 heapq.heappush(timers, (scheduled[i], i))
+            if oldest_due is not None:  # the last frame of the batch left this late
+                self.max_lag = max(self.max_lag, time.monotonic() - oldest_due)
             wait = min(timers[0][0] - now, _MAX_POLL) if timers else _MAX_POLL
             for sock, _ in poller.poll(max(wait, 0.0) * 1000):
                 i = index.get(sock)
@@ -296,14 +304,6 @@ class SimulatedRanks:
                 if due < scheduled[i]:  # e.g. just registered: heartbeat now
                     scheduled[i] = due
                     heapq.heappush(timers, (due, i))
-
-
-def _raise_fd_limit(wanted: int) -> None:
-    """Hundreds of sockets need more descriptors than the usual soft limit of 1024."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

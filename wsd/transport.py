@@ -7,12 +7,13 @@ kernel chose, and zmq's errors translated into wsd's at this boundary.
 from __future__ import annotations
 
 import re
+import resource
 
 import zmq
 
 from wsd.errors import WsdError
 
-__all__ = ["TransportError", "bind", "connect", "make_socket", "send_nowait"]
+__all__ = ["TransportError", "bind", "connect", "make_socket", "raise_fd_limit", "send_nowait"]
 
 
 class TransportError(WsdError):
@@ -55,3 +56,16 @@ def send_nowait(sock: zmq.Socket, parts: list[bytes]) -> bool:
             return False
         raise
     return True
+
+
+def raise_fd_limit(wanted: int) -> None:
+    """Raise this process's soft descriptor limit to ``wanted`` (at most the hard limit).
+
+    Each ZeroMQ connection holds a descriptor: a coordinator of a thousand
+    agents, or one process of a thousand simulated ranks, passes the usual
+    soft limit of 1024, and libzmq then fails to accept connections silently.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))

@@ -34,37 +34,27 @@ from typing import Any
 
 import msgpack
 import zmq
+from wsd_client.client import Client
 
+from bench.helpers import START_TIMEOUT, Helper, Row, run_coordinator, timed_us
 from wsd import protocol as p
 from wsd.commandlog import CommandLog
-from wsd.config import AgentConfig, CoordinatorConfig
+from wsd.config import AgentConfig
 from wsd.link import AgentLink
 from wsd.protocol import Op
-from wsd.server import Coordinator
 from wsd.simulated import SimulatedManager, SimulatedRanks
 from wsd.transport import bind, connect, make_socket, send_nowait
-from wsd_client.client import Client
 
 SLOTS = 8
 TARGETS = {"stats": 1.5, "command": 2.0, "agreement": 1.2}
-_START_TIMEOUT = 30.0
 _ROUND_TIMEOUT = 10.0
 
 # -- helper processes (spawned: each starts clean, with no torch) ------------------------
 
 
-def _run_coordinator(conn: Any, state_file: str) -> None:
-    config = CoordinatorConfig(agent_endpoint="tcp://127.0.0.1:0", client_endpoint="tcp://127.0.0.1:0",
-                               state_file=state_file)
-    coordinator = Coordinator(config).start()
-    conn.send((coordinator.agent_endpoint, coordinator.client_endpoint))
-    conn.recv()  # until told to stop
-    coordinator.stop()
-
-
 def _run_simulated(conn: Any, endpoint: str, n: int) -> None:
     with SimulatedRanks(endpoint, range(n), world_size=n, num_ubatches=SLOTS) as sim:
-        conn.send(sim.wait_registered(_START_TIMEOUT))
+        conn.send(sim.wait_registered(START_TIMEOUT))
         conn.recv()
 
 
@@ -100,31 +90,6 @@ def _run_bare_dealers(conn: Any, endpoint: str, n: int) -> None:
     context.term()
 
 
-class _Helper:
-    """A spawned helper process, stopped (bounded) by ``stop``."""
-
-    def __init__(self, target: Callable[..., None], *args: Any) -> None:
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=target, args=(child, *args), daemon=True)
-        self.process.start()
-
-    def result(self) -> Any:
-        if not self._conn.poll(_START_TIMEOUT):
-            raise SystemExit(f"helper {self.process.name} did not start within {_START_TIMEOUT} s")
-        return self._conn.recv()
-
-    def stop(self) -> None:
-        try:
-            self._conn.send(None)
-        except (BrokenPipeError, OSError):
-            pass
-        self.process.join(10)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(5)
-
-
 # -- the bare fan-out ---------------------------------------------------------------
 
 
@@ -139,7 +104,7 @@ class BareFanOut:
         self.peers: list[bytes] = []
 
     def wait_peers(self) -> None:
-        deadline = time.monotonic() + _START_TIMEOUT
+        deadline = time.monotonic() + START_TIMEOUT
         while len(self.peers) < self.n:
             if not self.router.poll(max(0.0, deadline - time.monotonic()) * 1000):
                 raise SystemExit(f"only {len(self.peers)} of {self.n} bare DEALERs connected")
@@ -175,23 +140,17 @@ def frame_sizes() -> dict[str, tuple[int, int]]:
     return {"stats": stats, "command": command}
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter_ns()
-    fn()
-    return (time.perf_counter_ns() - start) / 1e3
-
-
 def bench_fan_out(n: int, rounds: int, state_dir: str) -> dict[str, Any]:
     """Median microseconds of wsd and of the bare fan-out for stats and a command, N ranks."""
     sizes = frame_sizes()
     context = zmq.Context()
     bare = BareFanOut(context, n)
-    coordinator = _Helper(_run_coordinator, str(Path(state_dir) / f"bench-{n}.state"))
+    coordinator = Helper(run_coordinator, str(Path(state_dir) / f"bench-{n}.state"))
     helpers = [coordinator]
     try:
         agent_endpoint, client_endpoint = coordinator.result()
-        sim = _Helper(_run_simulated, agent_endpoint, n)
-        dealers = _Helper(_run_bare_dealers, bare.endpoint, n)
+        sim = Helper(_run_simulated, agent_endpoint, n)
+        dealers = Helper(_run_bare_dealers, bare.endpoint, n)
         helpers += [sim, dealers]
         if not sim.result():
             raise SystemExit(f"the {n} simulated ranks did not all register")
@@ -224,7 +183,7 @@ def bench_fan_out(n: int, rounds: int, state_dir: str) -> dict[str, Any]:
         for i in range(rounds):
             # The order turns every round, so that no candidate always follows the same one.
             for name, fn in candidates[i % 4:] + candidates[:i % 4]:
-                samples[name].append(_timed(lambda: fn(i)))
+                samples[name].append(timed_us(lambda: fn(i)))
         # What the client receives and decodes whole each round: the bare side has no such leg.
         answer_bytes = len(msgpack.packb(client.stats(), use_bin_type=True))
         client.close()
@@ -255,7 +214,7 @@ def _agreement_rank(rank: int, world: int, init_file: str, endpoint: str, rounds
     agent = Agent(WorkspaceManager("cpu", 2), endpoint=endpoint, rank=rank, world_size=world,
                   tp_size=world, tp_group=group, config=AgentConfig(apply_every=1)).start()
     try:
-        if not agent.wait_registered(_START_TIMEOUT):
+        if not agent.wait_registered(START_TIMEOUT):
             raise SystemExit(f"rank {rank}: agent did not register")
         value = torch.zeros(1, dtype=torch.int64)
 
@@ -286,7 +245,7 @@ def bench_agreement(rounds: int, calls: int, state_dir: str) -> tuple[float, flo
     """Median microseconds per call of ``Agent.step()`` and of a bare all_reduce, 2 gloo ranks."""
     import torch.multiprocessing as tmp
 
-    coordinator = _Helper(_run_coordinator, str(Path(state_dir) / "bench-agreement.state"))
+    coordinator = Helper(run_coordinator, str(Path(state_dir) / "bench-agreement.state"))
     try:
         agent_endpoint, _ = coordinator.result()
         ctx = mp.get_context("spawn")
@@ -303,7 +262,7 @@ def state_write_cost(directory: str, commands: int) -> float:
     """Median microseconds of recording one command (a journal record appended and fsynced)."""
     with tempfile.TemporaryDirectory(prefix="wsd-bench-", dir=directory) as d:
         log = CommandLog(str(Path(d) / "cost.state"), 4096)
-        return statistics.median(_timed(lambda: log.append("lock", {}, None, 0.0)) for _ in range(commands))
+        return statistics.median(timed_us(lambda: log.append("lock", {}, None, 0.0)) for _ in range(commands))
 
 
 def _default_state_dir() -> str | None:
@@ -313,16 +272,22 @@ def _default_state_dir() -> str | None:
     return "/dev/shm" if Path("/dev/shm").is_dir() else None
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, float]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds (about half a minute)")
-    parser.add_argument("--state-dir", default=_default_state_dir(),
-                        help="where the coordinator's state file goes (default: /dev/shm if present); "
-                        "its storage decides what the fsync of each command costs")
-    args = parser.parse_args(argv)
-    rounds, agree_rounds, calls = (40, 7, 200) if args.quick else (200, 21, 1000)
-    ratios: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="wsd-bench-", dir=args.state_dir) as state_dir:
+BASELINES = {
+    "stats": "bare ROUTER fan-out and gather, same payload",
+    "command": "bare ROUTER fan-out and gather, same payload",
+    "agreement": "one bare gloo all_reduce of one integer",
+}
+
+
+def run(quick: bool = False, state_dir: str | None = None) -> list[Row]:
+    """Measure, print the tables and return the ratios for ``python -m bench``.
+
+    ``state_dir`` holds the coordinator's state file (default: /dev/shm if present).
+    """
+    state_dir = _default_state_dir() if state_dir is None else state_dir
+    rounds, agree_rounds, calls = (40, 7, 200) if quick else (200, 21, 1000)
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="wsd-bench-", dir=state_dir) as tmp:
         sizes = frame_sizes()
         print(f"fan-out to N simulated ranks ({SLOTS} slots each), median of {rounds} interleaved rounds (us)")
         print(f"  payload per rank: stats {sizes['stats'][0]} B out, {sizes['stats'][1]} B back; "
@@ -330,31 +295,40 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         print(f"{'N':>4} {'stats':>9} {'bare':>9} {'ratio':>7}   {'command':>9} {'bare':>9} {'ratio':>7}"
               f"   {'stats answer':>12}")
         for n in (1, 8, 32):
-            res = bench_fan_out(n, rounds, state_dir)
+            res = bench_fan_out(n, rounds, tmp)
             (stats, bare_stats), (command, bare_command) = res["stats"], res["command"]
             print(f"{n:>4} {stats:>9.0f} {bare_stats:>9.0f} {stats / bare_stats:>7.2f}   "
                   f"{command:>9.0f} {bare_command:>9.0f} {command / bare_command:>7.2f}"
                   f"   {res['answer_bytes']:>10} B", flush=True)
-            ratios[f"stats[{n}] wsd/bare"] = stats / bare_stats
-            ratios[f"command[{n}] wsd/bare"] = command / bare_command
+            for what, ratio in (("stats", stats / bare_stats), ("command", command / bare_command)):
+                rows.append(Row(f"{what}[{n}] wsd/bare", ratio, BASELINES[what],
+                                TARGETS[what] if n == 32 else None))
         print()
-        step, bare = bench_agreement(agree_rounds, calls, state_dir)
+        step, bare = bench_agreement(agree_rounds, calls, tmp)
         print(f"per-step agreement, 2 gloo ranks, median of {agree_rounds} interleaved rounds of {calls} calls (us)")
         print(f"{'Agent.step()':>12} {'all_reduce':>10} {'ratio':>7}")
         print(f"{step:>12.1f} {bare:>10.1f} {step / bare:>7.2f}")
-        ratios["agreement wsd/bare"] = step / bare
+        rows.append(Row("agreement wsd/bare", step / bare, BASELINES["agreement"], TARGETS["agreement"]))
     print()
     print("recording one command (journal append + fsync), median us:")
-    for directory in dict.fromkeys([args.state_dir or tempfile.gettempdir(), tempfile.gettempdir()]):
-        print(f"  {directory}: {state_write_cost(directory, 20 if args.quick else 100):.0f}"
-              f"{'  (used above)' if directory == (args.state_dir or tempfile.gettempdir()) else ''}")
+    for directory in dict.fromkeys([state_dir or tempfile.gettempdir(), tempfile.gettempdir()]):
+        print(f"  {directory}: {state_write_cost(directory, 20 if quick else 100):.0f}"
+              f"{'  (used above)' if directory == (state_dir or tempfile.gettempdir()) else ''}")
     print()
-    checks = [("stats", "stats[32] wsd/bare"), ("command", "command[32] wsd/bare"),
-              ("agreement", "agreement wsd/bare")]
-    for name, key in checks:
-        met = ratios[key] <= TARGETS[name]
-        print(f"target: {key} <= {TARGETS[name]}: {ratios[key]:.2f} ({'met' if met else 'NOT met'})")
-    return ratios
+    for row in rows:
+        if row.target is not None:
+            print(f"target: {row.name} <= {row.target}: {row.value:.2f} ({'met' if row.met else 'NOT met'})")
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (about half a minute)")
+    parser.add_argument("--state-dir", default=_default_state_dir(),
+                        help="where the coordinator's state file goes (default: /dev/shm if present); "
+                        "its storage decides what the fsync of each command costs")
+    args = parser.parse_args(argv)
+    return run(args.quick, args.state_dir)
 
 
 if __name__ == "__main__":

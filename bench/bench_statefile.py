@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.helpers import Row
 from wsd.commandlog import CommandLog
 
 KEPT = (50, 1000, 4096)
@@ -36,19 +37,32 @@ def append_cost(directory: str, kept: int, appends: int) -> float:
         return statistics.median(times) * 1e6
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+GROWTH_TARGET = 1.5
+
+
+def run(appends: int = 200) -> list[Row]:
+    """Measure, print the table and return, per folder, the cost with the fullest log
+    over the cost with the emptiest (1.0: an append costs the same however much is kept)."""
+    dirs = [d for d in ("/dev/shm", tempfile.gettempdir()) if Path(d).is_dir()]
+    print(f"CommandLog.append, median of {appends} (us)")
+    print(f"{'kept':>6} " + " ".join(f"{d:>12}" for d in dirs))
+    costs: dict[int, list[float]] = {}
+    for kept in KEPT:
+        costs[kept] = [append_cost(d, kept, appends) for d in dirs]
+        print(f"{kept:>6} " + " ".join(f"{us:>12.0f}" for us in costs[kept]), flush=True)
+    few, many = min(KEPT), max(KEPT)
+    return [Row(f"state file append [{many} kept]/[{few} kept] {d}", costs[many][i] / costs[few][i],
+                f"the same append with {few} kept", GROWTH_TARGET)
+            for i, d in enumerate(dirs)]
+
+
+def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--appends", type=int, default=200, help="appends timed per figure")
     args = parser.parse_args(argv)
-    dirs = [d for d in ("/dev/shm", tempfile.gettempdir()) if Path(d).is_dir()]
-    print(f"CommandLog.append, median of {args.appends} (us)")
-    print(f"{'kept':>6} " + " ".join(f"{d:>12}" for d in dirs))
-    out = {}
-    for kept in KEPT:
-        row = [append_cost(d, kept, args.appends) for d in dirs]
-        out.update({f"{d}[{kept}]": us for d, us in zip(dirs, row)})
-        print(f"{kept:>6} " + " ".join(f"{us:>12.0f}" for us in row), flush=True)
-    return out
+    if args.appends < 1:
+        parser.error(f"--appends must be at least 1, got {args.appends}")
+    return run(args.appends)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,249 @@
+"""The coordinator from 32 to 1,024 ranks: what each figure costs as ranks grow.
+
+A real coordinator (``wsd.server.Coordinator`` in a spawned process of its
+own, default heartbeats: 1 s interval, 5 s timeout) and simulated ranks
+(``wsd.simulated``, 8 slots each, TP groups of 8) in two further processes, at
+32, 128, 256, 512 and 1,024 ranks. At each size:
+
+* every rank registers;
+* heartbeats only, for a soak window (at 1,024 ranks at least 60 s, ``--quick``
+  a few seconds): the coordinator's CPU time per second over the window (utime
+  plus stime from /proc/<pid>/stat); afterwards no rank may have been lost or
+  have had to register again, and the longest silence the coordinator saw is
+  printed next to the timeout;
+* ``stats`` over all ranks, complete, round trip median of several rounds;
+* ``lock``/``unlock`` in turn, applied and acknowledged by all, median;
+* the coordinator's resident memory (VmRSS) and the simulation's lateness (how
+  late its one loop sent a heartbeat at worst: near the timeout, a loss would
+  be the simulation's fault, not the coordinator's).
+
+The baseline of each growth figure is linear extrapolation from 32 ranks: the
+ratio is (cost at 1,024 / 1,024) / (cost at 32 / 32), the per-rank cost at
+1,024 against that at 32. Targets at 1,024: stats p50 under 250 ms, CPU at idle
+under 25% of one core, both ratios at most 1.5.
+
+Run: ``python -m bench.bench_scale [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import zmq
+from wsd_client.client import Client
+
+from bench.helpers import Helper, Row, run_coordinator, timed_us
+from wsd.simulated import SimulatedRanks
+
+SIZES = (32, 128, 256, 512, 1024)
+SLOTS = 8
+TP_SIZE = 8
+SIM_PROCESSES = 2
+HEARTBEAT_TIMEOUT = 5.0  # the default, spelled out for the report
+STATS_P50_TARGET_MS = 250.0
+CPU_TARGET = 0.25
+GROWTH_TARGET = 1.5
+_REGISTER_TIMEOUT = 120.0
+_CLIENT_TIMEOUT = 30.0
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _run_ranks(conn: Any, endpoint: str, first: int, count: int, world: int) -> None:
+    """Simulated ranks first..first+count-1 until told to stop; answers each request with its state."""
+    with SimulatedRanks(endpoint, range(first, first + count), world_size=world, tp_size=TP_SIZE,
+                        num_ubatches=SLOTS) as sim:
+        conn.send(sim.wait_registered(_REGISTER_TIMEOUT))
+        while conn.recv() is not None:
+            conn.send({"max_lag": sim.max_lag, "registered": sim.registered()})
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU time a process has used so far, twice: in ticks and in nanoseconds.
+
+    First user plus system time from /proc/<pid>/stat (counted in clock ticks,
+    10 ms here: at 32 idle ranks a few seconds' window holds one or two), then
+    the sum of its threads' run time from /proc/<pid>/task/*/schedstat
+    (nanoseconds), the figure the growth ratios use.
+    """
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime: fields 14 and 15
+    ns = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                ns += int(f.read().split()[0])
+        except OSError:
+            pass  # a thread that ended between listing and reading
+    return ticks, ns / 1e9
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise SystemExit(f"no VmRSS for pid {pid}")
+
+
+def event_kinds(client: Client) -> Counter[str]:
+    """How many events of each kind the coordinator logged (every page)."""
+    kinds: Counter[str] = Counter()
+    cursor = 0
+    while True:
+        page = client.events(cursor, limit=5000)
+        if not page["events"]:
+            return kinds
+        kinds.update(e["kind"] for e in page["events"])
+        cursor = page["cursor"]
+
+
+@dataclass(frozen=True)
+class SizeResult:
+    n: int
+    register_s: float
+    soak_s: float
+    cpu: float  # CPU seconds per second at idle (threads' run time)
+    cpu_ticks: float  # the same from utime + stime
+    stats_ms: float
+    command_ms: float
+    rss_mib: float
+    lost: int  # lost, back or superseded events during the run: false losses
+    max_silence_s: float
+    sim_lag_s: float
+
+
+def measure(n: int, *, soak: float, rounds: int, state_dir: str) -> SizeResult:
+    """One coordinator and ``n`` simulated ranks: every figure of one row, checked."""
+    coordinator = Helper(run_coordinator, str(Path(state_dir) / f"scale-{n}.state"),
+                         {"world_size": n, "tp_size": TP_SIZE})
+    helpers = [coordinator]
+    context = zmq.Context()
+    try:
+        agent_endpoint, client_endpoint = coordinator.result()
+        pid = coordinator.process.pid
+        start = time.monotonic()
+        share = -(-n // SIM_PROCESSES)
+        sims = [Helper(_run_ranks, agent_endpoint, first, min(share, n - first), n)
+                for first in range(0, n, share)]
+        helpers += sims
+        if not all(sim.result(_REGISTER_TIMEOUT + 30) for sim in sims):
+            raise SystemExit(f"not all {n} simulated ranks registered within {_REGISTER_TIMEOUT} s")
+        register_s = time.monotonic() - start
+        client = Client(client_endpoint, timeout=_CLIENT_TIMEOUT, context=context)
+
+        def stats() -> None:
+            answer = client.stats()
+            if not answer["complete"] or len(answer["ranks"]) != n:
+                raise SystemExit(f"stats at {n} ranks: {len(answer['ranks'])} answered, "
+                                 f"missing {answer['missing'][:5]}...")
+
+        actions = [client.lock, client.unlock]
+
+        def command(i: int) -> None:
+            result = actions[i % 2]()
+            if not result.complete or len(result.acked) != n:
+                raise SystemExit(f"{result.action} at {n} ranks: acknowledged by {len(result.acked)}, "
+                                 f"pending {result.pending[:5]}, lost {result.lost[:5]}")
+
+        stats(), command(0), command(1)  # every path warm
+        # Idle: heartbeats both ways and nothing else. Waiting out the window is
+        # the measurement itself, not a wait for a condition.
+        (ticks0, cpu0), t0 = cpu_seconds(pid), time.monotonic()
+        time.sleep(soak)
+        (ticks1, cpu1), t1 = cpu_seconds(pid), time.monotonic()
+        now = time.time()
+        max_silence = max(now - r["last_seen"] for r in client.ranks()["ranks"])
+        status = client.status()["ranks"]
+        if status["live"] != n:
+            raise SystemExit(f"after the soak at {n} ranks: {status}")
+        stats_us = [timed_us(stats) for _ in range(rounds)]
+        command_us = [timed_us(partial(command, i)) for i in range(rounds)]
+        kinds = event_kinds(client)
+        client.close()
+        lags = [sim.ask("state") for sim in sims]
+        return SizeResult(
+            n=n, register_s=register_s, soak_s=t1 - t0, cpu=(cpu1 - cpu0) / (t1 - t0),
+            cpu_ticks=(ticks1 - ticks0) / (t1 - t0),
+            stats_ms=statistics.median(stats_us) / 1e3, command_ms=statistics.median(command_us) / 1e3,
+            rss_mib=rss_mib(pid), lost=kinds["lost"] + kinds["back"] + kinds["superseded"],
+            max_silence_s=max_silence, sim_lag_s=max(s["max_lag"] for s in lags),
+        )
+    finally:
+        for helper in reversed(helpers):
+            helper.stop()
+        context.term()
+
+
+def _growth(results: dict[int, SizeResult], attr: str) -> float:
+    """Per-rank cost at the largest size over per-rank cost at the smallest."""
+    small, large = results[min(results)], results[max(results)]
+    return (getattr(large, attr) / large.n) / (getattr(small, attr) / small.n)
+
+
+def run(quick: bool = False, sizes: Sequence[int] = SIZES, state_dir: str | None = None) -> list[Row]:
+    """Measure every size, print the table and return the rows for ``python -m bench``."""
+    rounds = 9 if quick else 21
+    state_dir = state_dir or ("/dev/shm" if Path("/dev/shm").is_dir() else None)
+    load = os.getloadavg()[0]
+    print(f"coordinator at N simulated ranks ({SLOTS} slots, TP {TP_SIZE}, heartbeats 1 s / "
+          f"{HEARTBEAT_TIMEOUT:.0f} s), {SIM_PROCESSES} simulation processes, "
+          f"medians of {rounds} rounds; load average {load:.2f} on {os.cpu_count()} cores")
+    print(f"{'N':>5} {'register':>8} {'stats':>9} {'command':>9} {'CPU idle':>8} {'(ticks)':>7} {'RSS':>8} "
+          f"{'soak':>6} {'lost':>4} {'silence':>7} {'sim lag':>7}")
+    results: dict[int, SizeResult] = {}
+    with tempfile.TemporaryDirectory(prefix="wsd-bench-", dir=state_dir) as d:
+        for n in sizes:
+            soak = (6.0 if n == max(sizes) else 4.0) if quick else (65.0 if n == max(sizes) else 15.0)
+            r = results[n] = measure(n, soak=soak, rounds=rounds, state_dir=d)
+            print(f"{n:>5} {r.register_s:>7.1f}s {r.stats_ms:>7.1f}ms {r.command_ms:>7.1f}ms "
+                  f"{r.cpu:>8.2%} {r.cpu_ticks:>7.1%} {r.rss_mib:>5.0f}MiB {r.soak_s:>5.0f}s {r.lost:>4} "
+                  f"{r.max_silence_s:>6.2f}s {r.sim_lag_s:>6.3f}s", flush=True)
+    small, large = results[min(results)], results[max(results)]
+    print(f"\ngrowth against rank count (per-rank cost at {large.n} / per-rank cost at {small.n}; "
+          "1.0 is linear, below 1 sublinear)")
+    rows: list[Row] = []
+    baseline = f"linear from {small.n} ranks"
+    for attr, what, target in (("stats_ms", "stats round trip", GROWTH_TARGET),
+                               ("cpu", "CPU at idle", GROWTH_TARGET),
+                               ("command_ms", "command round trip", None),
+                               ("rss_mib", "resident memory", None)):
+        ratio = _growth(results, attr)
+        print(f"  {what:<20} {ratio:>6.2f}   ({getattr(small, attr):.3g} at {small.n}, "
+              f"{getattr(large, attr):.3g} at {large.n})")
+        rows.append(Row(f"scale {what} per rank [{large.n}]/[{small.n}]", ratio, baseline, target))
+    rows += [
+        Row(f"scale stats p50 [{large.n}]", large.stats_ms, "absolute", STATS_P50_TARGET_MS, " ms"),
+        Row(f"scale CPU at idle [{large.n}]", large.cpu * 100, "absolute, % of one core", CPU_TARGET * 100, " %"),
+        Row(f"scale false losses [{large.n}], {large.soak_s:.0f} s", large.lost, "absolute", 0, ""),
+    ]
+    print()
+    for row in rows:
+        if row.target is not None:
+            print(f"target: {row.name} <= {row.target:g}: {row.value:.2f} ({'met' if row.met else 'NOT met'})")
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short soak windows and fewer rounds")
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES),
+                        help=f"rank counts to measure (default: {' '.join(map(str, SIZES))})")
+    args = parser.parse_args(argv)
+    if any(n < TP_SIZE or n % TP_SIZE for n in args.sizes):
+        parser.error(f"--sizes: each must be a positive multiple of the TP size {TP_SIZE}, got {args.sizes}")
+    return run(args.quick, sorted(set(args.sizes)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Every benchmark of the project in one run, then one table of ratios against their baselines.
+
+Each benchmark prints its own tables as it goes (``python -m bench.bench_x``
+runs one alone): the manager's hot path and growth policies, the control plane
+(stats, commands, per-step agreement), the state file, and the coordinator
+from 32 to 1,024 simulated ranks. Every baseline is measured in the same run,
+on the same machine. ``--quick`` finishes within about two minutes.
+
+Run: ``python -m bench [--quick] [--only NAME ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from types import ModuleType
+
+from bench.helpers import Row
+
+# Each benchmark, quick or full. Modules are imported only when run: the scale
+# figures would otherwise be measured beside torch loaded for the manager's.
+BENCHES: dict[str, Callable[[bool], list[Row]]] = {
+    "manager": lambda quick: _module("bench_manager").run(quick),
+    "control": lambda quick: _module("bench_control").run(quick),
+    "statefile": lambda quick: _module("bench_statefile").run(50 if quick else 200),
+    "scale": lambda quick: _module("bench_scale").run(quick),
+}
+
+
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(f"bench.{name}")
+
+
+def table(rows: Sequence[Row]) -> str:
+    """The summary: one line per figure, its baseline, target and whether it is met."""
+    width = max(len(r.name) for r in rows)
+    base = max(len(r.baseline) for r in rows)
+    lines = [f"{'figure':<{width}}  {'value':>10}  {'baseline':<{base}}  {'target':>10}  met"]
+    for r in rows:
+        unit = r.unit.strip()
+        target = "-" if r.target is None else f"<= {r.target:g}{unit}"
+        met = {None: "", True: "met", False: "NOT met"}[r.met]
+        lines.append(f"{r.name:<{width}}  {f'{r.value:.2f}{unit}':>10}  {r.baseline:<{base}}  "
+                     f"{target:>10}  {met}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="shorter windows and fewer rounds (< 2 min)")
+    parser.add_argument("--only", nargs="+", choices=sorted(BENCHES), metavar="NAME",
+                        help=f"run only these ({', '.join(BENCHES)})")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    load = os.getloadavg()
+    rows: list[Row] = []
+    for name, bench in BENCHES.items():
+        if args.only and name not in args.only:
+            continue
+        print(f"== {name} ==", flush=True)
+        t0 = time.monotonic()
+        rows += bench(args.quick)
+        print(f"({name}: {time.monotonic() - t0:.0f} s)\n", flush=True)
+    print(f"== summary: {'quick' if args.quick else 'full'} run, {time.monotonic() - started:.0f} s, "
+          f"{os.cpu_count()} cores, load average {load[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end ==")
+    print(table(rows))
+    missed = [r.name for r in rows if r.met is False]
+    print(f"\n{len(rows)} figures, {sum(r.met is not None for r in rows)} with a target, "
+          f"{len(missed)} not met{': ' + ', '.join(missed) if missed else ''}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

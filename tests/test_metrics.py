@@ -1,0 +1,504 @@
+"""The coordinator's Prometheus metrics (wsd.metrics), in three tiers.
+
+Collector: given published views, every family with its labels and values,
+and a label set gone from the views gone from the scrape. Core: with a fake
+clock, the coordinator's own stats round every ``metrics_refresh`` and the
+counters behind the command families. Sockets and processes: a real
+coordinator on port 0 with ``metrics_port = 0``, simulated ranks and real
+worker processes (tests/mp.py), scraped over HTTP and parsed with
+``prometheus_client``'s parser, the values matching ``wsctl stats --json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+from conftest import wait_until
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from wsd import protocol as p
+from wsd.aggregate import StatsRound, read_snapshot
+from wsd.config import CoordinatorConfig, load_config
+from wsd.coordinator import CLIENT, CoordinatorCore
+from wsd.errors import ConfigError, WsdError
+from wsd.metrics import (COMMAND_BUCKETS, FAMILIES, Collector, CommandOutcome, CommandStats, Published,
+                         StatsView, core_view)
+from wsd.protocol import Op
+from wsd.registry import Registry
+from wsd.server import Coordinator
+from wsd.simulated import SimulatedRanks
+from wsd.stats import ManagerStats, SlotStats
+from wsd_client import wsctl
+from wsd_client.client import Client
+
+HEARTBEAT = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0}
+Samples = dict[str, dict[tuple[tuple[str, str], ...], float]]
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def parse(text: str) -> tuple[dict[str, str], Samples]:
+    """({family name: type}, {sample name: {sorted labels: value}}) of an exposition text."""
+    types, samples = {}, {}
+    for family in text_string_to_metric_families(text):
+        types[family.name] = family.type
+        for s in family.samples:
+            samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return types, samples
+
+
+def collect(published: Published, wall: float = 0.0) -> tuple[dict[str, str], Samples]:
+    """What one scrape of a collector reading ``published`` shows, through the text format."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Collector(lambda: published, wall=lambda: wall))
+    return parse(generate_latest(registry).decode())
+
+
+def scrape(url: str) -> Samples:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        assert response.status == 200
+        return parse(response.read().decode())[1]
+
+
+def by(samples: Samples, name: str, *keys: str) -> dict[Any, float]:
+    """``name``'s samples keyed by the values of ``keys`` (one key: the bare value)."""
+    out = {}
+    for labels, value in samples.get(name, {}).items():
+        d = dict(labels)
+        key = tuple(d[k] for k in keys)
+        out[key[0] if len(key) == 1 else key] = value
+    return out
+
+
+def manager(capacities: list[int], *, lanes: int = 1, locked: bool = False) -> ManagerStats:
+    slots = tuple(SlotStats(ubatch=i // lanes, lane=i % lanes, capacity_bytes=c, peak_requested_bytes=c + 7,
+                            requests=100 + i, resizes=i, lock_violations=i % 2, last_violation=None,
+                            persistent=()) for i, c in enumerate(capacities))
+    return ManagerStats(device="cpu", num_ubatches=len(capacities) // lanes, num_lanes=lanes, locked=locked,
+                        slots=slots)
+
+
+def stats_result(snapshots: dict[int, ManagerStats], tp_size: int, world_size: int) -> bytes:
+    """The encoded stats answer the coordinator builds from these ranks' snapshots."""
+    expected = {g: list(range(g * tp_size, (g + 1) * tp_size)) for g in range(world_size // tp_size)}
+    gathered = StatsRound(expected)
+    for rank, stats in snapshots.items():
+        gathered.add(read_snapshot(rank, rank // tp_size, 5, stats.to_wire()))
+    missing = {r: "lost" for ranks in expected.values() for r in ranks if r not in snapshots}
+    return gathered.finish(expected, missing)
+
+
+def registration(rank: int, *, world_size: int = 4, tp_size: int = 2, host: str = "node-a",
+                 locked: bool = False, num_ubatches: int = 2) -> dict[str, Any]:
+    return {"rank": rank, "world_size": world_size, "tp_size": tp_size, "tp_group": rank // tp_size,
+            "host": host, "pid": 100 + rank, "device": "cpu", "applied_seq": None, "acks": [], "step": 3,
+            "idle": True, "state": {"locked": locked, "num_ubatches": num_ubatches}, "config": {}}
+
+
+# -- the collector ---------------------------------------------------------------------------------
+
+
+def test_families_follow_prometheus_naming():
+    """The contract deploy/ is checked against: a counter without _total, a byte gauge without
+    _bytes or a name with capitals would break dashboards written by convention."""
+    for name, (kind, labels) in FAMILIES.items():
+        assert re.fullmatch(r"wsd_[a-z_]+", name), name
+        assert kind in ("gauge", "counter", "histogram"), name
+        assert name.endswith("_total") == (kind == "counter"), name
+        assert "bytes" not in name or name.endswith("_bytes"), name
+        assert len(set(labels)) == len(labels) and "le" not in labels, name
+
+
+def test_collector_exports_every_family_with_its_labels_and_values():
+    """Per slot, per rank, per group and coordinator figures, from one published view each:
+    without the collector reading both views, some family would be empty or mislabelled."""
+    registry = Registry(4, 2, 5.0, wall=lambda: 1000.0)
+    registry.register(b"p2", registration(2, host="node-b"), 0.0)
+    for rank in (0, 1):
+        registry.register(b"p%d" % rank, registration(rank, locked=rank == 0), 10.0)
+    assert [i.rank for i in registry.expire(12.0)] == [2]  # rank 2 lost, rank 3 never registered
+    commands = CommandStats()
+    commands.record("lock", CommandOutcome.COMPLETE, 0.02)
+    commands.record("lock", CommandOutcome.PARTIAL, 3.0)
+    view = core_view(registry, seq=7, heartbeats=41, inconsistent={1}, commands=commands)
+    result = stats_result({0: manager([4096, 8192]), 1: manager([4096, 0])}, tp_size=2, world_size=4)
+    types, s = collect(Published(core=view, stats=StatsView(time=990.0, result=result)), wall=1000.0)
+
+    for name, (kind, labels) in FAMILIES.items():
+        family = name[: -len("_total")] if kind == "counter" else name
+        assert types[family] == kind, name
+        series = name + "_count" if kind == "histogram" else name
+        assert series in s, f"{name} has no sample"
+        for label_set in s[series]:
+            assert {k for k, _ in label_set} == set(labels), (name, label_set)
+
+    assert by(s, "wsd_slot_capacity_bytes", "rank", "ubatch") == {
+        ("0", "0"): 4096, ("0", "1"): 8192, ("1", "0"): 4096, ("1", "1"): 0}
+    assert by(s, "wsd_slot_peak_requested_bytes", "rank", "ubatch")[("0", "1")] == 8192 + 7
+    assert by(s, "wsd_slot_requests_total", "rank", "ubatch")[("1", "1")] == 101
+    assert by(s, "wsd_slot_resizes_total", "rank", "ubatch")[("1", "1")] == 1
+    assert by(s, "wsd_slot_lock_violations_total", "rank", "ubatch") == {
+        ("0", "0"): 0, ("0", "1"): 1, ("1", "0"): 0, ("1", "1"): 1}
+    assert by(s, "wsd_rank_up", "rank", "host") == {
+        ("0", "node-a"): 1, ("1", "node-a"): 1, ("2", "node-b"): 0, ("3", ""): 0}
+    assert by(s, "wsd_rank_locked", "rank") == {"0": 1, "1": 0, "2": 0}  # none known for rank 3
+    assert by(s, "wsd_rank_ubatches", "rank") == {"0": 2, "1": 2, "2": 2}
+    assert by(s, "wsd_rank_last_step", "rank") == {"0": 3, "1": 3, "2": 3}
+    assert by(s, "wsd_rank_workspace_bytes", "rank", "host") == {("0", "node-a"): 12288, ("1", "node-a"): 4096}
+    assert by(s, "wsd_group_workspace_bytes", "tp_group") == {"0": 16384}  # group 1: nobody reported
+    assert by(s, "wsd_group_skew_bytes", "tp_group") == {"0": 8192}
+    assert by(s, "wsd_group_consistent", "tp_group") == {"0": 1, "1": 0}
+    assert by(s, "wsd_ranks", "state") == {"live": 2, "lost": 1, "never_registered": 1}
+    assert by(s, "wsd_commands_total", "action", "result") == {("lock", "complete"): 1, ("lock", "partial"): 1}
+    assert by(s, "wsd_command_duration_seconds_count", "action") == {"lock": 2}
+    assert by(s, "wsd_command_duration_seconds_sum", "action") == {"lock": pytest.approx(3.02)}
+    assert s["wsd_heartbeats_total"] == {(): 41} and s["wsd_command_seq"] == {(): 7}
+    assert s["wsd_stats_age_seconds"] == {(): 10.0}
+
+
+def test_labels_gone_from_the_published_views_are_gone_from_the_next_scrape():
+    """Built fresh per scrape: a slot set_ubatches removed and a rank that stopped reporting
+    leave no series behind (a registry of long-lived metric objects would keep them)."""
+    registry = Registry(4, 2, 5.0)
+    for rank in range(4):
+        registry.register(b"p%d" % rank, registration(rank), 0.0)
+    views = [Published(core=core_view(registry, seq=0, heartbeats=0, inconsistent=set(), commands=CommandStats()),
+                       stats=StatsView(0.0, stats_result({r: manager([64, 64]) for r in range(4)}, 2, 4)))]
+    views.append(Published(core=views[0].core, stats=StatsView(0.0, stats_result({0: manager([64]), 1: manager([64])}, 2, 4))))
+    current = iter(views)
+    published = next(current)
+    collector = Collector(lambda: published)
+    registry_ = CollectorRegistry(auto_describe=False)
+    registry_.register(collector)
+    first = parse(generate_latest(registry_).decode())[1]
+    assert len(first["wsd_slot_capacity_bytes"]) == 8 and len(first["wsd_rank_workspace_bytes"]) == 4
+    published = next(current)
+    second = parse(generate_latest(registry_).decode())[1]
+    for name in ("wsd_slot_capacity_bytes", "wsd_slot_peak_requested_bytes", "wsd_slot_requests_total",
+                 "wsd_slot_resizes_total", "wsd_slot_lock_violations_total"):
+        assert set(by(second, name, "rank", "ubatch")) == {("0", "0"), ("1", "0")}, name
+    assert set(by(second, "wsd_rank_workspace_bytes", "rank")) == {"0", "1"}
+    assert set(by(second, "wsd_group_workspace_bytes", "tp_group")) == {"0"}
+
+
+def test_nothing_published_yet_gives_empty_families_not_an_error():
+    """A scrape before the first tick must answer (Prometheus marks a failing target down)."""
+    types, samples = collect(Published())
+    assert len(types) == len(FAMILIES) and samples == {}
+
+
+def test_command_latency_histogram_is_cumulative_per_action():
+    """Prometheus needs cumulative buckets ending in +Inf with the count: histogram_quantile
+    over per-bucket counts would give nonsense."""
+    commands = CommandStats()
+    for seconds in (0.003, 0.02, 7.0, 100.0):
+        commands.record("trim", CommandOutcome.FAILED, seconds)
+    registry = Registry(2, 2, 5.0)
+    view = core_view(registry, seq=4, heartbeats=0, inconsistent=set(), commands=commands)
+    _, s = collect(Published(core=view))
+    buckets = by(s, "wsd_command_duration_seconds_bucket", "le")
+    assert len(buckets) == len(COMMAND_BUCKETS) + 1
+    assert (buckets["0.005"], buckets["0.025"], buckets["5.0"], buckets["10.0"], buckets["60.0"],
+            buckets["+Inf"]) == (1, 2, 2, 3, 3, 4)
+    assert by(s, "wsd_command_duration_seconds_sum", "action")["trim"] == pytest.approx(107.023)
+    assert by(s, "wsd_commands_total", "action", "result") == {("trim", "failed"): 4}
+
+
+# -- the core, with a fake clock -------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_core(tmp_path, **options: Any) -> tuple[CoordinatorCore, Clock]:
+    clock = Clock(100.0)
+    config = CoordinatorConfig(state_file=str(tmp_path / "state"), world_size=2, tp_size=2,
+                               heartbeat_interval=1.0, heartbeat_timeout=5.0, stats_timeout=2.0, **options)
+    core = CoordinatorCore(config, clock=clock, wall=clock)
+    for rank in (0, 1):
+        core.handle_agent((b"p%d" % rank,), p.encode(Op.REGISTER, registration(rank, world_size=2)))
+    return core, clock
+
+
+def stats_requests(out) -> dict[bytes, int]:
+    """{peer: request id} of the stats requests among ``out``; fails on any client frame."""
+    assert not [o for o in out if o[0] == CLIENT], "the metrics' round answered a client"
+    found = {}
+    for kind, route, frame in out:
+        message = p.decode(frame, {Op.STATS_REQUEST, Op.PULSE, Op.COMMAND, Op.REGISTERED})
+        if message.op is Op.STATS_REQUEST:
+            found[route[0]] = message.body["request"]
+    return found
+
+
+def reply_stats(core: CoordinatorCore, requests: dict[bytes, int], capacities: dict[bytes, list[int]]) -> list:
+    out = []
+    for peer, request in requests.items():
+        out += core.handle_agent((peer,), p.encode(Op.STATS_REPLY, {
+            "rank": int(peer[1:]), "request": request, "step": 9, "stats": manager(capacities[peer]).to_wire()}))
+    return out
+
+
+def test_core_runs_its_own_stats_round_every_metrics_refresh_and_publishes_it(tmp_path):
+    """The per-slot figures come from the core's own rounds, without a client asking: without
+    them wsd_slot_* would be empty, or (never refreshed) stale for ever."""
+    core, clock = make_core(tmp_path, metrics_port=0, metrics_refresh=3.0)
+    requests = stats_requests(core.tick())
+    assert set(requests) == {b"p0", b"p1"}
+    assert reply_stats(core, requests, {b"p0": [256, 512], b"p1": [256, 0]}) == []  # nobody to answer
+    _, s = collect(core.published, wall=clock.now + 1.5)
+    assert by(s, "wsd_slot_capacity_bytes", "rank", "ubatch")[("0", "1")] == 512
+    assert s["wsd_stats_age_seconds"] == {(): 1.5}
+    assert by(s, "wsd_rank_up", "rank") == {"0": 1, "1": 1}  # the core view published with it
+    clock.now += 2.9
+    assert stats_requests(core.tick()) == {}  # not due yet
+    assert core.next_deadline() <= 103.0
+    clock.now += 0.1
+    requests = stats_requests(core.tick())
+    assert set(requests) == {b"p0", b"p1"}
+    reply_stats(core, requests, {b"p0": [1024], b"p1": [1024]})
+    _, s = collect(core.published, wall=clock.now)
+    assert by(s, "wsd_slot_capacity_bytes", "rank", "ubatch") == {("0", "0"): 1024, ("1", "0"): 1024}
+
+
+def test_core_skips_a_metrics_round_while_the_last_is_still_out(tmp_path):
+    """A refresh shorter than the stats timeout must not pile rounds up behind a slow rank."""
+    core, clock = make_core(tmp_path, metrics_port=0, metrics_refresh=0.5)
+    first = stats_requests(core.tick())
+    reply_stats(core, {b"p0": first[b"p0"]}, {b"p0": [64]})  # rank 1 does not answer
+    clock.now += 0.5
+    assert stats_requests(core.tick()) == {}
+    clock.now += 1.5  # the stats timeout: the round finishes with rank 1 missing, the next one starts
+    assert set(stats_requests(core.tick())) == {b"p0", b"p1"}
+    _, s = collect(core.published, wall=clock.now)
+    assert set(by(s, "wsd_rank_workspace_bytes", "rank")) == {"0"}
+
+
+def test_core_without_a_metrics_port_runs_no_rounds_and_publishes_nothing(tmp_path):
+    """Metrics off (the default) costs the coordinator nothing: no extra stats round per rank."""
+    core, clock = make_core(tmp_path)
+    for _ in range(5):
+        assert stats_requests(core.tick()) == {}
+        clock.now += 10.0
+    assert core.published == Published()
+
+
+def test_core_counts_commands_by_outcome_with_their_latency_and_heartbeats(tmp_path):
+    """complete (every rank acknowledged), failed (a rank could not apply), partial (the
+    timeout with a rank pending); the latency from numbering to the result, on the core's clock."""
+    core, clock = make_core(tmp_path, metrics_port=0)
+
+    def command(op: Op, body: dict[str, Any], acks: dict[int, bool], after: float) -> None:
+        core.handle_client((b"c", b""), p.encode(op, {"wait": True, **body}, 1))
+        seq = core.log.seq
+        clock.now += after
+        for rank, ok in acks.items():
+            core.handle_agent((b"p%d" % rank,), p.encode(Op.ACK, {
+                "rank": rank, "seq": seq, "step": 4, "ok": ok, "error": None if ok else "no"}))
+
+    command(Op.LOCK, {}, {0: True, 1: True}, 0.25)
+    command(Op.UNLOCK, {}, {0: True, 1: False}, 0.5)
+    command(Op.LOCK, {}, {0: True}, 0.0)
+    clock.now += core.config.command_timeout  # rank 1 never acknowledges
+    for rank in (0, 1):
+        core.handle_agent((b"p%d" % rank,), p.encode(Op.HEARTBEAT, {
+            "rank": rank, "step": 8, "applied_seq": 3, "held_seq": 3, "state": {}}))
+    core.tick()
+    _, s = collect(core.published, wall=clock.now)
+    assert by(s, "wsd_commands_total", "action", "result") == {
+        ("lock", "complete"): 1, ("unlock", "failed"): 1, ("lock", "partial"): 1}
+    assert by(s, "wsd_command_duration_seconds_sum", "action") == {
+        "lock": pytest.approx(0.25 + core.config.command_timeout), "unlock": pytest.approx(0.5)}
+    assert s["wsd_command_seq"] == {(): 3} and s["wsd_heartbeats_total"] == {(): 2}
+    assert by(s, "wsd_rank_last_step", "rank") == {"0": 8, "1": 8}
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("metrics_port", "70000", "metrics_port must be between 0 and 65535"),
+    ("metrics_port", "http", "metrics_port must be an integer"),
+    ("metrics_refresh", "0", "metrics_refresh must be a number of seconds"),
+])
+def test_bad_metrics_configuration_names_the_key(key, value, message):
+    with pytest.raises(ConfigError, match=f"WSD_COORDINATOR_{key.upper()}.*{message}"):
+        load_config(env={f"WSD_COORDINATOR_{key.upper()}": value})
+
+
+def test_metrics_are_off_unless_a_port_is_set():
+    config = load_config(env={})
+    assert config.coordinator.metrics_port is None and config.coordinator.metrics_host == "127.0.0.1"
+    assert load_config(env={"WSD_COORDINATOR_METRICS_PORT": "0"}).coordinator.metrics_port == 0
+
+
+# -- a real coordinator over HTTP ------------------------------------------------------------------
+
+
+def wsctl_stats(endpoint: str, capsys) -> dict[str, Any]:
+    code = wsctl.main(["stats", "--json", "--endpoint", endpoint])
+    assert code in (wsctl.Exit.OK, wsctl.Exit.PARTIAL), capsys.readouterr()
+    return json.loads(capsys.readouterr().out)
+
+
+def matches_wsctl(url: str, endpoint: str, capsys) -> tuple[Samples, dict[str, Any]]:
+    """The scrape and `wsctl stats --json` agree on capacity and peak per slot, ranks up,
+    locked and ubatches; returns both (falsy while they differ, e.g. between two rounds)."""
+    s, doc = scrape(url), wsctl_stats(endpoint, capsys)
+    slots = {(str(r["rank"]), str(x["ubatch"]), str(x["lane"])): (x["capacity_bytes"], x["peak_requested_bytes"])
+             for r in doc["ranks"] for x in r["slots"]}
+    capacity = by(s, "wsd_slot_capacity_bytes", "rank", "ubatch", "lane")
+    peak = by(s, "wsd_slot_peak_requested_bytes", "rank", "ubatch", "lane")
+    same = (
+        {k: (capacity[k], peak[k]) for k in capacity} == slots
+        and {r for r, up in by(s, "wsd_rank_up", "rank").items() if up == 1} == {str(r["rank"]) for r in doc["ranks"]}
+        and {r["rank"] for r in doc["missing"]} == {int(r) for r, up in by(s, "wsd_rank_up", "rank").items() if up == 0}
+        and all(by(s, "wsd_rank_locked", "rank").get(str(r["rank"])) == float(r["locked"]) for r in doc["ranks"])
+        and all(by(s, "wsd_rank_ubatches", "rank").get(str(r["rank"])) == r["num_ubatches"] for r in doc["ranks"])
+    )
+    return (s, doc) if same else None  # type: ignore[return-value]
+
+
+def test_scrape_of_a_running_cluster_matches_wsctl_stats(start_coordinator, capsys):
+    """Simulated ranks over real sockets, scraped over HTTP: the exported figures are the
+    stats clients see; set_ubatches removes slots from the next scrapes; a command bumps
+    commands_total and the histogram; a lost rank reads 0 and its slots are gone."""
+    coordinator = start_coordinator(world_size=6, tp_size=2, metrics_port=0, metrics_refresh=0.2, **HEARTBEAT)
+    url, endpoint = coordinator.metrics_url, coordinator.client_endpoint
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", url) and not url.endswith(":0/metrics")
+    options = dict(world_size=6, tp_size=2, num_ubatches=2, slot_bytes=1 << 20, **HEARTBEAT)
+    # Stopped exactly once: a second stop() of SimulatedRanks writes to wake-up descriptors
+    # it has already closed, which another socket may have reused since.
+    leaving = SimulatedRanks(coordinator.agent_endpoint, [4], **options).start()
+    left = False
+    try:
+        with SimulatedRanks(coordinator.agent_endpoint, range(4), **options) as ranks, \
+                Client(endpoint, timeout=5) as client:
+            assert ranks.wait_registered(10) and leaving.wait_registered(10)
+            s, doc = wait_until(lambda: (m := matches_wsctl(url, endpoint, capsys)) and len(m[1]["ranks"]) == 5
+                                and m, 10, "the scrape to match wsctl stats")
+            assert {m["rank"] for m in doc["missing"]} == {5}
+            assert len(s["wsd_slot_capacity_bytes"]) == 10
+            assert set(by(s, "wsd_slot_capacity_bytes", "ubatch")) == {"0", "1"}
+            assert "wsd_commands_total" not in s
+
+            result = client.set_ubatches(1)  # partial: rank 5 never registered
+            assert not result.complete and not result.failed and len(result.acked) == 5
+            s, doc = wait_until(lambda: (m := matches_wsctl(url, endpoint, capsys))
+                                and set(by(m[0], "wsd_slot_capacity_bytes", "ubatch")) == {"0"} and m, 10,
+                                "slot 1 gone from the scrape")
+            assert set(by(s, "wsd_rank_ubatches", "rank").values()) == {1}
+            assert by(s, "wsd_commands_total", "action", "result") == {("set_ubatches", "partial"): 1}
+            assert by(s, "wsd_command_duration_seconds_count", "action") == {"set_ubatches": 1}
+            assert s["wsd_command_seq"] == {(): 1}
+            assert s["wsd_stats_age_seconds"][()] < 5
+
+            leaving.stop()
+            left = True
+            s, _ = wait_until(lambda: (m := matches_wsctl(url, endpoint, capsys))
+                              and by(m[0], "wsd_rank_up", "rank")["4"] == 0 and m, 10, "rank 4 lost in the scrape")
+            assert "4" not in by(s, "wsd_slot_capacity_bytes", "rank")
+            assert by(s, "wsd_ranks", "state") == {"live": 4, "lost": 1, "never_registered": 1}
+            assert s["wsd_heartbeats_total"][()] > 0
+    finally:
+        if not left:
+            leaving.stop()
+
+
+def test_metrics_endpoint_starts_and_stops_with_the_coordinator(tmp_path, start_coordinator):
+    """Bounded stop that frees the port; a port in use fails the start naming the key."""
+    coordinator = start_coordinator(metrics_port=0)
+    assert coordinator.metrics.port > 0
+    scrape(coordinator.metrics_url)  # answers (200) with no rank registered
+    started = time.monotonic()
+    coordinator.stop(timeout=5)
+    assert time.monotonic() - started < 2
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(coordinator.metrics_url, timeout=2)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = CoordinatorConfig(agent_endpoint="tcp://127.0.0.1:0", client_endpoint="tcp://127.0.0.1:0",
+                                   state_file=str(tmp_path / "s2"), metrics_port=taken.getsockname()[1])
+        with pytest.raises(WsdError, match=r"cannot serve metrics on 127\.0\.0\.1:\d+ .*metrics_port"):
+            Coordinator(config)
+
+
+def test_a_metrics_host_reachable_from_other_hosts_is_warned_about(start_coordinator, caplog):
+    caplog.set_level(logging.WARNING, logger="wsd.server")
+    coordinator = start_coordinator(metrics_port=0, metrics_host="0.0.0.0")
+    assert coordinator.metrics_url.startswith("http://0.0.0.0:")
+    assert any("metrics endpoint" in r.message and "other hosts" in r.message for r in caplog.records)
+    scrape(f"http://127.0.0.1:{coordinator.metrics.port}/metrics")  # answers (200)
+
+
+# -- real worker processes ------------------------------------------------------------------------
+
+
+def _worker(me, endpoint: str, sizes: list[int]) -> None:
+    """A real manager warmed up on two slots, locked, behind an idle agent; on ``overflow``,
+    one request too large for the locked slot 1 (a lock violation)."""
+    import torch
+
+    from wsd import WorkspaceManager, use_ubatch
+    from wsd.agent import Agent
+
+    manager = WorkspaceManager("cpu", 2)
+    for ubatch, size in enumerate(sizes):
+        with use_ubatch(ubatch):
+            manager.get_simultaneous(((size,), torch.uint8))
+    manager.lock()
+    agent = Agent(manager, endpoint=endpoint, rank=me.rank, world_size=me.world_size, tp_size=2, idle=True,
+                  heartbeat_interval=0.2, heartbeat_timeout=1.0).start()
+    try:
+        me.report("ready")
+        while True:
+            message = me.poll()
+            if message == ("overflow",):
+                with use_ubatch(1), pytest.raises(AssertionError):
+                    manager.get_simultaneous(((sizes[1] * 4,), torch.uint8))
+                me.report("overflow")
+            elif message == ("stop",):
+                break
+            time.sleep(0.01)
+    finally:
+        agent.stop()
+
+
+@pytest.mark.timeout(90)
+def test_scrape_of_real_workers_matches_wsctl_stats(start_coordinator, tmp_path, capsys):
+    """Two worker processes in a gloo world with real managers: their real capacities (256-byte
+    aligned), peaks, lock state and a lock violation reach the scrape as wsctl shows them."""
+    from mp import Workers
+
+    coordinator = start_coordinator(world_size=2, tp_size=2, metrics_port=0, metrics_refresh=0.2, **HEARTBEAT)
+    with Workers(tmp_path, 2, _worker, coordinator.agent_endpoint, [1000, 3000]) as workers:
+        for rank in (0, 1):
+            workers.expect(rank, "ready", 60)
+        s, _ = wait_until(lambda: (m := matches_wsctl(coordinator.metrics_url, coordinator.client_endpoint, capsys))
+                          and len(m[1]["ranks"]) == 2 and m, 20, "the scrape of both ranks to match wsctl stats")
+        assert by(s, "wsd_slot_capacity_bytes", "rank", "ubatch") == {
+            ("0", "0"): 1024, ("0", "1"): 3072, ("1", "0"): 1024, ("1", "1"): 3072}
+        assert set(by(s, "wsd_rank_locked", "rank").values()) == {1}
+        workers.ask(1, "overflow")
+        s = wait_until(lambda: (m := scrape(coordinator.metrics_url))
+                       and by(m, "wsd_slot_lock_violations_total", "rank", "ubatch").get(("1", "1")) == 1 and m,
+                       10, "the lock violation in the scrape")
+        assert by(s, "wsd_slot_peak_requested_bytes", "rank", "ubatch")[("1", "1")] == 12032  # 12000, aligned
+        violations = {r["rank"]: [x["lock_violations"] for x in r["slots"]]
+                      for r in wsctl_stats(coordinator.client_endpoint, capsys)["ranks"]}
+        assert violations == {0: [0, 0], 1: [0, 1]}
+        for rank in (0, 1):
+            workers.send(rank, "stop")

@@ -81,3 +81,29 @@ def test_commands_held_in_order_and_applied_once_in_idle_mode():
     assert link.on_frame(p.encode(Op.COMMAND, command), 0.3) == []
     assert backend.applied == [("set_ubatches", {"n": 2}), ("lock", {})]
     assert link.applied == link.held == 2
+
+
+def test_waker_is_safe_after_close():
+    """A late wake-up (an ack from the engine thread while the agent stops) must not
+    write into a descriptor number the process has since reused for something else."""
+    import os
+
+    from wsd.transport import Waker
+
+    waker = Waker()
+    waker.wake()
+    waker.drain()
+    waker.close()
+    reused_r, reused_w = os.pipe()  # likely the numbers the waker just freed
+    try:
+        waker.wake()
+        waker.close()
+        os.set_blocking(reused_r, False)
+        try:
+            leaked = os.read(reused_r, 16)
+        except BlockingIOError:
+            leaked = b""
+        assert leaked == b"", "a closed Waker wrote into a reused descriptor"
+    finally:
+        os.close(reused_r)
+        os.close(reused_w)

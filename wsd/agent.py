@@ -13,7 +13,6 @@ calls waits on the network: if the coordinator is gone, the worker runs on.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -32,7 +31,7 @@ from wsd.link import AgentLink
 from wsd.manager import WorkspaceManager
 from wsd.protocol import Op
 from wsd.stats import LockViolation, ManagerStats
-from wsd.transport import connect, make_socket, send_nowait
+from wsd.transport import Waker, connect, make_socket, send_nowait
 
 __all__ = ["Agent", "AgentError", "tp_side_group"]
 
@@ -135,8 +134,7 @@ class Agent:
         self.registered = self._link.registered
         # Frames from the engine thread (acks, violation events) for the I/O thread to send.
         self._outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
+        self._waker = Waker()
         self._seq_tensor = torch.zeros(1, dtype=torch.int64)
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -156,17 +154,13 @@ class Agent:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
-        self._wake()
+        self._waker.wake()
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise AgentError(f"agent of rank {self.rank}: I/O thread did not stop within {timeout} s")
             self._thread = None
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._waker.close()
 
     def wait_registered(self, timeout: float) -> bool:
         """For tests and start-up logs: True once the coordinator accepted us."""
@@ -216,7 +210,7 @@ class Agent:
         done = link.apply_up_to(agreed)
         for _, ack in done:
             self._outbox.put(ack)
-        self._wake()
+        self._waker.wake()
         return [seq for seq, _ in done]
 
     def gather_tp_stats(self) -> list[ManagerStats]:
@@ -234,13 +228,7 @@ class Agent:
             "requested": violation.requested, "capacity": violation.capacity,
             "step": self._link.steps,
         }}))
-        self._wake()
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # already awake (pipe full) or stopping
+        self._waker.wake()
 
     # -- the I/O thread ------------------------------------------------------------
 
@@ -258,7 +246,7 @@ class Agent:
             return
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._waker.fd, zmq.POLLIN)
         self._ready.set()
         link = self._link
         held_back: deque[bytes] = deque(maxlen=_OUTBOX_LIMIT)
@@ -268,8 +256,8 @@ class Agent:
                 ready = dict(poller.poll(wait * 1000))
                 if sock in ready:
                     self._drain(sock, link)
-                if self._wake_r in ready:
-                    os.read(self._wake_r, 4096)
+                if self._waker.fd in ready:
+                    self._waker.drain()
                 while True:
                     try:
                         held_back.append(self._outbox.get_nowait())

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import heapq
 import logging
-import os
 import signal
 import threading
 import time
@@ -32,7 +31,7 @@ from wsd.config import MAX_UBATCHES
 from wsd.errors import WsdError
 from wsd.link import AgentLink
 from wsd.stats import ManagerStats, PersistentStats, SlotStats
-from wsd.transport import connect, make_socket, raise_fd_limit, send_nowait
+from wsd.transport import Waker, connect, make_socket, raise_fd_limit, send_nowait
 
 __all__ = ["SimulatedManager", "SimulatedRanks", "SimulationError", "main"]
 
@@ -175,7 +174,7 @@ class SimulatedRanks:
         self._ready = threading.Event()
         self._failed: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._wake_r, self._wake_w = os.pipe()
+        self._waker = Waker()
         self.max_lag = 0.0
         """Seconds the loop served a timer (registration, heartbeat) late, at most, so far:
         a figure near the heartbeat timeout would mean that the simulation, not the
@@ -207,20 +206,13 @@ class SimulatedRanks:
     def stop(self, timeout: float = 10.0) -> None:
         """Close every socket and stop the loop; waits at most ``timeout``."""
         self._stop.set()
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass  # already closed: stopped before
+        self._waker.wake()
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise SimulationError(f"simulated ranks did not stop within {timeout} s")
             self._thread = None
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._waker.close()
         if self._own_context and not self._context.closed:
             self._context.term()
 
@@ -248,7 +240,7 @@ class SimulatedRanks:
                 sockets.append(sock)
                 connect(sock, self.endpoint)
                 poller.register(sock, zmq.POLLIN)
-            poller.register(self._wake_r, zmq.POLLIN)
+            poller.register(self._waker.fd, zmq.POLLIN)
         except (WsdError, zmq.ZMQError) as e:
             for sock in sockets:
                 sock.close(linger=0)
@@ -290,7 +282,7 @@ class SimulatedRanks:
             for sock, _ in poller.poll(max(wait, 0.0) * 1000):
                 i = index.get(sock)
                 if i is None:  # the wake-up pipe: stop() was called
-                    os.read(self._wake_r, 4096)
+                    self._waker.drain()
                     continue
                 link = links[i]
                 while True:

@@ -6,14 +6,16 @@ kernel chose, and zmq's errors translated into wsd's at this boundary.
 
 from __future__ import annotations
 
+import os
 import re
 import resource
+import threading
 
 import zmq
 
 from wsd.errors import WsdError
 
-__all__ = ["TransportError", "bind", "connect", "make_socket", "raise_fd_limit", "send_nowait"]
+__all__ = ["TransportError", "Waker", "bind", "connect", "make_socket", "raise_fd_limit", "send_nowait"]
 
 
 class TransportError(WsdError):
@@ -69,3 +71,42 @@ def raise_fd_limit(wanted: int) -> None:
     if soft != resource.RLIM_INFINITY and soft < wanted:
         target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+class Waker:
+    """A self-pipe that wakes a thread's poller from any other thread.
+
+    Register ``fd`` with the poller and call ``drain()`` when it is readable.
+    ``wake()`` never blocks and is safe after ``close()``: a late wake-up (an
+    acknowledgement or a lock violation from the engine thread while the agent
+    stops) must not write to a descriptor number the process may have reused.
+    """
+
+    def __init__(self) -> None:
+        self.fd, self._write_fd = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._write_fd, False)
+        self._lock = threading.Lock()
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._write_fd < 0:
+                return
+            try:
+                os.write(self._write_fd, b"x")
+            except BlockingIOError:
+                pass  # the pipe is full: the poller is awake already
+
+    def drain(self) -> None:
+        try:
+            os.read(self.fd, 4096)
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        """Close both ends; idempotent."""
+        with self._lock:
+            for fd in (self.fd, self._write_fd):
+                if fd >= 0:
+                    os.close(fd)
+            self.fd = self._write_fd = -1

@@ -7,10 +7,12 @@ own, default heartbeats: 1 s interval, 5 s timeout) and simulated ranks
 
 * every rank registers;
 * heartbeats only, for a soak window (at 1,024 ranks at least 60 s, ``--quick``
-  a few seconds): the coordinator's CPU time per second over the window (utime
-  plus stime from /proc/<pid>/stat); afterwards no rank may have been lost or
-  have had to register again, and the longest silence the coordinator saw is
-  printed next to the timeout;
+  a few seconds): the coordinator's CPU time per second over the window (its
+  threads' run time; utime plus stime from /proc/<pid>/stat beside it, coarser);
+  the longest silence the coordinator then sees, next to the 5 s timeout;
+* false losses: events marking a rank lost, back, or registered again while
+  live, over the soak and the rounds after it (``lost``; those while the ranks
+  register and the paths warm up are counted apart, ``start-up``);
 * ``stats`` over all ranks, complete, round trip median of several rounds;
 * ``lock``/``unlock`` in turn, applied and acknowledged by all, median;
 * the coordinator's resident memory (VmRSS) and the simulation's lateness (how
@@ -32,7 +34,6 @@ import os
 import statistics
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -96,15 +97,18 @@ def rss_mib(pid: int) -> float:
     raise SystemExit(f"no VmRSS for pid {pid}")
 
 
-def event_kinds(client: Client) -> Counter[str]:
-    """How many events of each kind the coordinator logged (every page)."""
-    kinds: Counter[str] = Counter()
-    cursor = 0
+HICCUPS = ("lost", "back", "superseded")
+
+
+def hiccups(client: Client, cursor: int) -> tuple[list[dict[str, Any]], int]:
+    """Events after ``cursor`` that mark a rank lost, back, or registered again while
+    live (every page), and the cursor to ask with next."""
+    found = []
     while True:
         page = client.events(cursor, limit=5000)
         if not page["events"]:
-            return kinds
-        kinds.update(e["kind"] for e in page["events"])
+            return found, cursor
+        found += [e for e in page["events"] if e["kind"] in HICCUPS]
         cursor = page["cursor"]
 
 
@@ -118,7 +122,9 @@ class SizeResult:
     stats_ms: float
     command_ms: float
     rss_mib: float
-    lost: int  # lost, back or superseded events during the run: false losses
+    startup_hiccups: int  # lost, back or superseded events while registering and warming up
+    lost: int  # the same over the soak and the rounds after it: false losses
+    detail: str  # the first few of those events, for the report
     max_silence_s: float
     sim_lag_s: float
 
@@ -157,9 +163,10 @@ def measure(n: int, *, soak: float, rounds: int, state_dir: str) -> SizeResult:
                                  f"pending {result.pending[:5]}, lost {result.lost[:5]}")
 
         stats(), command(0), command(1)  # every path warm
+        startup, cursor = hiccups(client, 0)
         # Idle: heartbeats both ways and nothing else. Waiting out the window is
         # the measurement itself, not a wait for a condition.
-        (ticks0, cpu0), t0 = cpu_seconds(pid), time.monotonic()
+        (ticks0, cpu0), t0, soak_wall = cpu_seconds(pid), time.monotonic(), time.time()
         time.sleep(soak)
         (ticks1, cpu1), t1 = cpu_seconds(pid), time.monotonic()
         now = time.time()
@@ -169,14 +176,16 @@ def measure(n: int, *, soak: float, rounds: int, state_dir: str) -> SizeResult:
             raise SystemExit(f"after the soak at {n} ranks: {status}")
         stats_us = [timed_us(stats) for _ in range(rounds)]
         command_us = [timed_us(partial(command, i)) for i in range(rounds)]
-        kinds = event_kinds(client)
+        lost, _ = hiccups(client, cursor)
         client.close()
         lags = [sim.ask("state") for sim in sims]
         return SizeResult(
             n=n, register_s=register_s, soak_s=t1 - t0, cpu=(cpu1 - cpu0) / (t1 - t0),
             cpu_ticks=(ticks1 - ticks0) / (t1 - t0),
             stats_ms=statistics.median(stats_us) / 1e3, command_ms=statistics.median(command_us) / 1e3,
-            rss_mib=rss_mib(pid), lost=kinds["lost"] + kinds["back"] + kinds["superseded"],
+            rss_mib=rss_mib(pid), startup_hiccups=len(startup), lost=len(lost),
+            detail="; ".join(f"{e['kind']} rank {e.get('rank')} at {e['time'] - soak_wall:+.1f} s"
+                             for e in (startup + lost)[:6]),
             max_silence_s=max_silence, sim_lag_s=max(s["max_lag"] for s in lags),
         )
     finally:
@@ -200,7 +209,7 @@ def run(quick: bool = False, sizes: Sequence[int] = SIZES, state_dir: str | None
           f"{HEARTBEAT_TIMEOUT:.0f} s), {SIM_PROCESSES} simulation processes, "
           f"medians of {rounds} rounds; load average {load:.2f} on {os.cpu_count()} cores")
     print(f"{'N':>5} {'register':>8} {'stats':>9} {'command':>9} {'CPU idle':>8} {'(ticks)':>7} {'RSS':>8} "
-          f"{'soak':>6} {'lost':>4} {'silence':>7} {'sim lag':>7}")
+          f"{'soak':>6} {'lost':>4} {'silence':>7} {'sim lag':>7} {'start-up':>8}")
     results: dict[int, SizeResult] = {}
     with tempfile.TemporaryDirectory(prefix="wsd-bench-", dir=state_dir) as d:
         for n in sizes:
@@ -208,7 +217,9 @@ def run(quick: bool = False, sizes: Sequence[int] = SIZES, state_dir: str | None
             r = results[n] = measure(n, soak=soak, rounds=rounds, state_dir=d)
             print(f"{n:>5} {r.register_s:>7.1f}s {r.stats_ms:>7.1f}ms {r.command_ms:>7.1f}ms "
                   f"{r.cpu:>8.2%} {r.cpu_ticks:>7.1%} {r.rss_mib:>5.0f}MiB {r.soak_s:>5.0f}s {r.lost:>4} "
-                  f"{r.max_silence_s:>6.2f}s {r.sim_lag_s:>6.3f}s", flush=True)
+                  f"{r.max_silence_s:>6.2f}s {r.sim_lag_s:>6.3f}s {r.startup_hiccups:>8}", flush=True)
+            if r.detail:
+                print(f"      hiccups (time from the soak's start): {r.detail}", flush=True)
     small, large = results[min(results)], results[max(results)]
     print(f"\ngrowth against rank count (per-rank cost at {large.n} / per-rank cost at {small.n}; "
           "1.0 is linear, below 1 sublinear)")

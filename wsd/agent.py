@@ -24,6 +24,7 @@ import torch.distributed as dist
 import zmq
 
 from wsd import protocol as p
+from wsd.collectives import all_gather_values
 from wsd.auth import ClientKeys
 from wsd.config import AgentConfig
 from wsd.errors import WsdError
@@ -218,9 +219,7 @@ class Agent:
         mine = self.manager.stats().to_dict()
         if self._group is None:
             return [ManagerStats.from_dict(mine)]
-        gathered: list[Any] = [None] * self.tp_size
-        dist.all_gather_object(gathered, mine, group=self._group)
-        return [ManagerStats.from_dict(d) for d in gathered]
+        return [ManagerStats.from_dict(d) for d in all_gather_values(mine, self._group)]
 
     def _on_violation(self, ubatch: int, lane: int, violation: LockViolation) -> None:
         self._outbox.put(p.encode(Op.EVENT, {"rank": self.rank, "kind": "lock_violation", "detail": {

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from wsd.agent import tp_side_group
+from wsd.collectives import broadcast_value
 from wsd.config import Backend, WorkerConfig
 from wsd.errors import ConfigError, TorchrunEnvError
 
@@ -166,7 +167,5 @@ def any_rank(flag: bool, group: Any) -> bool:
 
 
 def broadcast_from_rank0(value: Any, group: Any) -> Any:
-    """Rank 0's ``value`` on every rank (a picklable object, on a gloo group)."""
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
+    """Rank 0's ``value`` on every rank (a msgpack-able value, on a gloo group)."""
+    return broadcast_value(value, group, src=0)

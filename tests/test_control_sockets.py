@@ -68,6 +68,31 @@ def test_stepping_agent_applies_only_at_step(start_coordinator, agents):
         assert agent.manager.is_locked() and agent.applied_seq == 1
 
 
+@pytest.mark.parametrize("idle", [True, False], ids=["idle", "stepping"])
+def test_replacement_process_comes_up_in_the_desired_state(start_coordinator, agents, idle):
+    """A brand-new process for a rank that already served (torchrun restarted it)
+    registers fresh: without the desired state in REGISTERED it would come up
+    unlocked with its configured 2 slots while its group should be locked with 3."""
+    coordinator = start_coordinator()
+    a0, a1 = agents(coordinator, 0, 2), agents(coordinator, 1, 2)
+    registered(coordinator, a0, a1)
+    with Client(coordinator.client_endpoint, timeout=5) as client:
+        assert client.lock().complete and client.set_ubatches(3).complete
+        a1.stop()  # the old process of rank 1 is gone
+        fresh = agents(coordinator, 1, 2, idle=idle)
+        registered(coordinator, fresh)
+        if not idle:  # applied at the engine's step boundary, not before
+            assert not fresh.manager.is_locked() and fresh.manager.num_ubatches == 2
+            assert fresh.step() == []  # the start is no command: it applies no seq
+        wait_until(lambda: fresh.manager.is_locked() and fresh.manager.num_ubatches == 3, 5,
+                   "the replacement to take on the desired state")
+        assert fresh.applied_seq == 2
+        desired = client.status()["groups"][1]["desired"]
+        assert desired["locked"] is True and desired["num_ubatches"] == 3
+        wait_until(lambda: {r["rank"]: (r["locked"], r["num_ubatches"]) for r in client.ranks()["ranks"]}
+                   == {0: (True, 3), 1: (True, 3)}, 5, "heartbeats with every rank in the desired state")
+
+
 def test_stats_per_rank_and_slot(start_coordinator, agents):
     coordinator = start_coordinator()
     a0, a1 = agents(coordinator, 0, 2), agents(coordinator, 1, 2)

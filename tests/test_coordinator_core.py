@@ -204,8 +204,9 @@ def test_coordinator_imports_no_torch():
 def test_registration_accepted(h):
     sent = h.register(1, step=7)
     registered = to_agents(sent, Op.REGISTERED)[peer_of(1)]
-    assert registered == {"epoch": h.core.epoch, "baseline_seq": 0,
-                          "heartbeat_interval": 1.0, "heartbeat_timeout": 5.0}
+    assert registered == {"epoch": h.core.epoch, "baseline_seq": 0, "heartbeat_interval": 1.0,
+                          "heartbeat_timeout": 5.0,
+                          "desired": {"locked": None, "num_ubatches": None, "reserve_bytes": None}}
     info = h.core.registry.ranks[1]
     assert info.state is RankState.LIVE and info.tp_group == 0 and info.step == 7
     joined = h.events("joined")
@@ -856,6 +857,69 @@ def test_fresh_agent_joining_a_live_group_gets_the_baseline(h):
     sent = h.register(2)
     assert to_agents(sent, Op.REGISTERED)[peer_of(2)]["baseline_seq"] == 3
     assert ops(sent) == [Op.REGISTERED]
+
+
+def desired_sent(sent: list[Sent], rank: int, generation: int = 0) -> Any:
+    return to_agents(sent, Op.REGISTERED)[peer_of(rank, generation)]["desired"]
+
+
+def test_fresh_process_is_sent_its_groups_desired_state(h):
+    """Without it a restarted process comes up unlocked with its configured slot
+    count while its group is meant to be locked with 3 ubatches (promises 3, 6)."""
+    h.register_all([0, 1])
+    h.client(Op.SET_UBATCHES, {"n": 3, "wait": False})
+    h.client(Op.LOCK, {"group": 0, "wait": False})
+    h.advance(6.0)  # both lost: the group's baseline is forgotten
+    sent = h.register(1, peer=peer_of(1, 1))
+    assert to_agents(sent, Op.REGISTERED)[peer_of(1, 1)]["baseline_seq"] == 2
+    assert desired_sent(sent, 1, 1) == {"locked": True, "num_ubatches": 3, "reserve_bytes": None}
+    assert ops(sent) == [Op.REGISTERED]  # the desired state stands for seqs 1 and 2
+
+
+def test_desired_state_is_the_one_at_an_older_baseline(h):
+    """A fresh member joining a live peer's older baseline replays the commands after
+    it: the desired state it starts from must be the one *at* the baseline, or the
+    replayed unlock would be undone by a current 'locked' (or a reserve doubled)."""
+    h.client(Op.SET_UBATCHES, {"n": 3, "wait": False})  # seq 1, before anyone registered
+    h.register(0)  # fresh: group 0's baseline is seq 1, with 3 ubatches
+    h.client(Op.LOCK, {"group": 0, "wait": False})  # seq 2
+    h.client(Op.SET_UBATCHES, {"group": 0, "n": 5, "wait": False})  # seq 3
+    h.client(Op.UNLOCK, {"group": 0, "wait": False})  # seq 4
+    h.client(Op.RESERVE, {"group": 0, "bytes": 4096, "wait": False})  # seq 5
+    h.client(Op.LOCK, {"group": 0, "wait": False})  # seq 6
+    assert h.core.log.desired(0) == {"locked": True, "num_ubatches": 5, "reserve_bytes": 4096}
+    sent = h.register(1)  # fresh, while rank 0 is live
+    assert to_agents(sent, Op.REGISTERED)[peer_of(1)]["baseline_seq"] == 1
+    assert desired_sent(sent, 1) == {"locked": None, "num_ubatches": 3, "reserve_bytes": None}
+    assert [s.message.body["seq"] for s in sent if s.message.op is Op.COMMAND] == [2, 3, 4, 5, 6]
+
+
+def test_desired_state_at_a_re_registered_baseline_is_rebuilt_from_the_log(tmp_path):
+    """After a coordinator restart a surviving peer sets the group's baseline at what
+    it applied, behind the log: a fresh member joining it must get the state at that
+    seq (rebuilt from the kept commands), not the current one."""
+    first = make(tmp_path)
+    first.register_all([0, 1])
+    first.client(Op.SET_UBATCHES, {"n": 3, "wait": False})  # seq 1
+    first.client(Op.LOCK, {"wait": False})  # seq 2
+    first.client(Op.SET_UBATCHES, {"n": 4, "wait": False})  # seq 3
+    second = make(tmp_path)
+    second.register(0, applied_seq=1)  # applied seq 1, not yet 2 and 3
+    sent = second.register(1, peer=peer_of(1, 1))  # a replacement of rank 1
+    assert to_agents(sent, Op.REGISTERED)[peer_of(1, 1)]["baseline_seq"] == 1
+    assert desired_sent(sent, 1, 1) == {"locked": None, "num_ubatches": 3, "reserve_bytes": None}
+    assert [s.message.body["seq"] for s in sent if s.message.op is Op.COMMAND] == [2, 3]
+
+
+def test_desired_state_not_sent_to_a_process_that_re_registers(tmp_path):
+    """A process that already has its state (it re-registers after a coordinator
+    restart) must not be sent the desired state again: it would apply it twice."""
+    first = make(tmp_path)
+    first.register_all([0, 1])
+    first.client(Op.LOCK, {"wait": False})
+    second = make(tmp_path)
+    sent = second.register(0, applied_seq=1)
+    assert desired_sent(sent, 0) is None and ops(sent) == [Op.REGISTERED]
 
 
 def test_resent_acks_in_registration_complete_a_pending_command(h):

@@ -29,9 +29,16 @@ def sent_ops(frames: list[bytes]) -> list[Op]:
     return [p.decode(f).op for f in frames]
 
 
-def registered(epoch: str = "e1", baseline: int = 0) -> bytes:
-    return p.encode(Op.REGISTERED, {"epoch": epoch, "baseline_seq": baseline,
+def registered(epoch: str = "e1", baseline: int = 0, desired: dict[str, Any] | None = None) -> bytes:
+    return p.encode(Op.REGISTERED, {"epoch": epoch, "baseline_seq": baseline, "desired": desired,
                                     "heartbeat_interval": 1.0, "heartbeat_timeout": 5.0})
+
+
+def command(seq: int, action: str = "equalize", group: int | None = None, **args: Any) -> bytes:
+    return p.encode(Op.COMMAND, {"seq": seq, "action": action, "args": args, "group": group})
+
+
+LOCKED_3 = {"locked": True, "num_ubatches": 3, "reserve_bytes": 4096}
 
 
 def register_times(link: AgentLink, count: int) -> list[float]:
@@ -107,3 +114,86 @@ def test_waker_is_safe_after_close():
     finally:
         os.close(reused_r)
         os.close(reused_w)
+
+
+def test_fresh_process_takes_on_the_desired_state_when_its_group_agrees():
+    """Without it a restarted process keeps its configured slot count, unlocked,
+    while its group is locked with 3 ubatches. It must wait for the group to agree
+    on the baseline (the MIN agreement stays below it until every member registered),
+    apply it in a safe order before any later command, jump to the baseline, and
+    never apply it twice."""
+    backend = Backend()
+    link = AgentLink(backend, rank=1, world_size=2, tp_size=2)
+    assert link.registration()["applied_seq"] is None  # fresh
+    link.on_frame(registered(baseline=4, desired=LOCKED_3), 0.0)
+    link.on_frame(command(5, "set_ubatches", n=2), 0.1)
+    assert link.held == 5 and link.applied == 0
+    assert link.apply_up_to(0) == [] and link.apply_up_to(3) == []  # a peer not registered yet
+    assert backend.applied == [] and link.applied == 0
+    done = link.apply_up_to(5)
+    assert backend.applied == [("set_ubatches", {"n": 3}), ("reserve", {"bytes": 4096}), ("lock", {}),
+                               ("set_ubatches", {"n": 2})]
+    assert [seq for seq, _ in done] == [5]  # the start is no command: nothing acknowledged for it
+    assert link.applied == 5
+    assert link.apply_up_to(5) == [] and len(backend.applied) == 4
+    assert link.on_frame(command(4), 0.2) == [] and link.on_frame(command(5), 0.2) == []
+
+
+def test_start_applies_at_the_baseline_even_with_nothing_after_it():
+    backend = Backend()
+    link = AgentLink(backend, rank=0, world_size=1)
+    link.on_frame(registered(baseline=2, desired={"locked": False, "num_ubatches": 3, "reserve_bytes": 512}), 0.0)
+    assert link.apply_up_to(2) == []
+    # Unlocked wanted: the unlock comes first, so that the reserve applies even if
+    # the engine locked itself meanwhile.
+    assert backend.applied == [("unlock", {}), ("set_ubatches", {"n": 3}), ("reserve", {"bytes": 512})]
+    assert link.applied == 2
+
+
+def test_idle_process_takes_on_the_desired_state_on_receipt():
+    """An idle worker has no step boundary: it must apply the start when registered."""
+    backend = Backend()
+    link = AgentLink(backend, rank=0, world_size=1, idle=True)
+    link.on_frame(registered(baseline=7, desired={"locked": True, "num_ubatches": None, "reserve_bytes": None}), 0.0)
+    assert backend.applied == [("lock", {})] and link.applied == link.held == 7
+
+
+def test_re_registration_never_applies_the_start_again():
+    """After a coordinator restart the process is no longer fresh: it reports its
+    baseline, and a desired state in the new REGISTERED (which a coordinator should
+    not send) is ignored, or the process would apply it a second time."""
+    backend = Backend()
+    link = AgentLink(backend, rank=0, world_size=1)
+    link.on_frame(registered(baseline=3, desired=LOCKED_3), 0.0)
+    assert link.registration()["applied_seq"] == 3  # registered, not yet agreed: it will reach 3
+    link.on_frame(p.encode(Op.PULSE, {"epoch": "e2"}), 1.0)  # the coordinator restarted
+    assert link.registration()["applied_seq"] == 3
+    link.on_frame(registered(epoch="e2", baseline=3, desired=LOCKED_3), 1.1)
+    link.apply_up_to(3)
+    assert backend.applied == [("set_ubatches", {"n": 3}), ("reserve", {"bytes": 4096}), ("lock", {})]
+    link.on_frame(registered(epoch="e3", baseline=3, desired={**LOCKED_3, "num_ubatches": 8}), 2.0)
+    link.on_frame(command(4, "unlock"), 2.1)
+    link.apply_up_to(4)
+    assert backend.applied[3:] == [("unlock", {})]
+
+
+class FailingReserve(Backend):
+    def apply(self, action: str, args: dict[str, Any]) -> None:
+        if action == "reserve":
+            raise RuntimeError("no memory")
+        super().apply(action, args)
+
+
+def test_a_failing_start_action_is_reported_not_raised():
+    """A failure must reach the coordinator as an agent event, and the engine must
+    never see the exception; the other actions still apply."""
+    backend = FailingReserve()
+    link = AgentLink(backend, rank=0, world_size=1)
+    link.on_frame(registered(baseline=1, desired=LOCKED_3), 0.0)
+    link.apply_up_to(1)
+    assert backend.applied == [("set_ubatches", {"n": 3}), ("lock", {})] and link.applied == 1
+    events = [p.decode(f) for f in link.on_time(0.5)]
+    reported = [m.body for m in events if m.op is Op.EVENT]
+    assert len(reported) == 1 and reported[0]["kind"] == "start_failed"
+    assert reported[0]["detail"]["action"] == "reserve" and "no memory" in reported[0]["detail"]["error"]
+    assert [m.op for m in (p.decode(f) for f in link.on_time(0.6))] == []  # reported once

@@ -40,7 +40,8 @@ VALID: dict[Op, dict] = {
     Op.ACK: {"rank": 1, "seq": 4, "step": 12, "ok": False, "error": "WorkspaceLockedError: ..."},
     Op.STATS_REPLY: {"rank": 2, "request": 9, "stats": {"slots": []}, "step": 3},
     Op.EVENT: {"rank": 0, "kind": "lock_violation", "detail": {"slot": 1, "caller": "x.py:1:f"}},
-    Op.REGISTERED: {"epoch": "abc", "baseline_seq": 0, "heartbeat_interval": 1.0, "heartbeat_timeout": 5.0},
+    Op.REGISTERED: {"epoch": "abc", "baseline_seq": 0, "heartbeat_interval": 1.0, "heartbeat_timeout": 5.0,
+                    "desired": {"locked": True, "num_ubatches": 3, "reserve_bytes": None}},
     Op.PULSE: {"epoch": "abc", "registered": False},
     Op.COMMAND: {"seq": 1, "action": "set_ubatches", "args": {"n": 4}, "group": 0},
     Op.STATS_REQUEST: {"request": 1},
@@ -95,6 +96,13 @@ def test_contract_pins_ops_codes_and_socket_sets():
     assert sum(len(s) for s in parts) == len(Op) and set().union(*parts) == set(Op)
     assert not p.READ_ONLY_OPS & p.COMMAND_OPS
     assert set(p.SCHEMAS) == set(Op)
+    # What a fresh process starts from: its baseline and its group's desired state
+    # there (optional, nil to a re-registration), which an older agent ignores.
+    registered = {f.name: f.required for f in p.SCHEMAS[Op.REGISTERED]}
+    assert registered == {"epoch": True, "baseline_seq": True, "heartbeat_interval": True,
+                          "heartbeat_timeout": True, "desired": False}
+    assert p.decode(p.encode(Op.REGISTERED, {k: v for k, v in VALID[Op.REGISTERED].items()
+                                             if k != "desired"})).body["desired"] is None
 
 
 # -- round trips -----------------------------------------------------------

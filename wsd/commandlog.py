@@ -87,6 +87,11 @@ def _apply_desired(state: dict[str, Any], action: str, args: dict[str, Any]) -> 
         state["reserve_bytes"] = None
 
 
+# The desired-state fields each action changes (see _apply_desired).
+_TOUCHES = {"lock": ("locked",), "unlock": ("locked",), "set_ubatches": ("num_ubatches",),
+            "reserve": ("reserve_bytes",), "trim": ("reserve_bytes",)}
+
+
 def _blank() -> dict[str, Any]:
     return {"locked": None, "num_ubatches": None, "reserve_bytes": None}
 
@@ -180,6 +185,34 @@ class CommandLog:
 
     def desired(self, group: int) -> dict[str, Any]:
         return dict(self.groups.get(group, self.default))
+
+    def desired_at(self, group: int, seq: int) -> dict[str, Any] | None:
+        """``group``'s desired state as it was at ``seq``; None when the kept log cannot tell.
+
+        A field no command after ``seq`` touched is as it is now. A field one
+        did is rebuilt from the kept commands up to ``seq``: lock, unlock,
+        set_ubatches and trim set it outright; reserve only raises it, so it
+        needs a trim before it in the log, or the log from seq 1.
+        """
+        if seq >= self.seq:
+            return self.desired(group)
+        if self.oldest() > seq + 1:
+            return None  # commands after seq are gone: what they changed is unknown
+        unknown = object()
+        past: dict[str, Any] = _blank() if self.oldest() == 1 else dict.fromkeys(_blank(), unknown)
+        for c in self.entries:
+            if c.seq <= seq and c.targets(group):
+                if c.action == "reserve" and past["reserve_bytes"] is unknown:
+                    continue  # a raise of an unknown value stays unknown
+                _apply_desired(past, c.action, c.args)
+        state = self.desired(group)
+        for c in self.entries:
+            if c.seq > seq and c.targets(group):
+                for key in _TOUCHES.get(c.action, ()):
+                    if past[key] is unknown:
+                        return None
+                    state[key] = past[key]
+        return state
 
     def append(self, action: str, args: dict[str, Any], group: int | None, now: float) -> Command:
         """Record the next command durably; StateFileError (and nothing recorded) if it cannot be."""

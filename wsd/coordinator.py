@@ -99,8 +99,9 @@ class CoordinatorCore:
         self._stats_ids = 0
         self._next_pulse = clock()
         # The sequence number fresh processes of a TP group start from, so that
-        # members registering a moment apart still see the same commands.
-        self._baselines: dict[int, int] = {}
+        # members registering a moment apart still see the same commands, with
+        # the group's desired state at it (None: older than the log could tell).
+        self._baselines: dict[int, tuple[int, dict[str, Any] | None]] = {}
         self._inconsistent: set[int] = set()
         self.dropped_bad_agent_frames = 0
         # Metrics: counters kept here on the loop thread; the HTTP thread reads only
@@ -211,15 +212,25 @@ class CoordinatorCore:
             self.events.add(EventKind.REJECTED, self.wall(), rank=body["rank"], reason=str(e))
             return [(AGENT, (peer,), p.encode(Op.REJECTED, {"code": str(ErrorCode.MISMATCH), "message": str(e)}))]
         group = info.tp_group
+        desired: dict[str, Any] | None = None
         if body["applied_seq"] is None:  # a fresh process
             live_peers = [i for i in self.registry.live(group) if i.rank != info.rank]
-            baseline = self._baselines.get(group) if live_peers else None
-            baseline = self.log.seq if baseline is None else baseline
+            recorded = self._baselines.get(group) if live_peers else None
+            baseline, desired = (self.log.seq, self.log.desired(group)) if recorded is None else recorded
+            if desired is None:  # the kept log could not rebuild it: the process keeps its configuration
+                logger.warning("rank %d starts at seq %d without its group's desired state (older than the log)",
+                               info.rank, baseline)
         else:
             baseline = body["applied_seq"]
             if baseline > self.log.seq:  # this coordinator forgot numbers agents applied
                 self.log.bump_to(baseline)
-        self._baselines.setdefault(group, baseline)
+        if group not in self._baselines:
+            # The desired state goes with the baseline: a fresh process applies it
+            # and then the commands after the baseline, so it must be the state
+            # *at* the baseline (recorded now, when the log can still tell), not
+            # the current one, or a later command would count twice or be undone.
+            known = desired if desired is not None else self.log.desired_at(group, baseline)
+            self._baselines[group] = (baseline, known)
         info.applied_seq = info.held_seq = baseline
         kind = EventKind.JOINED
         if old is not None:
@@ -231,6 +242,7 @@ class CoordinatorCore:
             "baseline_seq": baseline,
             "heartbeat_interval": self.config.heartbeat_interval,
             "heartbeat_timeout": self.config.heartbeat_timeout,
+            "desired": desired,  # only to a fresh process: a re-registration keeps what it applied
         }))]
         missed = self.log.since(baseline)
         if missed and missed[0].seq != baseline + 1:

@@ -28,6 +28,11 @@ logger = logging.getLogger(__name__)
 # (seq, step, ok, error) of the last commands applied, resent on re-registration
 # so that acknowledgements lost with a connection still reach the coordinator.
 _ACK_MEMORY = 64
+# The order in which a fresh process takes on its group's desired state: an
+# unlock first (so that a reserve can apply if the engine locked itself), then
+# the slot count, the reservation (which sizes every slot, the new ones too),
+# and a lock last, once the buffers are as big as they are meant to be.
+_START_ORDER = ("unlock", "set_ubatches", "reserve", "lock")
 # While unregistered, the first retry comes this soon and the wait doubles up to
 # the heartbeat interval: an agent's DEALER (with IMMEDIATE) drops what it sends
 # before its connection is up, so the very first registration is often lost, and
@@ -95,6 +100,13 @@ class AgentLink:
         self.held = 0  # highest seq with every seq up to it received
         self.applied = 0  # highest seq applied or skipped
         self._fresh = True  # never registered: the coordinator picks our baseline
+        # A fresh process starts from the coordinator's baseline seq by taking on
+        # its group's desired state at that seq: one action, applied at the step
+        # the group agrees on the baseline, before any command after it.
+        self.baseline = 0
+        self._desired: dict[str, Any] | None = None
+        # Frames the applying thread leaves for on_time to send (failed start actions).
+        self._reports: deque[bytes] = deque(maxlen=_ACK_MEMORY)
         self.steps = 0
         self._acks: deque[list[Any]] = deque(maxlen=_ACK_MEMORY)
         self.registered = threading.Event()
@@ -132,20 +144,32 @@ class AgentLink:
                 self.next_register = now + min(self._retry, self.interval)
                 self._retry *= 2
                 return [p.encode(Op.REGISTER, self.registration())]
-        elif now >= self.next_heartbeat:
-            self.next_heartbeat = now + self.interval
-            return [p.encode(Op.HEARTBEAT, {
-                "rank": self.rank, "step": self.steps, "applied_seq": self.applied,
-                "held_seq": self.held, "state": self.backend.state(),
-            })]
+        else:
+            out = self._take_reports()
+            if now >= self.next_heartbeat:
+                self.next_heartbeat = now + self.interval
+                out.append(p.encode(Op.HEARTBEAT, {
+                    "rank": self.rank, "step": self.steps, "applied_seq": self.applied,
+                    "held_seq": self.held, "state": self.backend.state(),
+                }))
+            return out
         return []
+
+    def _take_reports(self) -> list[bytes]:
+        out = []
+        while self._reports:
+            out.append(self._reports.popleft())
+        return out
 
     def registration(self) -> dict[str, Any]:
         return {
             "rank": self.rank, "world_size": self.world_size, "tp_size": self.tp_size,
             "tp_group": self.tp_index, "host": self.host, "pid": self.pid,
             "device": self.backend.device,
-            "applied_seq": None if self._fresh else self.applied,
+            # Not fresh once registered: a process that has yet to reach its
+            # baseline (its group has not agreed on it) will, so it says so, and a
+            # restarted coordinator neither sends nor expects the start again.
+            "applied_seq": None if self._fresh else max(self.applied, self.baseline),
             "acks": list(self._acks), "step": self.steps, "idle": self.idle,
             "state": self.backend.state(), "config": self.extra,
         }
@@ -164,7 +188,12 @@ class AgentLink:
 
     def _on_registered(self, body: dict[str, Any], now: float) -> list[bytes]:
         if self._fresh:
-            self.applied = self.held = body["baseline_seq"]
+            # Held at once (the group's agreement waits for every member to hold
+            # it); applied only at the step the group agrees on it (apply_up_to).
+            # In this order: the engine thread reads held, then baseline and desired.
+            self._desired = body["desired"]
+            self.baseline = body["baseline_seq"]
+            self.held = self.baseline
             self._fresh = False
         self.epoch = body["epoch"]
         self.interval = body["heartbeat_interval"]
@@ -175,6 +204,8 @@ class AgentLink:
         self.registered.set()
         logger.info("rank %d: registered with coordinator %s at seq %d", self.rank,
                     self.epoch[:8], body["baseline_seq"])
+        if self.idle:  # no engine loop: take on the desired state on receipt
+            return [ack for _, ack in self.apply_up_to(self.held)] + self._take_reports()
         return []
 
     def _on_pulse(self, body: dict[str, Any], now: float) -> list[bytes]:
@@ -187,8 +218,8 @@ class AgentLink:
     def _on_command(self, body: dict[str, Any], now: float) -> list[bytes]:
         seq = body["seq"]
         with self._lock:
-            if seq <= self.applied or seq in self._received:
-                return []  # a replay of something we have: at most once
+            if seq <= self.held or seq in self._received:
+                return []  # a replay of something we have (or our baseline covers): at most once
             self._received[seq] = body
             held = self.held
             while held + 1 in self._received:
@@ -222,7 +253,12 @@ class AgentLink:
         so that agreement on one number covers them). A failing command is
         acknowledged with its error and never raised into the caller.
         """
-        acks = []
+        acks: list[tuple[int, bytes]] = []
+        if self.applied < self.baseline:
+            if agreed < self.baseline:
+                return acks  # some member of the group has not registered yet
+            self._start()
+            self.applied = self.baseline
         while self.applied < agreed:
             seq = self.applied + 1
             with self._lock:
@@ -240,3 +276,26 @@ class AgentLink:
                                                     "ok": error is None, "error": error})))
             self.applied = seq
         return acks
+
+    def _start(self) -> None:
+        """Take on the group's desired state at our baseline: once, before any later command.
+
+        A failure is logged and reported to the coordinator as an agent event,
+        never raised into the engine; the other actions still apply.
+        """
+        desired, self._desired = self._desired or {}, None
+        wanted = {"unlock": desired.get("locked") is False, "lock": desired.get("locked") is True,
+                  "set_ubatches": desired.get("num_ubatches") is not None,
+                  "reserve": bool(desired.get("reserve_bytes"))}
+        args = {"set_ubatches": {"n": desired.get("num_ubatches")}, "reserve": {"bytes": desired.get("reserve_bytes")}}
+        for action in _START_ORDER:
+            if not wanted[action]:
+                continue
+            try:
+                self.backend.apply(action, args.get(action, {}))
+            except Exception as e:  # reported, never raised into the engine
+                error = f"{type(e).__name__}: {e}"
+                logger.warning("rank %d: taking on the desired state at seq %d: %s failed: %s",
+                               self.rank, self.baseline, action, error)
+                self._reports.append(p.encode(Op.EVENT, {"rank": self.rank, "kind": "start_failed", "detail": {
+                    "baseline_seq": self.baseline, "action": action, "error": error, "step": self.steps}}))

@@ -223,7 +223,10 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
     Op.STATS_REPLY: (_RANK, _int("request"), _f("stats", dict), _opt(_int("step"), 0)),
     Op.EVENT: (_RANK, _f("kind", str), _opt(_f("detail", dict), {})),
     Op.REGISTERED: (_f("epoch", str), _int("baseline_seq"), Field("heartbeat_interval", (float,), low=0.001, high=3600.0),
-                    Field("heartbeat_timeout", (float,), low=0.001, high=3600.0)),
+                    Field("heartbeat_timeout", (float,), low=0.001, high=3600.0),
+                    # To a fresh process: its TP group's desired state at baseline_seq
+                    # ({locked, num_ubatches, reserve_bytes}, each nil if never set).
+                    _opt(_f("desired", dict))),
     Op.PULSE: (_f("epoch", str), _opt(_f("registered", bool), True)),
     Op.COMMAND: (_int("seq", 1), _f("action", str), _opt(_f("args", dict), {}), _opt(_int("group", 0, 65535))),
     Op.STATS_REQUEST: (_int("request"),),

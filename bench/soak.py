@@ -56,7 +56,7 @@ from typing import Any
 import pytest
 from wsd_client.client import Client, ClientError, Unavailable
 
-from bench.soak_check import ALL, read_records, verify
+from bench.soak_check import ALL, desired_mismatches, read_records, verify
 from bench.soak_worker import RECORD_ENV
 from tests.procs import (
     COORDINATOR_READY,
@@ -409,6 +409,7 @@ def run(args: argparse.Namespace) -> int:
                 pids = set(cluster.worker_pids())
                 verdict = _await_records(cluster, final_seq, ledger, pids, groups)
                 coordinator_view = _await_heartbeats(client, final_seq)
+                off_desired = _await_desired(client)
         finally:
             if faults is not None:
                 faults.stop.set()
@@ -438,12 +439,13 @@ def run(args: argparse.Namespace) -> int:
     print("  events seen:        " + ", ".join(f"{k} {v}" for k, v in sorted(ledger.events.items())))
     print(f"  coordinator's view: {len(coordinator_view)} live ranks, all at seq {final_seq}"
           if not behind else f"  coordinator's view: ranks {behind} behind seq {final_seq}")
-    for problem in (verdict.lost + ledger.lost_requests + ledger.lost_state + verdict.duplicates
+    print(f"  every live rank in its group's desired state: {'yes' if not off_desired else 'NO'}")
+    for problem in (off_desired + verdict.lost + ledger.lost_requests + ledger.lost_state + verdict.duplicates
                     + verdict.disagreements)[:20]:
         print(f"  PROBLEM: {problem}")
     print(f"  lost: {lost}   applied twice: {len(verdict.duplicates)}   "
           f"disagreements: {len(verdict.disagreements)}   processes left behind: {len(left)}")
-    bad = lost or verdict.duplicates or verdict.disagreements or left or ledger.outcomes["error"]
+    bad = lost or off_desired or verdict.duplicates or verdict.disagreements or left or ledger.outcomes["error"]
     return 1 if bad else 0
 
 
@@ -465,6 +467,17 @@ def _await_heartbeats(client: Client, final_seq: int) -> dict[int, int]:
         view = {r["rank"]: r["applied_seq"] for r in client.ranks()["ranks"] if r["state"] == "live"}
         if all(seq == final_seq for seq in view.values()) or time.monotonic() > deadline:
             return view
+        time.sleep(HEARTBEAT_INTERVAL / 2)
+
+
+def _await_desired(client: Client) -> list[str]:
+    """Live ranks not in their group's desired state (``status`` desired against
+    ``ranks`` from heartbeats), once there are none or after a bounded wait."""
+    deadline = time.monotonic() + 10 * HEARTBEAT_INTERVAL + 5
+    while True:
+        problems = desired_mismatches(client.status(), client.ranks()["ranks"])
+        if not problems or time.monotonic() > deadline:
+            return problems
         time.sleep(HEARTBEAT_INTERVAL / 2)
 
 

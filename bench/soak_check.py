@@ -172,3 +172,23 @@ def _same_step(incarnations: list[Incarnation]) -> list[str]:
                 problems.append(f"restart {restart}, group {group}: rank {inc.rank} applied {got[:8]}... "
                                 f"where a peer applied {longest[:8]}...")
     return problems
+
+
+def desired_mismatches(status: dict[str, Any], ranks: list[dict[str, Any]]) -> list[str]:
+    """Every live rank whose manager is not in its TP group's desired state.
+
+    ``status`` and ``ranks`` are the coordinator's answers; a desired field of
+    None was never commanded, so any value meets it. A process started after a
+    command (a torchrun restart) must have taken its group's desired state on.
+    """
+    desired = {g["tp_group"]: g["desired"] for g in status["groups"]}
+    problems = []
+    for r in ranks:
+        if r["state"] != "live":
+            continue
+        want = desired[r["tp_group"]]
+        for key in ("locked", "num_ubatches"):
+            if want[key] is not None and r[key] != want[key]:
+                problems.append(f"rank {r['rank']} (pid {r['pid']}): {key} is {r[key]}, "
+                                f"its group {r['tp_group']} wants {want[key]}")
+    return problems

@@ -40,14 +40,16 @@ def _recording(original: Any, directory: str) -> Any:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def apply_up_to(self: AgentLink, agreed: int) -> list[tuple[int, bytes]]:
-        before = self.applied
+        # A fresh process stands at its baseline from registration on: the
+        # group's desired state it takes on there covers every seq up to it.
+        before = max(self.applied, self.baseline)
         done = original(self, agreed)
         # Every command of one call is applied at the same step; whether the
         # manager accepted it is in the link's memory of recent acks.
         ok = {seq: accepted for seq, _, accepted, _ in self._acks}
         applied = [[seq, self.steps, ok.get(seq)] for seq, _ in done]
         line = {"rank": rank, "pid": os.getpid(), "restart": restart, "group": self.tp_index,
-                "from": before, "to": self.applied, "applied": applied}
+                "from": before, "to": max(self.applied, self.baseline), "applied": applied}
         os.write(fd, (json.dumps(line) + "\n").encode())
         return done
 

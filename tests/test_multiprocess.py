@@ -36,7 +36,7 @@ STOP_MARGIN = 150
 LOOP_BYTES = 1024
 
 
-def engine(me: Rank, endpoint: str, tp_size: int) -> None:
+def engine(me: Rank, endpoint: str, tp_size: int, first_rank: int = 0, world_size: int | None = None) -> None:
     """One worker: a manager, an agent and an engine-like loop, steered by the test.
 
     Messages: ``state`` (reply with a snapshot), ``request ubatch nbytes``
@@ -44,14 +44,17 @@ def engine(me: Rank, endpoint: str, tp_size: int) -> None:
     requests), ``stop_at step`` (leave the loop once ``agent.steps`` reaches
     it: the same step on every member, so none is left in a collective) and
     ``stop`` (leave now). A failed ``step()`` is reported and ends the loop.
+    ``first_rank`` and ``world_size`` place a gloo world of replacement
+    processes in the coordinator's larger world (a TP group restarted whole).
     """
     manager, calls = recording_manager()
     group = tp_side_group(me.rank, me.world_size, tp_size)
-    agent = Agent(manager, endpoint=endpoint, rank=me.rank, world_size=me.world_size,
+    agent = Agent(manager, endpoint=endpoint, rank=first_rank + me.rank, world_size=world_size or me.world_size,
                   tp_size=tp_size, tp_group=group, idle=False,
                   heartbeat_interval=HEARTBEAT_INTERVAL, heartbeat_timeout=HEARTBEAT_TIMEOUT)
     agent.start()
     applied: list[list[int]] = []
+    changed: list[list[int]] = []  # [step, calls so far] at each step() that called the manager
     loop_requests = 0
     busy = True
     stop_at: int | None = None
@@ -60,7 +63,7 @@ def engine(me: Rank, endpoint: str, tp_size: int) -> None:
         return {"steps": agent.steps, "applied_seq": agent.applied_seq, "applied": list(applied),
                 "calls": list(calls), "locked": manager.is_locked(),
                 "num_ubatches": manager.num_ubatches, "epoch": agent.epoch,
-                "loop_requests": loop_requests}
+                "loop_requests": loop_requests, "changed": list(changed)}
 
     try:
         me.report("ready")
@@ -100,6 +103,8 @@ def engine(me: Rank, endpoint: str, tp_size: int) -> None:
                 me.report("step_failed", step=agent.steps, error=str(e))
                 break
             applied += [[seq, agent.steps] for seq in done]
+            if len(calls) > (changed[-1][1] if changed else 0):
+                changed.append([agent.steps, len(calls)])
             time.sleep(STEP_PAUSE)
         me.report("final", **snapshot())
     finally:
@@ -366,6 +371,41 @@ def test_killed_rank_takes_its_tp_peer_down_and_the_other_group_goes_on(cluster)
     assert group1["reporting"] == [] and [m["rank"] for m in group1["missing"]] == [2, 3]
     finals = c.stop()
     assert all(finals[r]["calls"] == [["lock", []]] for r in (0, 1))
+
+
+@pytest.mark.timeout(90)
+def test_restarted_tp_group_comes_up_in_the_desired_state_at_one_step(cluster, start_coordinator, tmp_path):
+    """torchrun restarts a TP group whole after a rank died: the new processes
+    register fresh. Without the desired state in REGISTERED they would come up
+    unlocked with their configured 2 slots while status says locked with 3;
+    without applying it at the step the group agrees on, one member could be
+    locked while its peer is not (each would take it on when it registered)."""
+    coordinator = start_coordinator(**world(4, 2))
+    c = cluster(4, tp_size=2, coordinator=coordinator)
+    assert c.client.lock().complete and c.client.set_ubatches(3).complete
+    c.workers.kill(3)
+    c.workers.expect(2, "step_failed", 10)  # its peer's engine dies with it
+    c.gone |= {2, 3}
+    wait_until(lambda: [r["state"] for r in c.client.ranks()["ranks"]] == ["live", "live", "lost", "lost"],
+               HEARTBEAT_TIMEOUT + 5, "ranks 2 and 3 to be reported lost")
+    # Ranks 2 and 3 again, in a gloo world of their own (rank r + 2 at the coordinator).
+    replacements = Workers(tmp_path, 2, engine, coordinator.agent_endpoint, 2, 2, 4).start()
+    try:
+        group = Cluster(replacements, 2, c.client)
+        for rank in (0, 1):
+            replacements.expect(rank, "ready", 60)
+        wait_until(lambda: all(s["locked"] and s["num_ubatches"] == 3 for s in group.states().values()),
+                   20, "the restarted group to take on the desired state")
+        desired = c.client.status()["groups"][1]["desired"]
+        assert desired["locked"] is True and desired["num_ubatches"] == 3
+        finals = group.stop()
+    finally:
+        replacements.close(raise_errors=False)
+    for final in finals.values():
+        assert final["calls"] == [["set_num_ubatches", [3]], ["lock", []]], final["calls"]
+        assert final["applied"] == [] and final["applied_seq"] == 2  # the start is no command
+    assert finals[0]["changed"] == finals[1]["changed"] and len(finals[0]["changed"]) == 1, finals
+    c.stop()
 
 
 @pytest.mark.timeout(60)

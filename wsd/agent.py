@@ -265,8 +265,10 @@ class Agent:
                 if link.registered.is_set():
                     while held_back and send_nowait(sock, [held_back[0]]):
                         held_back.popleft()
-                for frame in link.on_time(time.monotonic()):
-                    send_nowait(sock, [frame])
+                now = time.monotonic()
+                for frame in link.on_time(now):
+                    if not send_nowait(sock, [frame]):
+                        link.unsent(now)
         finally:
             sock.close(linger=0)
 

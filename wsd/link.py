@@ -33,11 +33,12 @@ _ACK_MEMORY = 64
 # the slot count, the reservation (which sizes every slot, the new ones too),
 # and a lock last, once the buffers are as big as they are meant to be.
 _START_ORDER = ("unlock", "set_ubatches", "reserve", "lock")
-# While unregistered, the first retry comes this soon and the wait doubles up to
-# the heartbeat interval: an agent's DEALER (with IMMEDIATE) drops what it sends
-# before its connection is up, so the very first registration is often lost, and
-# waiting a whole interval for the next one delays every start-up.
-_FIRST_RETRY = 0.05
+# A registration that could not be sent is retried this soon: an agent's DEALER
+# (with IMMEDIATE) refuses to send before its connection is up, so the very first
+# registration usually is, and waiting a whole interval for the next one delays
+# every start-up. One that was sent waits an interval for its answer: retrying it
+# sooner would only add registrations to a busy coordinator's start-up storm.
+_UNSENT_RETRY = 0.05
 
 
 class Backend(Protocol):
@@ -115,7 +116,6 @@ class AgentLink:
         self.last_heard = now
         self.next_heartbeat = now
         self.next_register = now
-        self._retry = _FIRST_RETRY
         self._handlers: dict[Op, Callable[[dict[str, Any], float], list[bytes]]] = {
             Op.REGISTERED: self._on_registered,
             Op.PULSE: self._on_pulse,
@@ -141,8 +141,7 @@ class AgentLink:
             self.next_register = now
         if not self.registered.is_set():
             if now >= self.next_register:
-                self.next_register = now + min(self._retry, self.interval)
-                self._retry *= 2
+                self.next_register = now + self.interval
                 return [p.encode(Op.REGISTER, self.registration())]
         else:
             out = self._take_reports()
@@ -154,6 +153,11 @@ class AgentLink:
                 }))
             return out
         return []
+
+    def unsent(self, now: float) -> None:
+        """The driver could not send what ``on_time`` returned (no connection yet)."""
+        if not self.registered.is_set():
+            self.next_register = min(self.next_register, now + _UNSENT_RETRY)
 
     def _take_reports(self) -> list[bytes]:
         out = []
@@ -200,7 +204,6 @@ class AgentLink:
         self.timeout = body["heartbeat_timeout"]
         self.rejected = None
         self.next_heartbeat = now
-        self._retry = _FIRST_RETRY  # for the next time we must register again
         self.registered.set()
         logger.info("rank %d: registered with coordinator %s at seq %d", self.rank,
                     self.epoch[:8], body["baseline_seq"])

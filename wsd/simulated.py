@@ -273,7 +273,8 @@ class SimulatedRanks:
                     oldest_due = due
                 link = links[i]
                 for frame in link.on_time(max(now, due)):
-                    send_nowait(sockets[i], [frame])
+                    if not send_nowait(sockets[i], [frame]):
+                        link.unsent(now)
                 scheduled[i] = link.due()
                 heapq.heappush(timers, (scheduled[i], i))
             if oldest_due is not None:  # the last frame of the batch left this late

@@ -249,6 +249,17 @@ def test_second_registration_supersedes(h):
     assert set(to_agents(h.advance(1), Op.PULSE)) == {peer_of(0, 1)}
 
 
+def test_a_repeated_registration_on_the_same_connection_is_no_news(h):
+    """A rank whose answer came late asks again on the same connection: it is answered again,
+    but it is not logged as superseding itself (operators would read a restart into it)."""
+    h.register(0)
+    sent = h.register(0)
+    assert ops(sent) == [Op.REGISTERED]
+    assert h.events("superseded") == []
+    assert [e["rank"] for e in h.events("joined")] == [0]
+    assert [(i.rank, i.peer) for i in h.core.registry.live()] == [(0, peer_of(0))]
+
+
 def test_heartbeats_keep_a_rank_live(h):
     h.register(0)
     for step in range(1, 5):

@@ -232,11 +232,16 @@ class CoordinatorCore:
             known = desired if desired is not None else self.log.desired_at(group, baseline)
             self._baselines[group] = (baseline, known)
         info.applied_seq = info.held_seq = baseline
-        kind = EventKind.JOINED
-        if old is not None:
-            kind = EventKind.BACK if old.state is RankState.LOST else EventKind.SUPERSEDED
-        self.events.add(kind, self.wall(), rank=info.rank, tp_group=group, host=info.host,
-                        pid=info.pid, applied_seq=baseline)
+        kind: EventKind | None = EventKind.JOINED
+        if old is not None and old.state is RankState.LOST:
+            kind = EventKind.BACK
+        elif old is not None and old.peer == peer:
+            kind = None  # the same connection asking again (our answer was late): nothing new
+        elif old is not None:
+            kind = EventKind.SUPERSEDED
+        if kind is not None:
+            self.events.add(kind, self.wall(), rank=info.rank, tp_group=group, host=info.host,
+                            pid=info.pid, applied_seq=baseline)
         out: list[Out] = [(AGENT, (peer,), p.encode(Op.REGISTERED, {
             "epoch": self.epoch,
             "baseline_seq": baseline,

@@ -62,6 +62,7 @@ from tests.procs import (
     COORDINATOR_READY,
     Proc,
     alive,
+    cmdline,
     coordinator_section,
     python,
     worker_env,
@@ -163,7 +164,7 @@ class Cluster:
 
     def worker_pids(self) -> list[int]:
         """The worker processes under torchrun now (not torchrun's own helpers)."""
-        return sorted(pid for pid in self.torchrun.tree() if "bench.soak_worker" in _cmdline(pid)
+        return sorted(pid for pid in self.torchrun.tree() if "bench.soak_worker" in cmdline(pid)
                       and pid != self.torchrun.pid)
 
     def restart_coordinator(self) -> None:
@@ -190,14 +191,6 @@ class Cluster:
         while any(alive(p) for p in seen) and time.monotonic() < deadline:
             time.sleep(0.05)
         return sorted(p for p in seen if alive(p))
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def _signal(pid: int, sig: int) -> None:

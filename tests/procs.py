@@ -73,14 +73,15 @@ def wait_gone(pids: Iterable[int], timeout: float, what: str = "processes") -> N
             return
         if time.monotonic() > deadline:
             pytest.fail(f"{what} still running after {timeout} s: {sorted(left)} "
-                        f"({', '.join(_cmdline(p) for p in sorted(left))})")
+                        f"({', '.join(cmdline(p)[:120] for p in sorted(left))})")
         time.sleep(0.05)
 
 
-def _cmdline(pid: int) -> str:
+def cmdline(pid: int) -> str:
+    """The command line of process ``pid``, or "?" once it is gone."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120]
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return "?"
 

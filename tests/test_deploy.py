@@ -29,7 +29,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from conftest import wait_until
-from procs import COORDINATOR_READY, python, spawn, wait_gone, worker_env, write_config  # noqa: F401  (spawn is a fixture)
+from procs import COORDINATOR_READY, cmdline, python, spawn, wait_gone, worker_env, write_config  # noqa: F401  (spawn is a fixture)
 
 from wsd import WorkspaceManager
 from wsd.agent import Agent
@@ -621,22 +621,14 @@ def test_local_script_stops_the_workers_when_its_coordinator_dies(tmp_path, spaw
     proc, client, _ = _start_cluster(spawn, tmp_path, 1, WORKER_ARGS="--idle")
     client.close()
     pids = proc.tree()
-    coordinators = [p for p in pids if "wsd.cli coordinator" in _cmdline(p)]
-    assert len(coordinators) == 1, [_cmdline(p) for p in pids]
+    coordinators = [p for p in pids if "wsd.cli coordinator" in cmdline(p)]
+    assert len(coordinators) == 1, [cmdline(p) for p in pids]
     os.kill(coordinators[0], signal.SIGKILL)
     assert proc.wait(60) == 1, proc.output()
     wait_gone(pids, 10, "processes started by run.sh")
     assert proc.count("the coordinator ended unexpectedly; stopping the workers") == 1
     assert proc.count(r"stopped cleanly \(idle\)") == 1, proc.output()
     assert _leftovers(tmp_path) == []
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def test_local_script_refuses_a_bad_configuration_before_starting_workers(tmp_path, spawn):  # noqa: F811

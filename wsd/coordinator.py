@@ -482,43 +482,21 @@ class CoordinatorCore:
         return [(CLIENT, route, p.ok_reply(message.id, result))]
 
     def _ranks(self, route: Route, message: p.Message) -> list[Out]:
-        now, wall_now = self.clock(), self.wall()
-        ranks = [i.public(now, wall_now) for _, i in sorted(self.registry.ranks.items())]
-        missing = [{"rank": r, "reason": why} for r, why in self.registry.missing().items()
-                   if why == "never registered"]
-        return [(CLIENT, route, p.ok_reply(message.id, {"ranks": ranks, "never_registered": missing}))]
+        result = self.registry.public(self.clock(), self.wall())
+        return [(CLIENT, route, p.ok_reply(message.id, result))]
 
     def _status(self, route: Route, message: p.Message) -> list[Out]:
-        registry = self.registry
-        groups = []
-        for g in registry.groups():
-            members = [registry.ranks[r] for r in registry.expected(g) if r in registry.ranks]
-            live = [i for i in members if i.state is RankState.LIVE]
-            groups.append({
-                "tp_group": g,
-                "ranks": registry.expected(g),
-                "live": [i.rank for i in live],
-                "missing": [{"rank": r, "reason": why} for r, why in registry.missing(g).items()],
-                "desired": self.log.desired(g),
-                "applied_seq": sorted({i.applied_seq for i in live}),
-                "consistent": g not in self._inconsistent,
-                "locked": sorted({i.manager_state.get("locked") for i in live}, key=str),
-                "num_ubatches": sorted({i.manager_state.get("num_ubatches") for i in live}, key=str),
-            })
-        states = [i.state for i in registry.ranks.values()]
+        groups = [{**self.registry.group_status(g), "desired": self.log.desired(g),
+                   "consistent": g not in self._inconsistent} for g in self.registry.groups()]
         result = {
             "epoch": self.epoch,
             "started": self.started,
             "recovered": self.recovered,
             "seq": self.log.seq,
-            "world_size": registry.world_size,
-            "tp_size": registry.tp_size,
+            "world_size": self.registry.world_size,
+            "tp_size": self.registry.tp_size,
             "desired": self.log.default,
-            "ranks": {
-                "live": states.count(RankState.LIVE),
-                "lost": states.count(RankState.LOST),
-                "never_registered": sum(1 for w in registry.missing().values() if w == "never registered"),
-            },
+            "ranks": self.registry.counts(),
             "pending_commands": sorted(self._commands),
             "groups": groups,
         }

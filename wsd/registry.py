@@ -239,3 +239,33 @@ class Registry:
                 when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(info.lost_at))
                 out[rank] = f"lost at {when} (last step {info.step})"
         return out
+
+    # -- what clients are shown ----------------------------------------------------
+
+    def public(self, now: float, wall_now: float) -> dict[str, Any]:
+        """The ``ranks`` reply: every rank known, and those never registered."""
+        ranks = [i.public(now, wall_now) for _, i in sorted(self.ranks.items())]
+        never = [{"rank": r, "reason": why} for r, why in self.missing().items() if why == "never registered"]
+        return {"ranks": ranks, "never_registered": never}
+
+    def counts(self) -> dict[str, int]:
+        """Expected ranks by state: live, lost, never registered."""
+        states = [i.state for i in self.ranks.values()]
+        never = sum(1 for why in self.missing().values() if why == "never registered")
+        return {"live": states.count(RankState.LIVE), "lost": states.count(RankState.LOST),
+                "never_registered": never}
+
+    def group_status(self, group: int) -> dict[str, Any]:
+        """A TP group as ``status`` shows it: members, live and missing ranks, and what the
+        live ones report (one value each when they agree)."""
+        live = [self.ranks[r] for r in self.expected(group)
+                if r in self.ranks and self.ranks[r].state is RankState.LIVE]
+        return {
+            "tp_group": group,
+            "ranks": self.expected(group),
+            "live": [i.rank for i in live],
+            "missing": [{"rank": r, "reason": why} for r, why in self.missing(group).items()],
+            "applied_seq": sorted({i.applied_seq for i in live}),
+            "locked": sorted({i.manager_state.get("locked") for i in live}, key=str),
+            "num_ubatches": sorted({i.manager_state.get("num_ubatches") for i in live}, key=str),
+        }

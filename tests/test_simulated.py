@@ -93,15 +93,7 @@ def test_snapshot_wire_form_is_the_dataclasses():
     """ManagerStats.to_dict is written by hand for speed; it must stay asdict plus total_bytes."""
     import dataclasses
 
-    from wsd.stats import LockViolation, PersistentStats, SlotStats
-
-    violation = LockViolation("model.py:12:forward", 4096, 1024, 1.5)
-    slots = tuple(
-        SlotStats(i // 2, i % 2, 4096 * i, 4000 * i, i, 1, i % 3, violation if i % 3 else None,
-                  (PersistentStats("ids", "tensor", 512), PersistentStats("handle", "resource", 0)) if i % 2 else ())
-        for i in range(6)
-    )
-    stats = ManagerStats("cuda:0", 3, 2, True, slots)
+    stats = _sample_stats()
     assert stats.to_dict() == {**dataclasses.asdict(stats), "total_bytes": stats.total_bytes}
     assert ManagerStats.from_dict(stats.to_dict()) == stats
 
@@ -114,7 +106,19 @@ def test_columnar_wire_form_expands_to_the_row_form():
     manager holds."""
     import msgpack
 
-    from wsd.stats import LockViolation, PersistentStats, SlotStats, slot_rows
+    from wsd.stats import slot_rows
+
+    stats = _sample_stats()
+    wire = msgpack.unpackb(msgpack.packb(stats.to_wire()))
+    assert wire["total_bytes"] == stats.total_bytes and wire["slots"]["capacity_bytes"] == [4096 * i for i in range(6)]
+    rows = [{**row, "persistent": tuple(row["persistent"])} for row in slot_rows(wire["slots"])]
+    assert rows == list(stats.to_dict()["slots"])
+    assert ManagerStats.from_wire(wire) == stats
+
+
+def _sample_stats() -> ManagerStats:
+    """Six slots (3 ubatches x 2 lanes) with violations and persistent buffers on some."""
+    from wsd.stats import LockViolation, PersistentStats, SlotStats
 
     violation = LockViolation("model.py:12:forward", 4096, 1024, 1.5)
     slots = tuple(
@@ -122,9 +126,4 @@ def test_columnar_wire_form_expands_to_the_row_form():
                   (PersistentStats("ids", "tensor", 512), PersistentStats("handle", "resource", 0)) if i % 2 else ())
         for i in range(6)
     )
-    stats = ManagerStats("cuda:0", 3, 2, True, slots)
-    wire = msgpack.unpackb(msgpack.packb(stats.to_wire()))
-    assert wire["total_bytes"] == stats.total_bytes and wire["slots"]["capacity_bytes"] == [4096 * i for i in range(6)]
-    rows = [{**row, "persistent": tuple(row["persistent"])} for row in slot_rows(wire["slots"])]
-    assert rows == list(stats.to_dict()["slots"])
-    assert ManagerStats.from_wire(wire) == stats
+    return ManagerStats("cuda:0", 3, 2, True, slots)

@@ -190,8 +190,7 @@ def core_view(registry: Registry, *, seq: int, heartbeats: int, inconsistent: se
                     i.manager_state.get("num_ubatches"), i.step) for i in registry.ranks.values()]
     never = [RankRow(rank, g, "", False, None, None, None)
              for g in registry.groups() for rank in registry.expected(g) if rank not in registry.ranks]
-    live = sum(r.up for r in rows)
-    states = ((str(RankState.LIVE), live), (str(RankState.LOST), len(rows) - live), ("never_registered", len(never)))
+    states = tuple(registry.counts().items())  # the same counts by state as ``status`` shows
     counts, latency = commands.snapshot()
     return CoreView(seq=seq, heartbeats=heartbeats, ranks=tuple(sorted(rows + never)), states=states,
                     consistent=tuple((g, g not in inconsistent) for g in registry.groups()),

@@ -8,7 +8,12 @@ N = 1, 8 and 32 simulated ranks (``wsd.simulated``, 8 slots each):
   N DEALERs and the gather of a reply of the same size from each;
 * a command (``lock``/``unlock`` in turn) applied and acknowledged by N idle
   agents, against the same bare fan-out with the command's and the
-  acknowledgement's sizes.
+  acknowledgement's sizes;
+* beside them, the floor of any design in which a client asks a coordinator
+  process: a bare relay (client DEALER -> a ROUTER in a process of its own ->
+  the same bare fan-out and gather -> an answer of the stats answer's size back
+  to the client), doing nothing else. ``stats`` over this floor is what wsd
+  itself adds; the floor over the bare fan-out is what the extra hop costs.
 
 The coordinator, the simulated ranks and the bare DEALERs each run in a
 process of their own; the bare DEALERs run as the simulated ranks do (one
@@ -90,6 +95,32 @@ def _run_bare_dealers(conn: Any, endpoint: str, n: int) -> None:
     context.term()
 
 
+def _run_bare_relay(conn: Any, n: int) -> None:
+    """A bare coordinator: fans each client request out to N DEALERs, gathers, answers.
+
+    A client request is the answer's size (four bytes) followed by the frame to
+    fan out; the answer is that many zero bytes, so that the client receives as
+    much as it does from ``stats``.
+    """
+    context = zmq.Context()
+    fan = BareFanOut(context, n)
+    front = make_socket(context, zmq.ROUTER)
+    conn.send((fan.endpoint, bind(front, "tcp://127.0.0.1:0")))
+    fan.wait_peers()
+    conn.send(True)
+    answers: dict[int, bytes] = {}
+    while not conn.poll(0):
+        if not front.poll(100):
+            continue
+        peer, request = front.recv_multipart()
+        size = struct.unpack_from("<I", request)[0]
+        fan.round(request[4:])
+        send_nowait(front, [peer, answers.get(size) or answers.setdefault(size, bytes(size))])
+    fan.close()
+    front.close(linger=0)
+    context.term()
+
+
 # -- the bare fan-out ---------------------------------------------------------------
 
 
@@ -124,6 +155,23 @@ class BareFanOut:
         self.router.close(linger=0)
 
 
+class BareRelayClient:
+    """The client's side of the bare relay: one request, one answer of a given size."""
+
+    def __init__(self, context: zmq.Context, endpoint: str) -> None:
+        self.sock = make_socket(context, zmq.DEALER)
+        connect(self.sock, endpoint)
+
+    def round(self, request: bytes, answer_size: int) -> None:
+        self.sock.send(struct.pack("<I", answer_size) + request)
+        if not self.sock.poll(_ROUND_TIMEOUT * 1000):
+            raise SystemExit("the bare relay did not answer")
+        self.sock.recv()
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
 def _request(size: int, reply_size: int) -> bytes:
     return struct.pack("<I", reply_size) + bytes(max(0, size - 4))
 
@@ -141,21 +189,28 @@ def frame_sizes() -> dict[str, tuple[int, int]]:
 
 
 def bench_fan_out(n: int, rounds: int, state_dir: str) -> dict[str, Any]:
-    """Median microseconds of wsd and of the bare fan-out for stats and a command, N ranks."""
+    """Median microseconds of wsd, the bare fan-out and the bare relay, N ranks."""
     sizes = frame_sizes()
     context = zmq.Context()
     bare = BareFanOut(context, n)
     coordinator = Helper(run_coordinator, str(Path(state_dir) / f"bench-{n}.state"))
     helpers = [coordinator]
+    relay_client = None
     try:
         agent_endpoint, client_endpoint = coordinator.result()
+        relay = Helper(_run_bare_relay, n)
+        relay_fan_endpoint, relay_endpoint = relay.result()
         sim = Helper(_run_simulated, agent_endpoint, n)
         dealers = Helper(_run_bare_dealers, bare.endpoint, n)
-        helpers += [sim, dealers]
+        relay_dealers = Helper(_run_bare_dealers, relay_fan_endpoint, n)
+        helpers += [relay, sim, dealers, relay_dealers]
         if not sim.result():
             raise SystemExit(f"the {n} simulated ranks did not all register")
         dealers.result()
+        relay_dealers.result()
         bare.wait_peers()
+        relay.result()
+        relay_client = BareRelayClient(context, relay_endpoint)
         client = Client(client_endpoint, timeout=_ROUND_TIMEOUT, context=context)
         stats_request = _request(*sizes["stats"])
         command_request = _request(*sizes["command"])
@@ -173,24 +228,30 @@ def bench_fan_out(n: int, rounds: int, state_dir: str) -> dict[str, Any]:
 
         for i in range(3):  # warm up every path
             wsd_stats(), bare.round(stats_request), wsd_command(i), bare.round(command_request)
-        samples: dict[str, list[float]] = {k: [] for k in ("stats", "bare stats", "command", "bare command")}
+        # What the client receives and decodes whole each round; the relay answers as much.
+        answer_bytes = len(msgpack.packb(client.stats(), use_bin_type=True))
+        relay_client.round(stats_request, answer_bytes)
+        samples: dict[str, list[float]] = {
+            k: [] for k in ("stats", "bare stats", "relay stats", "command", "bare command")}
         candidates: list[tuple[str, Callable[[int], object]]] = [
             ("bare stats", lambda i: bare.round(stats_request)),
             ("stats", lambda i: wsd_stats()),
+            ("relay stats", lambda i: relay_client.round(stats_request, answer_bytes)),
             ("bare command", lambda i: bare.round(command_request)),
             ("command", wsd_command),
         ]
         for i in range(rounds):
             # The order turns every round, so that no candidate always follows the same one.
-            for name, fn in candidates[i % 4:] + candidates[:i % 4]:
+            turn = i % len(candidates)
+            for name, fn in candidates[turn:] + candidates[:turn]:
                 samples[name].append(timed_us(lambda: fn(i)))
-        # What the client receives and decodes whole each round: the bare side has no such leg.
-        answer_bytes = len(msgpack.packb(client.stats(), use_bin_type=True))
         client.close()
         med = {k: statistics.median(v) for k, v in samples.items()}
         return {"stats": (med["stats"], med["bare stats"]), "command": (med["command"], med["bare command"]),
-                "answer_bytes": answer_bytes}
+                "relay": med["relay stats"], "answer_bytes": answer_bytes}
     finally:
+        if relay_client is not None:
+            relay_client.close()
         for helper in reversed(helpers):
             helper.stop()
         bare.close()
@@ -276,6 +337,7 @@ BASELINES = {
     "stats": "bare ROUTER fan-out and gather, same payload",
     "command": "bare ROUTER fan-out and gather, same payload",
     "agreement": "one bare gloo all_reduce of one integer",
+    "relay": "bare relay: client -> ROUTER -> same fan-out -> same-size answer",
 }
 
 
@@ -292,17 +354,21 @@ def run(quick: bool = False, state_dir: str | None = None) -> list[Row]:
         print(f"fan-out to N simulated ranks ({SLOTS} slots each), median of {rounds} interleaved rounds (us)")
         print(f"  payload per rank: stats {sizes['stats'][0]} B out, {sizes['stats'][1]} B back; "
               f"command {sizes['command'][0]} B out, {sizes['command'][1]} B back")
-        print(f"{'N':>4} {'stats':>9} {'bare':>9} {'ratio':>7}   {'command':>9} {'bare':>9} {'ratio':>7}"
-              f"   {'stats answer':>12}")
+        print("  relay: the bare relay, the floor of a client asking a coordinator (see the docstring)")
+        print(f"{'N':>4} {'stats':>9} {'bare':>9} {'ratio':>7}   {'relay':>9} {'r/bare':>7} {'s/relay':>7}"
+              f"   {'command':>9} {'bare':>9} {'ratio':>7}   {'stats answer':>12}")
         for n in (1, 8, 32):
             res = bench_fan_out(n, rounds, tmp)
-            (stats, bare_stats), (command, bare_command) = res["stats"], res["command"]
+            (stats, bare_stats), (command, bare_command), relay = res["stats"], res["command"], res["relay"]
             print(f"{n:>4} {stats:>9.0f} {bare_stats:>9.0f} {stats / bare_stats:>7.2f}   "
+                  f"{relay:>9.0f} {relay / bare_stats:>7.2f} {stats / relay:>7.2f}   "
                   f"{command:>9.0f} {bare_command:>9.0f} {command / bare_command:>7.2f}"
                   f"   {res['answer_bytes']:>10} B", flush=True)
             for what, ratio in (("stats", stats / bare_stats), ("command", command / bare_command)):
                 rows.append(Row(f"{what}[{n}] wsd/bare", ratio, BASELINES[what],
                                 TARGETS[what] if n == 32 else None))
+            rows.append(Row(f"relay[{n}] relay/bare", relay / bare_stats, BASELINES["stats"]))
+            rows.append(Row(f"stats[{n}] wsd/relay", stats / relay, BASELINES["relay"]))
         print()
         step, bare = bench_agreement(agree_rounds, calls, tmp)
         print(f"per-step agreement, 2 gloo ranks, median of {agree_rounds} interleaved rounds of {calls} calls (us)")

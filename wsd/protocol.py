@@ -236,6 +236,7 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
 # What decode looks up for every message, computed once.
 _OPS = {op.value: op for op in Op}
 _KNOWN = {op: frozenset(f.name for f in schema) for op, schema in SCHEMAS.items()}
+_WHERE = {op: f"{op}." for op in Op}  # the prefix naming a body field in errors
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,7 +345,7 @@ def decode(frame: bytes, allowed: frozenset[Op] | None = None) -> Message:
 
 def validate_body(op: Op, body: dict[Any, Any]) -> dict[str, Any]:
     schema = SCHEMAS[op]
-    where = f"{op}."
+    where = _WHERE[op]
     known = _KNOWN[op]
     if not known.issuperset(body):
         key = next(k for k in body if k not in known)

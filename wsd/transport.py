@@ -47,10 +47,25 @@ def connect(sock: zmq.Socket, endpoint: str) -> None:
         raise TransportError(f"cannot connect to {endpoint}: {e}") from e
 
 
+# The flags as plain ints: pyzmq's send_multipart combines its enum flags for
+# every frame, which costs more than the send itself for the small frames the
+# coordinator sends by the thousand.
+_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
+_LAST = int(zmq.NOBLOCK)
+
+
 def send_nowait(sock: zmq.Socket, parts: list[bytes]) -> bool:
-    """Send without ever blocking; False if the peer is gone or its queue is full."""
+    """Send without ever blocking; False if the peer is gone or its queue is full.
+
+    A multipart message is sent whole or not at all: a ROUTER refuses it at its
+    first frame (no such peer, or the peer's queue full), and ZeroMQ takes the
+    rest of a message once its first frame was taken. Every part must be bytes
+    (what ``wsd.protocol`` encodes), as nothing here checks them first.
+    """
     try:
-        sock.send_multipart(parts, zmq.NOBLOCK)
+        for part in parts[:-1]:
+            sock.send(part, _MORE)
+        sock.send(parts[-1], _LAST)
     except zmq.Again:
         return False
     except zmq.ZMQError as e:

@@ -226,7 +226,7 @@ def bench_fan_out(n: int, rounds: int, state_dir: str) -> dict[str, Any]:
             if not result.complete or len(result.acked) != n:
                 raise SystemExit(f"{result.action} acknowledged by {len(result.acked)} of {n} ranks")
 
-        for i in range(3):  # warm up every path
+        for i in range(20):  # warm up every path
             wsd_stats(), bare.round(stats_request), wsd_command(i), bare.round(command_request)
         # What the client receives and decodes whole each round; the relay answers as much.
         answer_bytes = len(msgpack.packb(client.stats(), use_bin_type=True))
@@ -347,7 +347,7 @@ def run(quick: bool = False, state_dir: str | None = None) -> list[Row]:
     ``state_dir`` holds the coordinator's state file (default: /dev/shm if present).
     """
     state_dir = _default_state_dir() if state_dir is None else state_dir
-    rounds, agree_rounds, calls = (40, 7, 200) if quick else (200, 21, 1000)
+    rounds, agree_rounds, calls = (100, 7, 200) if quick else (200, 21, 1000)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="wsd-bench-", dir=state_dir) as tmp:
         sizes = frame_sizes()

@@ -32,7 +32,7 @@ from wsd.link import AgentLink
 from wsd.manager import WorkspaceManager
 from wsd.protocol import Op
 from wsd.stats import LockViolation, ManagerStats
-from wsd.transport import Waker, connect, make_socket, send_nowait
+from wsd.transport import Waker, answer_waiting, connect, make_socket, send_nowait
 
 __all__ = ["Agent", "AgentError", "tp_side_group"]
 
@@ -254,7 +254,7 @@ class Agent:
                 wait = max(0.0, min(link.due() - time.monotonic(), _MAX_POLL))
                 ready = dict(poller.poll(wait * 1000))
                 if sock in ready:
-                    self._drain(sock, link)
+                    answer_waiting(sock, lambda frame: link.on_frame(frame, time.monotonic()))
                 if self._waker.fd in ready:
                     self._waker.drain()
                 while True:
@@ -271,13 +271,3 @@ class Agent:
                         link.unsent(now)
         finally:
             sock.close(linger=0)
-
-    @staticmethod
-    def _drain(sock: zmq.Socket, link: AgentLink) -> None:
-        while True:
-            try:
-                frame = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            for reply in link.on_frame(frame, time.monotonic()):
-                send_nowait(sock, [reply])

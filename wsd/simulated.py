@@ -31,7 +31,7 @@ from wsd.config import MAX_UBATCHES
 from wsd.errors import WsdError
 from wsd.link import AgentLink
 from wsd.stats import ManagerStats, PersistentStats, SlotStats
-from wsd.transport import Waker, connect, make_socket, raise_fd_limit, send_nowait
+from wsd.transport import Waker, answer_waiting, connect, make_socket, raise_fd_limit, send_nowait
 
 __all__ = ["SimulatedManager", "SimulatedRanks", "SimulationError", "main"]
 
@@ -46,8 +46,6 @@ _MAX_POLL = 0.1
 _TIMER_SLACK = 0.02
 # File descriptors per rank: its TCP connection and its socket's mailbox, with room.
 _FDS_PER_RANK = 3
-# Socket option and flags as plain ints, for the loop that serves every rank.
-_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 
 class SimulationError(WsdError):
@@ -288,11 +286,7 @@ class SimulatedRanks:
                     self._waker.drain()
                     continue
                 link = links[i]
-                # Asked rather than recv'd until zmq.Again: one rank usually has one
-                # frame waiting, and raising Again cost more than reading EVENTS.
-                while sock.getsockopt(_EVENTS) & _POLLIN:
-                    for reply in link.on_frame(sock.recv(_NOBLOCK), time.monotonic()):
-                        send_nowait(sock, [reply])
+                answer_waiting(sock, lambda frame: link.on_frame(frame, time.monotonic()))
                 due = link.due()
                 if due < scheduled[i]:  # e.g. just registered: heartbeat now
                     scheduled[i] = due

@@ -42,7 +42,11 @@ GLOO_TIMEOUT = datetime.timedelta(seconds=20)
 # How often a wait looks at the queues and the processes again.
 _POLL = 0.01
 # The manager methods through which an agent applies commands.
-COMMAND_METHODS = ("lock", "unlock", "set_num_ubatches", "reserve_bytes", "equalize", "trim")
+# The manager methods an agent applies commands through, by the name recorded:
+# an operator's lock and unlock go through operator_lock/operator_unlock.
+COMMAND_METHODS = {"lock": "operator_lock", "unlock": "operator_unlock",
+                   "set_num_ubatches": "set_num_ubatches", "reserve_bytes": "reserve_bytes",
+                   "equalize": "equalize", "trim": "trim"}
 
 
 def recording_manager(num_ubatches: int = 2) -> tuple[Any, list[list[Any]]]:
@@ -62,8 +66,8 @@ def recording_manager(num_ubatches: int = 2) -> tuple[Any, list[list[Any]]]:
             method(*args)
         return record
 
-    for name in COMMAND_METHODS:
-        setattr(manager, name, recording(name, getattr(manager, name)))
+    for name, method in COMMAND_METHODS.items():
+        setattr(manager, method, recording(name, getattr(manager, method)))
     return manager, calls
 
 

@@ -10,7 +10,15 @@ import msgpack
 import pytest
 import torch
 
-from wsd import ManagerStats, WorkspaceLockedError, WorkspaceManager, use_lane, use_ubatch
+import wsd
+from wsd import (
+    ManagerStats,
+    WorkspaceLockedError,
+    WorkspaceLockHeldError,
+    WorkspaceManager,
+    use_lane,
+    use_ubatch,
+)
 
 F32 = torch.float32
 
@@ -131,13 +139,18 @@ def test_trim_releases_every_buffer_and_keeps_persistent():
     assert grow(manager, 0, 16).numel() == 16  # regrows
 
 
-def test_trim_refused_when_locked():
+def test_trim_refused_when_locked_is_not_a_lock_violation():
+    """A trim while locked is an operator's mistake: refused, but no kernel asked for
+    memory, so no violation is counted or reported."""
     manager = WorkspaceManager("cpu", 1)
+    reported = []
+    manager.add_violation_listener(lambda *args: reported.append(args))
     grow(manager, 0, 1024)
     manager.lock()
-    with pytest.raises(WorkspaceLockedError, match="trim"):
+    with pytest.raises(WorkspaceLockHeldError, match="trim refused: the workspace is locked"):
         manager.trim()
     assert capacities(manager) == [1024]
+    assert manager.stats().lock_violations == 0 and reported == []
 
 
 # -- persistent buffers and resources ---------------------------------------
@@ -157,12 +170,38 @@ def test_get_persistent_is_per_slot_and_created_once():
 def test_get_persistent_mismatch_is_value_error():
     manager = WorkspaceManager("cpu", 1)
     manager.get_persistent("k", (4,), F32)
-    with pytest.raises(ValueError, match=r"shape \(4,\).*requested shape \(5,\)"):
+    with pytest.raises(ValueError, match=r"shape=\(4,\).*requested shape=\(5,\)"):
         manager.get_persistent("k", (5,), F32)
     with pytest.raises(ValueError, match="dtype"):
         manager.get_persistent("k", (4,), torch.float16)
-    with pytest.raises(ValueError, match="holds a tensor"):
-        manager.get_persistent_resource("k", object)
+
+
+def test_tensors_and_resources_have_separate_key_spaces():
+    """As in vLLM (tensors live under (torch.Tensor, key)): one key names a tensor and a
+    resource at once, and neither replaces the other."""
+    manager = WorkspaceManager("cpu", 1)
+    tensor = manager.get_persistent("k", (4,), F32)
+    resource = manager.get_persistent_resource("k", object)
+    assert manager.get_persistent("k", (4,), F32) is tensor
+    assert manager.get_persistent_resource("k", object) is resource
+    kinds = sorted(p.kind for p in manager.stats().slots[0].persistent)
+    assert kinds == ["resource", "tensor"]
+
+
+class _Key:
+    """A key like vLLM's ``(SomeClass, n, m, device)``: hashable, not text."""
+
+
+def test_hashable_keys_are_shown_as_text_and_encode():
+    """vLLM keys persistent objects by any Hashable; a snapshot shows them as bounded
+    text, so it still encodes to msgpack (it failed to before)."""
+    manager = WorkspaceManager("cpu", 1)
+    manager.get_persistent_resource((_Key, 4, 8, torch.device("cpu")), object)
+    manager.get_persistent(("x" * 1000,), (2,), F32)
+    keys = [p.key for p in manager.stats().slots[0].persistent]
+    assert all(isinstance(k, str) and len(k) <= 200 for k in keys)
+    assert "_Key" in keys[0] and "4, 8" in keys[0]
+    msgpack.packb(manager.stats().to_wire())
 
 
 def test_persistent_creation_refused_once_locked_but_existing_returned():
@@ -265,3 +304,102 @@ def test_growth_during_cuda_graph_capture_is_refused():  # pragma: no cover - GP
     with torch.cuda.stream(stream), pytest.raises(WorkspaceCaptureError, match="warm up first"):
         with torch.cuda.graph(graph):
             manager.get_simultaneous(((1 << 20,), F32))
+
+
+# -- vLLM's contracts: alloc_context, exception types, the engine's lock, fallback ----
+
+
+def test_alloc_context_wraps_every_scratch_allocation():
+    """vLLM passes its sleep-mode pool as the fourth positional argument; every
+    scratch buffer (growth, reserve, equalize) is allocated inside it."""
+    entered = []
+
+    class Pool:
+        def __enter__(self):
+            entered.append(1)
+
+        def __exit__(self, *exc):
+            return False
+
+    manager = WorkspaceManager("cpu", 2, 1, Pool)
+    grow(manager, 0, 512)
+    assert len(entered) == 1
+    manager.reserve_bytes(1024)
+    assert len(entered) == 3  # both slots grew to 1024
+    grow(manager, 0, 4096)
+    manager.equalize()
+    assert len(entered) == 5
+
+
+def test_exception_types_are_vllms():
+    """vLLM's callers catch RuntimeError for an unconfigured lane and AssertionError for
+    an uninitialised manager: wsd raises subclasses of the same."""
+    manager = WorkspaceManager("cpu", 1, 1)
+    with use_lane(1), pytest.raises(RuntimeError, match="Workspace lane 1 is not configured; "
+                                                       r"manager has 1 lane\(s\)"):
+        manager.get_simultaneous(((4,), F32))
+    with pytest.raises(ValueError, match="at least one"):
+        WorkspaceManager("cpu", 1, 0)
+    wsd.reset_workspace_manager()
+    with pytest.raises(AssertionError, match="WorkspaceManager not initialized"):
+        wsd.current_workspace_manager()
+
+
+def test_engine_lock_pins_buffers_against_operators():
+    """With pin_on_lock (vLLM locks after CUDA-graph capture) an operator may not unlock,
+    trim, reserve or equalize; an operator's own lock never pins; the engine's unlock
+    lifts the pin."""
+    manager = WorkspaceManager("cpu", 2, pin_on_lock=True)
+    grow(manager, 0, 1024)
+    manager.lock()
+    assert manager.pinned
+    for refused in (manager.operator_unlock, manager.trim, manager.equalize,
+                    lambda: manager.reserve_bytes(4096)):
+        with pytest.raises(WorkspaceLockHeldError, match="engine locked this workspace"):
+            refused()
+    assert manager.is_locked() and capacities(manager) == [1024, 0]
+    assert manager.stats().lock_violations == 0
+    manager.unlock()
+    assert not manager.pinned
+    manager.operator_lock()
+    assert manager.is_locked() and not manager.pinned
+    manager.operator_unlock()
+    assert not manager.is_locked()
+
+
+def test_set_num_ubatches_refused_below_the_engines_count():
+    manager = WorkspaceManager("cpu", 2, min_ubatches=2)
+    manager.set_num_ubatches(3)
+    with pytest.raises(ValueError, match=r"set_num_ubatches\(1\) refused: the engine runs 2"):
+        manager.set_num_ubatches(1)
+    manager.set_num_ubatches(2)
+    assert manager.num_ubatches == 2
+
+
+def test_fallback_serves_a_locked_request_from_a_one_off_buffer():
+    """on_locked_growth="fallback": the request is served, outside the slot (which keeps
+    its size), and counted and reported as a violation each time."""
+    manager = WorkspaceManager("cpu", 1, on_locked_growth="fallback")
+    reported = []
+    manager.add_violation_listener(lambda u, lane, v: reported.append((u, lane, v.requested)))
+    (small,) = manager.get_simultaneous(((256,), torch.uint8))
+    manager.lock()
+    a, b = manager.get_simultaneous(((1024,), F32), ((3,), torch.int64))
+    assert (a.shape, b.shape) == ((1024,), (3,))
+    a.fill_(1.5)
+    assert torch.all(a == 1.5)
+    assert a.data_ptr() != small.data_ptr()
+    (again,) = manager.get_simultaneous(((1024,), F32))
+    assert again.data_ptr() != a.data_ptr()  # never cached: a new one-off each time
+    assert capacities(manager) == [256]
+    assert manager.stats().lock_violations == 2
+    assert reported == [(0, 0, 4096 + 256), (0, 0, 4096)]
+    (fits,) = manager.get_simultaneous(((64,), torch.uint8))
+    assert fits.data_ptr() == small.data_ptr()
+
+
+def test_raise_policy_is_the_default():
+    manager = WorkspaceManager("cpu", 1)
+    manager.lock()
+    with pytest.raises(WorkspaceLockedError):
+        manager.get_simultaneous(((4,), F32))

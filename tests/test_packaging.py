@@ -40,9 +40,9 @@ def test_manager_names_load_lazily_from_wsd():
 def test_public_surface_is_pinned():
     """A change to what `wsd` exports must be deliberate: update this list with it."""
     assert wsd.__all__ == sorted([
-        "ConfigError", "GrowthPolicy", "LockViolation", "ManagerStats", "PersistentStats",
+        "ConfigError", "GrowthPolicy", "LockViolation", "LockedGrowthPolicy", "ManagerStats", "PersistentStats",
         "SlotOutOfRangeError", "SlotStats", "WorkspaceCaptureError", "WorkspaceConfig",
-        "WorkspaceError", "WorkspaceLimitError", "WorkspaceLockedError", "WorkspaceManager",
+        "WorkspaceError", "WorkspaceLimitError", "WorkspaceLockHeldError", "WorkspaceLockedError", "WorkspaceManager",
         "WorkspaceNotInitializedError", "WsdConfig", "WsdError", "__version__",
         "current_lane", "current_ubatch", "current_workspace_manager", "init_workspace_manager",
         "is_workspace_manager_initialized", "load_config", "lock_workspace",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from wsd.config import GrowthPolicy, WorkspaceConfig, WsdConfig, load_config
+from wsd.config import GrowthPolicy, LockedGrowthPolicy, WorkspaceConfig, WsdConfig, load_config
 from wsd.errors import (
     ConfigError,
     SlotOutOfRangeError,
@@ -18,6 +18,7 @@ from wsd.errors import (
     WorkspaceError,
     WorkspaceLimitError,
     WorkspaceLockedError,
+    WorkspaceLockHeldError,
     WorkspaceNotInitializedError,
     WsdError,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "ConfigError",
     "GrowthPolicy",
     "LockViolation",
+    "LockedGrowthPolicy",
     "ManagerStats",
     "PersistentStats",
     "SlotOutOfRangeError",
@@ -75,6 +77,7 @@ __all__ = [
     "WorkspaceConfig",
     "WorkspaceError",
     "WorkspaceLimitError",
+    "WorkspaceLockHeldError",
     "WorkspaceLockedError",
     "WorkspaceManager",
     "WorkspaceNotInitializedError",

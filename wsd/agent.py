@@ -80,9 +80,9 @@ class _ManagerBackend:
     def apply(self, action: str, args: dict[str, Any]) -> None:
         manager = self.manager
         if action == "lock":
-            manager.lock()
+            manager.operator_lock()
         elif action == "unlock":
-            manager.unlock()
+            manager.operator_unlock()  # refused while the engine's own lock pins the buffers
         elif action == "set_ubatches":
             manager.set_num_ubatches(args["n"])
         elif action == "reserve":

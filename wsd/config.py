@@ -41,6 +41,7 @@ __all__ = [
     "CoordinatorConfig",
     "CoordinatorMode",
     "GrowthPolicy",
+    "LockedGrowthPolicy",
     "WorkerConfig",
     "WorkloadConfig",
     "WorkloadDtype",
@@ -88,6 +89,16 @@ class GrowthPolicy(enum.Enum):
     """To the requested total rounded up to ``granularity`` bytes."""
 
 
+class LockedGrowthPolicy(enum.Enum):
+    """What a locked slot does with a request it cannot serve without growing."""
+
+    RAISE = "raise"
+    """Refuse it with ``WorkspaceLockedError`` (an ``AssertionError``), as vLLM does."""
+    FALLBACK = "fallback"
+    """Serve it from a one-off buffer outside the slot, counted and reported as a
+    lock violation, so the engine keeps serving. Never during CUDA-graph capture."""
+
+
 def _check_range(name: str, value: int, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -123,6 +134,9 @@ class WorkspaceConfig:
     """Rounding of ``granular`` growth, in bytes: a multiple of ``alignment``."""
     max_slot_bytes: int | None = _size_field(None)
     """Largest buffer one slot may grow to; a larger request is refused. None: no limit."""
+    on_locked_growth: LockedGrowthPolicy = LockedGrowthPolicy.RAISE
+    """``"raise"`` (vLLM's: the request fails) or ``"fallback"`` (a one-off buffer
+    serves it, and the violation is counted and reported)."""
 
     def __post_init__(self) -> None:
         _check_range("num_ubatches", self.num_ubatches, 1, MAX_UBATCHES)
@@ -139,6 +153,7 @@ class WorkspaceConfig:
             )
         if self.max_slot_bytes is not None:
             _check_range("max_slot_bytes", self.max_slot_bytes, 0, 2**50)
+        _coerce_enum(self, "on_locked_growth", LockedGrowthPolicy)
 
 
 def _check_positive(name: str, value: float, high: float = 86400.0) -> None:

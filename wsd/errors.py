@@ -16,6 +16,7 @@ __all__ = [
     "WorkspaceCaptureError",
     "WorkspaceError",
     "WorkspaceLimitError",
+    "WorkspaceLockHeldError",
     "WorkspaceLockedError",
     "WorkspaceNotInitializedError",
     "WsdError",
@@ -54,22 +55,30 @@ class WorkspaceError(WsdError):
     """Base class of the per-rank workspace manager's errors."""
 
 
-class WorkspaceNotInitializedError(WorkspaceError, RuntimeError):
-    """No process-wide manager yet: call ``init_workspace_manager`` first."""
+class WorkspaceNotInitializedError(WorkspaceError, AssertionError, RuntimeError):
+    """No process-wide manager yet: call ``init_workspace_manager`` first.
+
+    An ``AssertionError``, as vLLM's ``current_workspace_manager`` raises (and a
+    ``RuntimeError``, as wsd raised before).
+    """
 
 
-class SlotOutOfRangeError(WorkspaceError, IndexError):
+class SlotOutOfRangeError(WorkspaceError, RuntimeError, IndexError):
     """A ubatch or lane id outside the configured count.
 
     The engine selected a slot the manager was not sized for: configure
-    ``num_ubatches``/``num_lanes`` to cover it, or fix the id.
+    ``num_ubatches``/``num_lanes`` to cover it, or fix the id. A
+    ``RuntimeError`` whose message starts as vLLM's ("Workspace lane 2 is not
+    configured; manager has 2 lane(s).").
     """
 
     def __init__(self, kind: str, value: object, count: int) -> None:
         self.kind = kind
         self.value = value
         self.count = count
+        plural = "lane(s)" if kind == "lane" else "ubatch(es)"
         super().__init__(
+            f"Workspace {kind} {value!r} is not configured; manager has {count} {plural}. "
             f"{kind} id {value!r} is out of range: the workspace is configured "
             f"with {'num_ubatches' if kind == 'ubatch' else 'num_lanes'}={count}, "
             f"so valid ids are 0..{count - 1}"
@@ -93,19 +102,41 @@ class WorkspaceLockedError(WorkspaceError, AssertionError):
         requested: int,
         capacity: int,
         what: str = "allocation",
+        persistent_key: object = None,
     ) -> None:
         self.caller = caller
         self.ubatch = ubatch
         self.lane = lane
         self.requested = requested
         self.capacity = capacity
-        super().__init__(
-            f"Workspace is locked but {what} from '{caller}' requires "
-            f"{requested / _MiB:.2f} MB, current size is {capacity / _MiB:.2f} MB "
-            f"(slot ubatch={ubatch} lane={lane}: requested {requested} bytes, "
-            f"capacity {capacity} bytes). Workspace growth is not allowed after "
-            f"locking: warm up with the largest request, or reserve it, before lock()."
-        )
+        if persistent_key is not None:
+            # vLLM's phrase first: its callers and tests match on it.
+            message = (
+                f"Workspace is locked but {persistent_key!r} was not allocated during warmup "
+                f"for the current ubatch and lane ({what} asked from '{caller}', slot "
+                f"ubatch={ubatch} lane={lane}, {requested} bytes). Create every persistent "
+                f"buffer and resource in every slot during warm-up, before lock()."
+            )
+        else:
+            message = (
+                f"Workspace is locked but {what} from '{caller}' requires "
+                f"{requested / _MiB:.2f} MB, current size is {capacity / _MiB:.2f} MB "
+                f"(slot ubatch={ubatch} lane={lane}: requested {requested} bytes, "
+                f"capacity {capacity} bytes). Workspace growth is not allowed after "
+                f"locking: warm up with the largest request, or reserve it, before lock()."
+            )
+        super().__init__(message)
+
+
+class WorkspaceLockHeldError(WorkspaceError, RuntimeError):
+    """An operation that would move or drop buffers was refused because of a lock.
+
+    Not a lock violation (no kernel asked for memory): an operator asked for
+    ``trim`` while locked, or for ``unlock``, ``trim``, ``reserve`` or
+    ``equalize`` while the engine holds its own lock (vLLM takes it after
+    CUDA-graph capture; buffers under captured graphs must never move). Unlock
+    first, or, for the engine's lock, leave the buffers as they are.
+    """
 
 
 class WorkspaceCaptureError(WorkspaceError, RuntimeError):

@@ -16,17 +16,21 @@ agent) may call ``stats()`` at any time: it only reads.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from contextlib import AbstractContextManager
 from math import prod
 from typing import Any
 
 import torch
 
 from wsd.config import (
+    MAX_LANES,
     GrowthPolicy,
+    LockedGrowthPolicy,
     WorkspaceConfig,
     WsdConfig,
     load_config,
@@ -36,6 +40,7 @@ from wsd.errors import (
     WorkspaceCaptureError,
     WorkspaceLimitError,
     WorkspaceLockedError,
+    WorkspaceLockHeldError,
     WorkspaceNotInitializedError,
 )
 from wsd.slots import (
@@ -45,6 +50,7 @@ from wsd.slots import (
     caller_outside,
     current_lane,
     current_ubatch,
+    key_text,
     tensor_bytes,
     use_lane,
     use_ubatch,
@@ -78,10 +84,17 @@ _VIEW_CACHE_LIMIT = 256
 class WorkspaceManager:
     """Per-rank scratch buffers, one per (ubatch, lane) slot, vLLM-compatible.
 
-    ``num_ubatches`` and ``num_lanes`` of None mean 1. The current ubatch comes
-    from ``use_ubatch`` or from ``ubatch_id``, a callable the engine passes
-    (vLLM's ``dbo_current_ubatch_id``); the lane from ``use_lane``. Nothing is
-    allocated at construction.
+    The first four parameters are vLLM's, positional as vLLM passes them:
+    ``num_ubatches`` of None means 1; ``alloc_context`` makes the context every
+    scratch buffer is allocated in (vLLM's sleep-mode memory pool). The current
+    ubatch comes from ``use_ubatch`` or from ``ubatch_id``, a callable the
+    engine passes (vLLM's ``dbo_current_ubatch_id``); the lane from ``use_lane``
+    or from ``lane_id``. Nothing is allocated at construction.
+
+    ``pin_on_lock``: the engine's own ``lock()`` pins the buffers (vLLM locks
+    after CUDA-graph capture, and captured graphs point into them): an
+    operator may then not unlock, trim, reserve or equalize. ``min_ubatches``:
+    the fewest ubatches ``set_num_ubatches`` may leave (the engine's own count).
     """
 
     def __init__(
@@ -89,13 +102,23 @@ class WorkspaceManager:
         device: torch.device | str,
         num_ubatches: int | None = None,
         num_lanes: int | None = 1,
+        alloc_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
         *,
         alignment: int = 256,
         growth: GrowthPolicy | str = GrowthPolicy.EXACT,
         granularity: int = 2 * 1024 * 1024,
         max_slot_bytes: int | None = None,
+        on_locked_growth: LockedGrowthPolicy | str = LockedGrowthPolicy.RAISE,
         ubatch_id: Callable[[], int] | None = None,
+        lane_id: Callable[[], int] | None = None,
+        pin_on_lock: bool = False,
+        min_ubatches: int = 1,
     ) -> None:
+        if isinstance(num_lanes, int) and not isinstance(num_lanes, bool) and num_lanes < 1:
+            raise ValueError(  # vLLM's words first
+                f"num_lanes must be at least one, got {num_lanes} "
+                f"(num_lanes must be between 1 and {MAX_LANES})"
+            )
         self._config = WorkspaceConfig(
             num_ubatches=1 if num_ubatches is None else num_ubatches,
             num_lanes=1 if num_lanes is None else num_lanes,
@@ -103,18 +126,25 @@ class WorkspaceManager:
             growth=growth,
             granularity=granularity,
             max_slot_bytes=max_slot_bytes,
+            on_locked_growth=on_locked_growth,
         )
         self._device = torch.device(device)
+        self._alloc_context = alloc_context
         self._num_ubatches = self._config.num_ubatches
         self._num_lanes = self._config.num_lanes
         self._ubatch_id = UBATCH_ID.get if ubatch_id is None else ubatch_id
+        self._lane_id = LANE_ID.get if lane_id is None else lane_id
+        self._fallback = self._config.on_locked_growth is LockedGrowthPolicy.FALLBACK
         self._locked = False
+        self._pin_on_lock = pin_on_lock
+        self._pinned = False
+        self._min_ubatches = min_ubatches
         self._slots = [
             Slot(u, lane) for u in range(self._num_ubatches) for lane in range(self._num_lanes)
         ]
         # How each persistent key was first created, so that slots added while
-        # locked can be given theirs up front: key -> (kind, args).
-        self._persistent_specs: dict[str, tuple[str, Any]] = {}
+        # locked can be given theirs up front: (kind, key) -> args.
+        self._persistent_specs: dict[tuple[str, Hashable], Any] = {}
         self._violation_listeners: list[ViolationListener] = []
 
     @classmethod
@@ -141,6 +171,7 @@ class WorkspaceManager:
             growth=config.growth,
             granularity=config.granularity,
             max_slot_bytes=config.max_slot_bytes,
+            on_locked_growth=config.on_locked_growth,
             ubatch_id=ubatch_id,
         )
 
@@ -163,6 +194,26 @@ class WorkspaceManager:
         """The configuration in force (``num_ubatches`` follows ``set_num_ubatches``)."""
         return self._config
 
+    @property
+    def pinned(self) -> bool:
+        """True while the engine's own lock holds (``pin_on_lock``): no buffer may move."""
+        return self._pinned
+
+    @property
+    def _current_workspaces(self) -> list[torch.Tensor | None]:
+        """Each slot's scratch buffer (None until grown), in slot order: vLLM's attribute, read-only."""
+        return [slot.buffer for slot in self._slots]
+
+    @property
+    def _persistent_resources(self) -> list[dict[Hashable, Any]]:
+        """Each slot's persistent objects keyed as vLLM keys them (tensors under
+        ``(torch.Tensor, key)``): vLLM's attribute, as a read-only copy."""
+        return [
+            {((torch.Tensor, key) if kind == "tensor" else key): obj
+             for (kind, key), (obj, _) in slot.persistent.items()}
+            for slot in self._slots
+        ]
+
     def __repr__(self) -> str:
         return (
             f"WorkspaceManager(device={str(self._device)!r}, num_ubatches={self._num_ubatches}, "
@@ -173,7 +224,7 @@ class WorkspaceManager:
 
     def _current_slot(self) -> Slot:
         ubatch = self._ubatch_id()
-        lane = LANE_ID.get()
+        lane = self._lane_id()
         try:
             if 0 <= ubatch < self._num_ubatches and 0 <= lane < self._num_lanes:
                 return self._slots[ubatch * self._num_lanes + lane]
@@ -237,6 +288,17 @@ class WorkspaceManager:
         if bound is not None:
             return bound
         if total > slot.capacity:
+            if self._locked and self._fallback and not self._capturing():
+                slot.peak = max(slot.peak, total)
+                self._refuse_locked(slot, total, "allocation")  # counted and reported
+                # A one-off buffer, never cached: the slot keeps its size, and
+                # the next request that does not fit is counted again.
+                with self._alloc_context():
+                    buffer = torch.empty(total, dtype=torch.uint8, device=self._device)
+                return tuple(
+                    buffer[offset : offset + nbytes].view(dtype).reshape(shape)
+                    for (shape, dtype), nbytes, offset in zip(key, sizes, offsets)
+                )
             try:
                 self._grow(slot, total)
             finally:
@@ -263,7 +325,9 @@ class WorkspaceManager:
 
     # -- growth -----------------------------------------------------------
 
-    def _refuse_locked(self, slot: Slot, requested: int, what: str) -> WorkspaceLockedError:
+    def _refuse_locked(
+        self, slot: Slot, requested: int, what: str, persistent_key: Hashable = None
+    ) -> WorkspaceLockedError:
         caller = caller_outside()
         violation = LockViolation(
             caller=caller, requested=requested, capacity=slot.capacity, time=time.time()
@@ -278,6 +342,7 @@ class WorkspaceManager:
         return WorkspaceLockedError(
             caller=caller, ubatch=slot.ubatch, lane=slot.lane,
             requested=requested, capacity=slot.capacity, what=what,
+            persistent_key=persistent_key,
         )
 
     def _target_size(self, required: int) -> int:
@@ -297,8 +362,11 @@ class WorkspaceManager:
             raise self._refuse_locked(slot, required, what)
         self._allocate(slot, self._target_size(required))
 
+    def _capturing(self) -> bool:
+        return self._device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
     def _allocate(self, slot: Slot, size: int) -> None:
-        if self._device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self._capturing():
             raise WorkspaceCaptureError(
                 f"workspace slot ubatch={slot.ubatch} lane={slot.lane} must grow from "
                 f"{slot.capacity} to {size} bytes during CUDA graph capture; warm up "
@@ -312,7 +380,8 @@ class WorkspaceManager:
         slot.release_buffer()
         self._empty_cache()
         try:
-            slot.buffer = torch.empty(size, dtype=torch.uint8, device=self._device)
+            with self._alloc_context():  # vLLM's sleep-mode pool, where it gives one
+                slot.buffer = torch.empty(size, dtype=torch.uint8, device=self._device)
         except BaseException:
             slot.capacity = 0  # no buffer now (out of memory): the next request grows afresh
             raise
@@ -331,7 +400,7 @@ class WorkspaceManager:
 
     def get_persistent(
         self,
-        key: str,
+        key: Hashable,
         shape: Sequence[int],
         dtype: torch.dtype,
         *,
@@ -340,60 +409,80 @@ class WorkspaceManager:
         """A tensor kept for the life of the current slot, created on first use.
 
         Asking again with another shape or dtype is a ValueError; creating one
-        while locked is refused.
+        while locked is refused. Tensor keys never collide with resource keys.
         """
         slot = self._current_slot()
         shape = tuple(int(d) for d in shape)
-        entry = slot.persistent.get(key)
+        entry = slot.persistent.get(("tensor", key))
         if entry is not None:
-            kind, tensor, _ = entry
-            if kind != "tensor":
-                raise ValueError(f"persistent key {key!r} holds a resource, not a tensor")
+            tensor = entry[0]
             if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-                raise ValueError(
-                    f"persistent buffer {key!r} exists with shape {tuple(tensor.shape)} "
-                    f"and dtype {tensor.dtype}, requested shape {shape} and dtype {dtype}"
+                raise ValueError(  # vLLM's words, which its callers match on
+                    f"Persistent workspace {key!r} has shape={tuple(tensor.shape)}, "
+                    f"dtype={tensor.dtype}; requested shape={shape}, dtype={dtype}."
                 )
             return tensor
         if self._locked:
             raise self._refuse_locked(
-                slot, prod(shape) * dtype.itemsize, f"persistent buffer {key!r}"
+                slot, prod(shape) * dtype.itemsize, f"persistent buffer {key!r}", key
             )
-        self._persistent_specs.setdefault(key, ("tensor", (shape, dtype, zero_init)))
-        return self._create_persistent(slot, key, "tensor", (shape, dtype, zero_init))
+        args = (shape, dtype, zero_init)
+        self._persistent_specs.setdefault(("tensor", key), args)
+        return self._create_persistent(slot, "tensor", key, args)
 
-    def get_persistent_resource(self, key: str, factory: Callable[[], Any]) -> Any:
+    def get_persistent_resource(self, key: Hashable, factory: Callable[[], Any]) -> Any:
         """An object made once per slot by ``factory()``; refused once locked."""
         slot = self._current_slot()
-        entry = slot.persistent.get(key)
+        entry = slot.persistent.get(("resource", key))
         if entry is not None:
-            if entry[0] != "resource":
-                raise ValueError(f"persistent key {key!r} holds a tensor, not a resource")
-            return entry[1]
+            return entry[0]
         if self._locked:
-            raise self._refuse_locked(slot, 0, f"persistent resource {key!r}")
-        self._persistent_specs.setdefault(key, ("resource", factory))
-        return self._create_persistent(slot, key, "resource", factory)
+            raise self._refuse_locked(slot, 0, f"persistent resource {key!r}", key)
+        self._persistent_specs.setdefault(("resource", key), factory)
+        return self._create_persistent(slot, "resource", key, factory)
 
-    def _create_persistent(self, slot: Slot, key: str, kind: str, args: Any) -> Any:
+    def _create_persistent(self, slot: Slot, kind: str, key: Hashable, args: Any) -> Any:
         if kind == "tensor":
             shape, dtype, zero_init = args
             make = torch.zeros if zero_init else torch.empty
             obj = make(shape, dtype=dtype, device=self._device)
         else:
             obj = args()
-        slot.persistent[key] = (kind, obj, tensor_bytes(obj))
+        slot.persistent[(kind, key)] = (obj, tensor_bytes(obj))
         return obj
 
     # -- lock and reconfiguration ---------------------------------------------
 
     def lock(self) -> None:
-        """From now on no buffer grows and nothing new is created."""
+        """From now on no buffer grows and nothing new is created (the engine's call).
+
+        With ``pin_on_lock`` it also pins the buffers until the engine unlocks.
+        """
         self._locked = True
+        if self._pin_on_lock:
+            self._pinned = True
 
     def unlock(self) -> None:
-        """Allow growth again (vLLM uses this for elastic EP rescaling)."""
+        """Allow growth again (the engine's call: vLLM's elastic EP rescaling)."""
         self._locked = False
+        self._pinned = False
+
+    def operator_lock(self) -> None:
+        """Lock on an operator's command: like ``lock()``, but never pins."""
+        self._locked = True
+
+    def operator_unlock(self) -> None:
+        """Unlock on an operator's command; refused while the engine's lock pins the buffers."""
+        self._refuse_pinned("unlock")
+        self._locked = False
+
+    def _refuse_pinned(self, what: str) -> None:
+        if self._pinned:
+            raise WorkspaceLockHeldError(
+                f"{what} refused: the engine locked this workspace itself (vLLM does after "
+                f"CUDA-graph capture), and buffers under captured graphs must never move; "
+                f"it stays as it is until the engine unlocks it"
+            )
 
     def is_locked(self) -> bool:
         return self._locked
@@ -407,6 +496,11 @@ class WorkspaceManager:
         execution on them cannot fail.
         """
         config = WorkspaceConfig(**{**self._config.__dict__, "num_ubatches": num_ubatches})
+        if num_ubatches < self._min_ubatches:
+            raise ValueError(
+                f"set_num_ubatches({num_ubatches}) refused: the engine runs "
+                f"{self._min_ubatches} ubatch(es) and would index the slots removed"
+            )
         lanes = self._num_lanes
         slots = self._slots[: num_ubatches * lanes]
         added = [
@@ -419,8 +513,8 @@ class WorkspaceManager:
             for slot in added:
                 if largest:
                     self._allocate(slot, largest)
-                for key, (kind, args) in self._persistent_specs.items():
-                    self._create_persistent(slot, key, kind, args)
+                for (kind, key), args in self._persistent_specs.items():
+                    self._create_persistent(slot, kind, key, args)
         # One assignment, so a concurrent stats() sees the old or the new list.
         self._slots = slots + added
         self._num_ubatches = num_ubatches
@@ -434,6 +528,7 @@ class WorkspaceManager:
         """Grow every slot to at least ``nbytes`` (unlocked only)."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"reserve size must be a non-negative integer, got {nbytes!r}")
+        self._refuse_pinned("reserve")
         if self._locked:
             raise self._refuse_locked(self._current_slot(), nbytes, "reserve")
         for slot in self._slots:
@@ -442,6 +537,7 @@ class WorkspaceManager:
 
     def equalize(self) -> None:
         """Grow every slot to the largest one, so no sibling slot is undersized."""
+        self._refuse_pinned("equalize")
         largest = max((s.capacity for s in self._slots), default=0)
         for slot in self._slots:
             if slot.capacity < largest:
@@ -452,10 +548,12 @@ class WorkspaceManager:
     def trim(self) -> None:
         """Release every scratch buffer (unlocked only); the next request regrows.
 
-        Persistent buffers and resources stay.
+        Persistent buffers and resources stay. Refused while locked: an
+        operator's mistake, not a lock violation (no kernel asked for memory).
         """
+        self._refuse_pinned("trim")
         if self._locked:
-            raise self._refuse_locked(self._current_slot(), 0, "trim")
+            raise WorkspaceLockHeldError("trim refused: the workspace is locked; unlock it first")
         for slot in self._slots:
             slot.drop_buffer()
         self._empty_cache()
@@ -485,8 +583,8 @@ class WorkspaceManager:
                     lock_violations=s.violations,
                     last_violation=s.last_violation,
                     persistent=tuple(
-                        PersistentStats(key=k, kind=kind, nbytes=n)
-                        for k, (kind, _, n) in list(s.persistent.items())
+                        PersistentStats(key=key_text(key), kind=kind, nbytes=n)
+                        for (kind, key), (_, n) in list(s.persistent.items())
                     ),
                 )
                 for s in slots
@@ -503,6 +601,7 @@ def init_workspace_manager(
     device: torch.device | str,
     num_ubatches: int | None = None,
     num_lanes: int | None = 1,
+    alloc_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     **options: Any,
 ) -> WorkspaceManager:
     """Create the process-wide manager (replacing any earlier one) and return it."""
@@ -512,7 +611,7 @@ def init_workspace_manager(
             "WorkspaceManager already initialized on device %s, reinitializing on device %s",
             _manager.device, device,
         )
-    _manager = WorkspaceManager(device, num_ubatches, num_lanes, **options)
+    _manager = WorkspaceManager(device, num_ubatches, num_lanes, alloc_context, **options)
     return _manager
 
 
@@ -524,8 +623,8 @@ def current_workspace_manager() -> WorkspaceManager:
     """The process-wide manager; WorkspaceNotInitializedError if there is none."""
     if _manager is None:
         raise WorkspaceNotInitializedError(
-            "WorkspaceManager not initialized: call init_workspace_manager() with a "
-            "device before using workspace functions"
+            "WorkspaceManager not initialized. Call init_workspace_manager() with a "
+            "device before using workspace functions."
         )
     return _manager
 

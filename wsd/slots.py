@@ -11,22 +11,24 @@ import contextlib
 import contextvars
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import torch
 
 from wsd.stats import LockViolation
 
-__all__ = ["Slot", "caller_outside", "current_lane", "current_ubatch", "use_lane", "use_ubatch"]
+__all__ = ["Slot", "caller_outside", "current_lane", "current_ubatch", "key_text", "use_lane",
+           "use_ubatch"]
 
 UBATCH_ID: contextvars.ContextVar[int] = contextvars.ContextVar("wsd_ubatch", default=0)
 LANE_ID: contextvars.ContextVar[int] = contextvars.ContextVar("wsd_lane", default=0)
 
-# Frames in these files are the manager's own; the caller is the first outside.
+# Frames in these files are the manager's own; the caller is the first outside
+# (for vLLM, the kernel that asked, not the drop-in module it called through).
 _OWN_FILES = frozenset(
-    os.path.normcase(os.path.join(os.path.dirname(os.path.abspath(__file__)), name))
-    for name in ("manager.py", "slots.py")
+    os.path.normcase(os.path.join(os.path.dirname(os.path.abspath(__file__)), *name))
+    for name in (("manager.py",), ("slots.py",), ("integrations", "vllm", "workspace.py"))
 )
 
 
@@ -76,6 +78,17 @@ def caller_outside() -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno}:{frame.f_code.co_name}"
 
 
+# Longest text a persistent key is shown as in stats: keys come from the engine
+# and travel in every snapshot, so their cost stays bounded.
+_KEY_TEXT_LIMIT = 200
+
+
+def key_text(key: Hashable) -> str:
+    """A persistent key as stats show it: itself if text, else its repr, bounded."""
+    text = key if isinstance(key, str) else repr(key)
+    return text if len(text) <= _KEY_TEXT_LIMIT else text[: _KEY_TEXT_LIMIT - 3] + "..."
+
+
 def tensor_bytes(obj: Any) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
@@ -115,8 +128,9 @@ class Slot:
         self.resizes = 0
         self.violations = 0
         self.last_violation: LockViolation | None = None
-        # key -> (kind, object, bytes)
-        self.persistent: dict[str, tuple[str, Any, int]] = {}
+        # (kind, key) -> (object, bytes); kind "tensor" or "resource", so that
+        # tensors and resources never share a key, as in vLLM.
+        self.persistent: dict[tuple[str, Hashable], tuple[Any, int]] = {}
 
     def release_buffer(self) -> None:
         """Free the buffer but leave ``capacity`` as it was (a resize sets it next)."""

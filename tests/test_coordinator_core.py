@@ -309,6 +309,96 @@ def test_pulses_to_live_agents_every_interval(h):
     assert len(to_agents(h.advance(0.5), Op.PULSE)) == 4
 
 
+# -- goodbye: a clean shutdown ------------------------------------------------
+
+
+def goodbye(h: Harness, rank: int, *, peer: bytes | None = None, step: int = 0) -> list[Sent]:
+    return h.agent(peer or peer_of(rank), Op.GOODBYE, {"rank": rank, "step": step})
+
+
+def test_goodbye_marks_the_rank_stopped_and_silence_never_makes_it_lost(h):
+    """Without GOODBYE a cleanly stopped worker would read as crashed: ``lost`` a
+    heartbeat timeout later. Stopped, it must stay stopped however long it is silent,
+    be shown so in ranks, status and missing, and be live again when it registers."""
+    h.register(0)
+    h.register(1)
+    h.advance(2)
+    stopped_wall = h.wall.now
+    assert goodbye(h, 0, step=42) == []  # no answer: the agent is closing its socket
+    info = h.core.registry.ranks[0]
+    assert info.state is RankState.STOPPED and info.stopped_at == stopped_wall and info.step == 42
+    [event] = h.events("stopped")
+    assert (event["rank"], event["tp_group"], event["last_step"], event["time"]) == (0, 0, 42, stopped_wall)
+    h.heartbeat(1)
+    for _ in range(5):  # 20 s: four heartbeat timeouts, rank 1 kept alive
+        h.advance(4)
+        h.heartbeat(1)
+    assert info.state is RankState.STOPPED and h.events("lost") == []
+    [rank0] = [r for r in h.ok(Op.RANKS)["ranks"] if r["rank"] == 0]
+    assert rank0["state"] == "stopped" and rank0["stopped_at"] == stopped_wall and rank0["lost_at"] is None
+    assert h.core.registry.missing()[0] == "stopped (said goodbye at 2023-11-14T22:13:22Z, last step 42)"
+    status = h.ok(Op.STATUS)
+    assert status["ranks"] == {"live": 1, "lost": 0, "stopped": 1, "never_registered": 2}
+    assert status["groups"][0]["live"] == [1]
+    assert status["groups"][0]["missing"] == [{"rank": 0, "reason": h.core.registry.missing()[0]}]
+    assert peer_of(0) not in to_agents(h.advance(1), Op.PULSE)  # no pulses to a stopped rank
+    # A new process of rank 0 is live again, and logged as back.
+    assert ops(h.register(0, peer=peer_of(0, 1))) == [Op.REGISTERED]
+    assert h.core.registry.ranks[0].state is RankState.LIVE
+    assert [e["rank"] for e in h.events("back")] == [0]
+
+
+def test_goodbye_from_anyone_but_the_ranks_own_connection_is_ignored(h):
+    """An impostor (or a rank's superseded old process) must not be able to stop a
+    live rank by naming it: only the connection that registered the rank may."""
+    h.register(0, peer=peer_of(0, 0))
+    h.register(1)
+    assert goodbye(h, 0, peer=b"stranger") == []
+    assert goodbye(h, 0, peer=peer_of(1)) == []  # a registered peer naming another rank
+    h.register(0, peer=peer_of(0, 1))  # rank 0 restarted: the old connection is superseded
+    assert goodbye(h, 0, peer=peer_of(0, 0)) == []  # the old process's late goodbye
+    assert [i.state for i in h.core.registry.ranks.values()] == [RankState.LIVE, RankState.LIVE]
+    assert h.events("stopped") == []
+    assert h.ok(Op.STATUS)["ranks"]["stopped"] == 0
+
+
+def test_rank_stopping_while_command_pending_completes_it_without_calling_it_lost(h):
+    h.register_all()
+    h.client(Op.LOCK)
+    for rank in (0, 1, 2):
+        h.ack(rank, 1, step=5)
+    h.advance(1)
+    reply = only_reply(goodbye(h, 3, step=9))  # answered at once, not at the command timeout
+    result = reply.result
+    assert result["lost"] == [] and result["pending"] == [] and result["complete"] is False
+    assert [m["rank"] for m in result["missing"]] == [3]
+    assert result["missing"][0]["reason"].startswith("stopped (said goodbye at ")
+
+
+def test_rank_stopping_while_asked_for_stats(h):
+    h.register_all()
+    request, _ = stats_round(h, {"group": 1, "timeout": 30.0})
+    stats_reply(h, 2, request, snapshot([8]))
+    result = only_reply(goodbye(h, 3)).result
+    assert [r["rank"] for r in result["ranks"]] == [2] and result["complete"] is False
+    [missing] = result["missing"]
+    assert missing["rank"] == 3 and missing["reason"].startswith("stopped (said goodbye at ")
+
+
+def test_a_group_stopped_whole_restarts_from_its_desired_state(h):
+    """As for a group lost whole: its baseline is forgotten, so a fresh process starts
+    from the current seq and the group's desired state, not from an old baseline."""
+    h.register_all([0, 1])
+    h.client(Op.SET_UBATCHES, {"n": 3, "wait": False})
+    h.client(Op.LOCK, {"group": 0, "wait": False})
+    goodbye(h, 0)
+    goodbye(h, 1)
+    sent = h.register(1, peer=peer_of(1, 1))
+    assert to_agents(sent, Op.REGISTERED)[peer_of(1, 1)]["baseline_seq"] == 2
+    assert desired_sent(sent, 1, 1) == {"locked": True, "num_ubatches": 3, "reserve_bytes": None}
+    assert ops(sent) == [Op.REGISTERED]
+
+
 # -- commands --------------------------------------------------------------
 
 
@@ -737,7 +827,7 @@ def test_status(h):
     status = h.ok(Op.STATUS)
     assert status["seq"] == 2 and status["epoch"] == h.core.epoch and status["recovered"] is False
     assert (status["world_size"], status["tp_size"]) == (4, 2)
-    assert status["ranks"] == {"live": 3, "lost": 0, "never_registered": 1}
+    assert status["ranks"] == {"live": 3, "lost": 0, "stopped": 0, "never_registered": 1}
     assert status["desired"]["locked"] is True and status["desired"]["num_ubatches"] is None
     assert status["pending_commands"] == [1, 2]  # unacknowledged, waited for or not
     g0, g1 = status["groups"]

@@ -158,7 +158,7 @@ def test_collector_exports_every_family_with_its_labels_and_values():
     assert by(s, "wsd_group_workspace_bytes", "tp_group") == {"0": 16384}  # group 1: nobody reported
     assert by(s, "wsd_group_skew_bytes", "tp_group") == {"0": 8192}
     assert by(s, "wsd_group_consistent", "tp_group") == {"0": 1, "1": 0}
-    assert by(s, "wsd_ranks", "state") == {"live": 2, "lost": 1, "never_registered": 1}
+    assert by(s, "wsd_ranks", "state") == {"live": 2, "lost": 1, "stopped": 0, "never_registered": 1}
     assert by(s, "wsd_commands_total", "action", "result") == {("lock", "complete"): 1, ("lock", "partial"): 1}
     assert by(s, "wsd_command_duration_seconds_count", "action") == {"lock": 2}
     assert by(s, "wsd_command_duration_seconds_sum", "action") == {"lock": pytest.approx(3.02)}
@@ -410,7 +410,7 @@ def test_scrape_of_a_running_cluster_matches_wsctl_stats(start_coordinator, caps
             s, _ = wait_until(lambda: (m := matches_wsctl(url, endpoint, capsys))
                               and by(m[0], "wsd_rank_up", "rank")["4"] == 0 and m, 10, "rank 4 lost in the scrape")
             assert "4" not in by(s, "wsd_slot_capacity_bytes", "rank")
-            assert by(s, "wsd_ranks", "state") == {"live": 4, "lost": 1, "never_registered": 1}
+            assert by(s, "wsd_ranks", "state") == {"live": 4, "lost": 1, "stopped": 0, "never_registered": 1}
             assert s["wsd_heartbeats_total"][()] > 0
     finally:
         if not left:

@@ -40,6 +40,7 @@ VALID: dict[Op, dict] = {
     Op.ACK: {"rank": 1, "seq": 4, "step": 12, "ok": False, "error": "WorkspaceLockedError: ..."},
     Op.STATS_REPLY: {"rank": 2, "request": 9, "stats": {"slots": []}, "step": 3},
     Op.EVENT: {"rank": 0, "kind": "lock_violation", "detail": {"slot": 1, "caller": "x.py:1:f"}},
+    Op.GOODBYE: {"rank": 3, "step": 120},
     Op.REGISTERED: {"epoch": "abc", "baseline_seq": 0, "heartbeat_interval": 1.0, "heartbeat_timeout": 5.0,
                     "desired": {"locked": True, "num_ubatches": 3, "reserve_bytes": None}},
     Op.PULSE: {"epoch": "abc", "registered": False},
@@ -79,7 +80,7 @@ def test_contract_pins_ops_codes_and_socket_sets():
     assert {str(op) for op in Op} == {
         "ping", "status", "ranks", "stats", "events",
         "lock", "unlock", "set_ubatches", "reserve", "equalize", "trim",
-        "register", "heartbeat", "ack", "stats_reply", "event",
+        "register", "heartbeat", "ack", "stats_reply", "event", "goodbye",
         "registered", "pulse", "command", "stats_request", "rejected",
     }
     assert {str(c) for c in ErrorCode} == {
@@ -89,7 +90,7 @@ def test_contract_pins_ops_codes_and_socket_sets():
     assert p.READ_ONLY_OPS == {Op.PING, Op.STATUS, Op.RANKS, Op.STATS, Op.EVENTS}
     assert p.COMMAND_OPS == {Op.LOCK, Op.UNLOCK, Op.SET_UBATCHES, Op.RESERVE, Op.EQUALIZE, Op.TRIM}
     assert p.CLIENT_OPS == p.READ_ONLY_OPS | p.COMMAND_OPS
-    assert p.AGENT_OPS == {Op.REGISTER, Op.HEARTBEAT, Op.ACK, Op.STATS_REPLY, Op.EVENT}
+    assert p.AGENT_OPS == {Op.REGISTER, Op.HEARTBEAT, Op.ACK, Op.STATS_REPLY, Op.EVENT, Op.GOODBYE}
     assert p.COORDINATOR_OPS == {Op.REGISTERED, Op.PULSE, Op.COMMAND, Op.STATS_REQUEST, Op.REJECTED}
     # The sets partition the ops: each op belongs to exactly one socket direction.
     parts = [p.CLIENT_OPS, p.AGENT_OPS, p.COORDINATOR_OPS]

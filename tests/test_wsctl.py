@@ -101,10 +101,10 @@ def test_status_and_ranks(cluster, capsys):
     ep = coordinator.client_endpoint
     code, doc = run_json(capsys, ep, "status")
     assert code == 0
-    assert doc["world_size"] == 2 and doc["ranks"] == {"live": 2, "lost": 0, "never_registered": 0}
+    assert doc["world_size"] == 2 and doc["ranks"] == {"live": 2, "lost": 0, "stopped": 0, "never_registered": 0}
     assert [(g["tp_group"], g["live"]) for g in doc["groups"]] == [(0, [0]), (1, [1])]
     code, out, _ = run(capsys, ep, "status")
-    assert code == 0 and "2 live, 0 lost, 0 never registered" in out
+    assert code == 0 and "2 live, 0 lost, 0 stopped, 0 never registered" in out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])]
     assert [r[:3] for r in rows] == [["0", "0", "0"], ["1", "1", "1"]]  # group, ranks, live
 

@@ -63,7 +63,9 @@ class _PendingStats:
     deadline: float
     gathered: StatsRound  # the replies so far, aggregated as they arrive
     lost: set[int] = field(default_factory=set)
-    invalid: dict[int, str] = field(default_factory=dict)
+    # Targets that will not be in the answer for a reason of their own (an invalid
+    # snapshot, a goodbye), and that reason.
+    reasons: dict[int, str] = field(default_factory=dict)
     # Targets that have neither answered nor been lost: done when empty, checked
     # in O(1) per reply.
     owed: set[int] = field(init=False)
@@ -126,6 +128,7 @@ class CoordinatorCore:
             Op.ACK: self._ack,
             Op.STATS_REPLY: self._stats_reply,
             Op.EVENT: self._agent_event,
+            Op.GOODBYE: self._goodbye,
         }
 
     # -- entry points --------------------------------------------------------
@@ -173,9 +176,7 @@ class CoordinatorCore:
         for info in self.registry.expire(now):
             self.events.add(EventKind.LOST, self.wall(), rank=info.rank, tp_group=info.tp_group,
                             last_step=info.step, silent_for=round(now - info.last_seen, 3))
-            out += self._rank_gone(info.rank)
-            if not self.registry.live(info.tp_group):
-                self._baselines.pop(info.tp_group, None)
+            out += self._rank_gone(info.rank, tp_group=info.tp_group)
         for seq, pending in list(self._commands.items()):
             if now >= pending.deadline:
                 out += self._finish_command(seq)
@@ -233,7 +234,7 @@ class CoordinatorCore:
             self._baselines[group] = (baseline, known)
         info.applied_seq = info.held_seq = baseline
         kind: EventKind | None = EventKind.JOINED
-        if old is not None and old.state is RankState.LOST:
+        if old is not None and old.state in (RankState.LOST, RankState.STOPPED):
             kind = EventKind.BACK
         elif old is not None and old.peer == peer:
             kind = None  # the same connection asking again (our answer was late): nothing new
@@ -324,7 +325,7 @@ class CoordinatorCore:
         except ValueError as e:  # a buggy or newer agent: the others' answer must not suffer
             self.dropped_bad_agent_frames += 1
             logger.warning("rank %d sent an invalid stats snapshot: %s", info.rank, e)
-            pending.invalid[info.rank] = f"sent an invalid stats snapshot ({e})"
+            pending.reasons[info.rank] = f"sent an invalid stats snapshot ({e})"
         if not pending.owed:
             return self._finish_stats(body["request"])
         return []
@@ -342,20 +343,42 @@ class CoordinatorCore:
                         agent_kind=body["kind"], **detail)
         return []
 
-    def _rank_gone(self, rank: int) -> list[Out]:
+    def _goodbye(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
+        info = self.registry.stop(peer, body["rank"], body["step"])
+        if info is None:  # not the connection that registered that rank (an impostor, a late frame)
+            return []
+        self.events.add(EventKind.STOPPED, self.wall(), rank=info.rank, tp_group=info.tp_group,
+                        last_step=info.step)
+        return self._rank_gone(info.rank, tp_group=info.tp_group,
+                               why=self.registry.missing(info.tp_group)[info.rank])
+
+    def _rank_gone(self, rank: int, *, tp_group: int, why: str | None = None) -> list[Out]:
+        """A rank is no longer live: lost (``why`` None) or stopped (``why`` says so).
+
+        What waits for it is answered without it: a lost rank is listed as lost, a
+        stopped one as missing with ``why``.
+        """
         out: list[Out] = []
         for seq, pending in list(self._commands.items()):
             if rank in pending.owed:
-                pending.lost.add(rank)
+                if why is None:
+                    pending.lost.add(rank)
+                else:
+                    pending.missing[rank] = why
                 pending.owed.discard(rank)
                 if not pending.owed:
                     out += self._finish_command(seq)
         for request, stats in list(self._stats.items()):
             if rank in stats.owed:
-                stats.lost.add(rank)
+                if why is None:
+                    stats.lost.add(rank)
+                else:
+                    stats.reasons[rank] = why
                 stats.owed.discard(rank)
                 if not stats.owed:
                     out += self._finish_stats(request)
+        if not self.registry.live(tp_group):  # a fresh group starts from the log again
+            self._baselines.pop(tp_group, None)
         return out
 
     # -- clients ----------------------------------------------------------
@@ -460,7 +483,7 @@ class CoordinatorCore:
         pending = self._stats.pop(request)
         missing = self.registry.missing(pending.group)
         for rank in pending.targets - set(pending.gathered.replies):
-            missing[rank] = pending.invalid.get(rank) or (
+            missing[rank] = pending.reasons.get(rank) or (
                 "lost while asked" if rank in pending.lost else "no reply within the stats timeout")
         result = pending.gathered.finish(self._stats_scope(pending.group), missing)  # already encoded
         if pending.route is None:  # the metrics' round: publish it, no one to answer

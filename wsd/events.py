@@ -16,6 +16,7 @@ class EventKind(StrEnum):
     JOINED = "joined"
     LOST = "lost"
     BACK = "back"
+    STOPPED = "stopped"
     SUPERSEDED = "superseded"
     REJECTED = "rejected"
     COMMAND = "command"

@@ -71,6 +71,7 @@ class Op(StrEnum):
     ACK = "ack"
     STATS_REPLY = "stats_reply"
     EVENT = "event"
+    GOODBYE = "goodbye"
     # coordinator -> agent
     REGISTERED = "registered"
     PULSE = "pulse"
@@ -116,7 +117,7 @@ class ProtocolError(WsdError):
 COMMAND_OPS = frozenset({Op.LOCK, Op.UNLOCK, Op.SET_UBATCHES, Op.RESERVE, Op.EQUALIZE, Op.TRIM})
 READ_ONLY_OPS = frozenset({Op.PING, Op.STATUS, Op.RANKS, Op.STATS, Op.EVENTS})
 CLIENT_OPS = COMMAND_OPS | READ_ONLY_OPS
-AGENT_OPS = frozenset({Op.REGISTER, Op.HEARTBEAT, Op.ACK, Op.STATS_REPLY, Op.EVENT})
+AGENT_OPS = frozenset({Op.REGISTER, Op.HEARTBEAT, Op.ACK, Op.STATS_REPLY, Op.EVENT, Op.GOODBYE})
 COORDINATOR_OPS = frozenset({Op.REGISTERED, Op.PULSE, Op.COMMAND, Op.STATS_REQUEST, Op.REJECTED})
 
 _INT_MAX = 2**63 - 1
@@ -222,6 +223,8 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
     Op.ACK: (_RANK, _int("seq", 1), _int("step"), _f("ok", bool), _opt(_f("error", str))),
     Op.STATS_REPLY: (_RANK, _int("request"), _f("stats", dict), _opt(_int("step"), 0)),
     Op.EVENT: (_RANK, _f("kind", str), _opt(_f("detail", dict), {})),
+    # A worker shutting down cleanly: its rank is stopped, not lost. No answer.
+    Op.GOODBYE: (_RANK, _opt(_int("step"), 0)),
     Op.REGISTERED: (_f("epoch", str), _int("baseline_seq"), Field("heartbeat_interval", (float,), low=0.001, high=3600.0),
                     Field("heartbeat_timeout", (float,), low=0.001, high=3600.0),
                     # To a fresh process: its TP group's desired state at baseline_seq

@@ -1,4 +1,4 @@
-"""The coordinator's registry of ranks: who is registered, live or lost, and since when.
+"""The coordinator's registry of ranks: who is registered, live, lost or stopped, and since when.
 
 Plain logic with an injected clock; no sockets.
 """
@@ -19,6 +19,13 @@ __all__ = ["RankInfo", "RankState", "Registry", "RegistrationError"]
 class RankState(StrEnum):
     LIVE = "live"
     LOST = "lost"
+    """Silent for longer than the heartbeat timeout: died, hung or cut off."""
+    STOPPED = "stopped"
+    """Said goodbye: its worker shut down cleanly."""
+
+
+def _utc(wall: float | None) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
 
 
 def _manager_state(state: dict[str, Any]) -> dict[str, Any]:
@@ -57,6 +64,8 @@ class RankInfo:
     """Monotonic time of the last message: for liveness, never shown as it is."""
     lost_at: float | None = None
     """Wall-clock time at which the rank was marked lost."""
+    stopped_at: float | None = None
+    """Wall-clock time at which the rank said goodbye."""
     step: int = 0
     applied_seq: int = 0
     held_seq: int = 0
@@ -81,6 +90,7 @@ class RankInfo:
             "registered_at": self.registered_at,
             "last_seen": wall_now - (now - self.last_seen),
             "lost_at": self.lost_at,
+            "stopped_at": self.stopped_at,
             "locked": self.manager_state.get("locked"),
             "num_ubatches": self.manager_state.get("num_ubatches"),
         }
@@ -177,8 +187,23 @@ class Registry:
             return info
         return None
 
+    def stop(self, peer: bytes, rank: int, step: int) -> RankInfo | None:
+        """Mark ``rank`` stopped on its goodbye; None (nothing changed) unless ``peer`` is
+        the live connection that registered it: no one else can stop a rank."""
+        info = self.by_peer(peer)
+        if info is None or info.rank != rank or info.state is not RankState.LIVE:
+            return None
+        info.state = RankState.STOPPED
+        info.stopped_at = self.wall()
+        info.step = step
+        self._by_peer.pop(peer, None)
+        return info
+
     def expire(self, now: float) -> list[RankInfo]:
-        """Mark lost every live rank silent for longer than the timeout; return them."""
+        """Mark lost every live rank silent for longer than the timeout; return them.
+
+        Only live ranks: a stopped rank is silent because it said goodbye, never lost.
+        """
         if now <= self._expiry_bound:
             return []
         lost = []
@@ -229,15 +254,16 @@ class Registry:
         return list(range(self.world_size // self.tp_size))
 
     def missing(self, group: int | None = None) -> dict[int, str]:
-        """Expected ranks that are not live, with why: ``lost`` or ``never registered``."""
+        """Expected ranks that are not live, with why: ``lost``, ``stopped`` or ``never registered``."""
         out = {}
         for rank in self.expected(group):
             info = self.ranks.get(rank)
             if info is None:
                 out[rank] = "never registered"
             elif info.state is RankState.LOST:
-                when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(info.lost_at))
-                out[rank] = f"lost at {when} (last step {info.step})"
+                out[rank] = f"lost at {_utc(info.lost_at)} (last step {info.step})"
+            elif info.state is RankState.STOPPED:
+                out[rank] = f"stopped (said goodbye at {_utc(info.stopped_at)}, last step {info.step})"
         return out
 
     # -- what clients are shown ----------------------------------------------------
@@ -249,11 +275,11 @@ class Registry:
         return {"ranks": ranks, "never_registered": never}
 
     def counts(self) -> dict[str, int]:
-        """Expected ranks by state: live, lost, never registered."""
+        """Expected ranks by state: live, lost, stopped, never registered."""
         states = [i.state for i in self.ranks.values()]
         never = sum(1 for why in self.missing().values() if why == "never registered")
         return {"live": states.count(RankState.LIVE), "lost": states.count(RankState.LOST),
-                "never_registered": never}
+                "stopped": states.count(RankState.STOPPED), "never_registered": never}
 
     def group_status(self, group: int) -> dict[str, Any]:
         """A TP group as ``status`` shows it: members, live and missing ranks, and what the

@@ -73,7 +73,7 @@ def status(doc: dict[str, Any], endpoint: str) -> str:
         f"started {format_time(doc['started'], date=True)}"
         + ("  (state recovered)" if doc["recovered"] else ""),
         f"{world}{tp}: {counts['live']} live, {counts['lost']} lost, "
-        f"{counts['never_registered']} never registered",
+        f"{counts.get('stopped', 0)} stopped, {counts['never_registered']} never registered",
         f"desired (default): {_desired(doc['desired'])}",
         f"pending commands: {_ints(doc['pending_commands'])}",
     ]

@@ -33,13 +33,15 @@ per line, keys sorted; nothing on stdout when the command fails.
 
 - ``ping``: ``{endpoint, epoch, seq, time, rtt_ms}``.
 - ``status``: ``{epoch, started, recovered, seq, world_size, tp_size, desired,
-  ranks: {live, lost, never_registered}, pending_commands, groups: [{tp_group,
+  ranks: {live, lost, stopped, never_registered}, pending_commands, groups: [{tp_group,
   ranks, live, missing, desired, applied_seq, consistent, locked, num_ubatches}]}``;
   ``desired`` is ``{locked, num_ubatches, reserve_bytes}`` (null: never set).
 - ``ranks``: ``{ranks: [{rank, state, tp_group, host, pid, device, idle, step,
-  applied_seq, registered_at, last_seen, lost_at, locked, num_ubatches}],
-  never_registered: [{rank, reason}]}`` (``registered_at``, ``last_seen`` and
-  ``lost_at`` are wall-clock seconds since the epoch, UTC).
+  applied_seq, registered_at, last_seen, lost_at, stopped_at, locked,
+  num_ubatches}], never_registered: [{rank, reason}]}``; ``state`` is ``live``,
+  ``lost`` (silent past the heartbeat timeout) or ``stopped`` (its worker shut
+  down cleanly); ``registered_at``, ``last_seen``, ``lost_at`` and
+  ``stopped_at`` are wall-clock seconds since the epoch, UTC.
 - ``stats``, and ``watch`` once per round: ``{complete, total_bytes, missing:
   [{rank, reason}], ranks: [{rank, tp_group, step, device, num_ubatches,
   num_lanes, locked, total_bytes, capacity_bytes, lock_violations, slots:
@@ -59,8 +61,8 @@ per line, keys sorted; nothing on stdout when the command fails.
 
 Exit codes: 0 ok; 1 error (the coordinator refused, is unreachable, or a rank
 failed to apply a command); 2 usage; 3 partial (stats incomplete, some ranks
-lost or never registered, or a command with ranks pending, lost or missing);
-130 interrupted (Ctrl-C ends ``watch`` and ``events --follow`` normally).
+lost, stopped or never registered, or a command with ranks pending, lost or
+missing); 130 interrupted (Ctrl-C ends ``watch`` and ``events --follow`` normally).
 Errors are one line on stderr with their code, e.g.
 ``wsctl: conflict: reserve: TP group(s) [0] are locked; unlock first``.
 """
@@ -135,14 +137,16 @@ def _status(client: Client, args: argparse.Namespace, out: Output) -> Exit:
     doc = client.status()
     out.emit(doc, lambda: render.status(doc, client.endpoint))
     counts = doc["ranks"]
-    return Exit.PARTIAL if counts["lost"] or counts["never_registered"] else Exit.OK
+    # A stopped rank is missing as a lost one is (an older coordinator counts no stopped ones).
+    missing = counts["lost"] + counts.get("stopped", 0) + counts["never_registered"]
+    return Exit.PARTIAL if missing else Exit.OK
 
 
 def _ranks(client: Client, args: argparse.Namespace, out: Output) -> Exit:
     doc = client.ranks()
     out.emit(doc, lambda: render.ranks(doc))
-    lost = any(r["state"] != "live" for r in doc["ranks"])
-    return Exit.PARTIAL if lost or doc["never_registered"] else Exit.OK
+    gone = any(r["state"] != "live" for r in doc["ranks"])  # lost or stopped
+    return Exit.PARTIAL if gone or doc["never_registered"] else Exit.OK
 
 
 def _stats(client: Client, args: argparse.Namespace, out: Output) -> Exit:

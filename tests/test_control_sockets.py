@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import msgpack
 import pytest
 import torch
@@ -91,6 +93,55 @@ def test_replacement_process_comes_up_in_the_desired_state(start_coordinator, ag
         assert desired["locked"] is True and desired["num_ubatches"] == 3
         wait_until(lambda: {r["rank"]: (r["locked"], r["num_ubatches"]) for r in client.ranks()["ranks"]}
                    == {0: (True, 3), 1: (True, 3)}, 5, "heartbeats with every rank in the desired state")
+
+
+def rank_states(client: Client) -> dict[int, str]:
+    return {r["rank"]: r["state"] for r in client.ranks()["ranks"]}
+
+
+def test_a_stopped_agent_says_goodbye_and_is_never_lost(start_coordinator, agents):
+    """Without the goodbye a worker that shut down cleanly would read as crashed:
+    ``lost`` one heartbeat timeout (1 s here) after it stopped, with a ``lost`` event.
+    It must be ``stopped`` at once and stay so; ``goodbye=False`` (a worker dying of
+    an error) still leaves the rank to be lost."""
+    coordinator = start_coordinator(world_size=3, tp_size=1)
+    timeout = coordinator.core.config.heartbeat_timeout
+    a0, a1, a2 = (agents(coordinator, rank, 3) for rank in range(3))
+    registered(coordinator, a0, a1, a2)
+    with Client(coordinator.client_endpoint, timeout=5) as client:
+        started = time.monotonic()
+        a1.stop()
+        assert time.monotonic() - started < 2.0, "stop() waited on the goodbye"
+        wait_until(lambda: rank_states(client)[1] == "stopped", timeout / 2, "rank 1 to be shown stopped")
+        # Watched for twice the heartbeat timeout: the silence of a stopped rank is no loss.
+        watch_until = time.monotonic() + 2 * timeout
+        while time.monotonic() < watch_until:
+            assert rank_states(client) == {0: "live", 1: "stopped", 2: "live"}
+            time.sleep(0.05)
+        [rank1] = [r for r in client.ranks()["ranks"] if r["rank"] == 1]
+        assert rank1["stopped_at"] is not None and rank1["lost_at"] is None
+        status = client.status()
+        assert status["ranks"] == {"live": 2, "lost": 0, "stopped": 1, "never_registered": 0}
+        [missing] = status["groups"][1]["missing"]
+        assert missing["rank"] == 1 and missing["reason"].startswith("stopped (said goodbye at ")
+        kinds = [(e["kind"], e.get("rank")) for e in client.events()["events"]]
+        assert ("stopped", 1) in kinds and not [k for k in kinds if k[0] == "lost"]
+
+        a2.stop(goodbye=False)  # as a worker dying of an error: no goodbye, so lost
+        wait_until(lambda: rank_states(client)[2] == "lost", timeout + 5, "rank 2 to be lost")
+        assert rank_states(client)[1] == "stopped"
+
+
+def test_stop_is_bounded_when_the_coordinator_is_gone(start_coordinator, agents):
+    """A goodbye to a coordinator that is not there must neither hang nor fail stop()."""
+    coordinator = start_coordinator()
+    agent = agents(coordinator, 0, 1)
+    registered(coordinator, agent)
+    coordinator.stop(timeout=10)
+    assert agent.registered.is_set()  # it has not noticed yet: it will try to say goodbye
+    started = time.monotonic()
+    agent.stop(timeout=5)
+    assert time.monotonic() - started < 2.0
 
 
 def test_stats_per_rank_and_slot(start_coordinator, agents):

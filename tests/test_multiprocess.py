@@ -58,6 +58,8 @@ def engine(me: Rank, endpoint: str, tp_size: int, first_rank: int = 0, world_siz
     loop_requests = 0
     busy = True
     stop_at: int | None = None
+    # A real engine whose step failed dies without a goodbye: its rank is lost, not stopped.
+    clean = failed = False
 
     def snapshot() -> dict[str, Any]:
         return {"steps": agent.steps, "applied_seq": agent.applied_seq, "applied": list(applied),
@@ -101,14 +103,16 @@ def engine(me: Rank, endpoint: str, tp_size: int, first_rank: int = 0, world_siz
                 # A TP peer died: gloo fails the collective, and a real engine
                 # would die here too (its own collectives fail the same way).
                 me.report("step_failed", step=agent.steps, error=str(e))
+                failed = True
                 break
             applied += [[seq, agent.steps] for seq in done]
             if len(calls) > (changed[-1][1] if changed else 0):
                 changed.append([agent.steps, len(calls)])
             time.sleep(STEP_PAUSE)
         me.report("final", **snapshot())
+        clean = not failed
     finally:
-        agent.stop()
+        agent.stop(goodbye=clean)
 
 
 class Cluster:

@@ -234,7 +234,8 @@ def test_set_ubatches_applies_at_the_same_step_on_both_ranks(cluster):
 
 
 def test_idle_worker_serves_the_manager_and_applies_on_receipt(tmp_path, spawn, start_coordinator):  # noqa: F811
-    """--idle runs no compute (no step boundary), so commands must apply as they arrive."""
+    """--idle runs no compute (no step boundary), so commands must apply as they arrive;
+    SIGTERM ends it cleanly, with a goodbye (without one its rank would be lost)."""
     coordinator = start_coordinator()
     config = write_config(tmp_path / "wsd.toml", {"workspace": {"num_ubatches": 2}})
     proc = spawn(torchrun(1, config, "--idle"), name="torchrun",
@@ -246,11 +247,15 @@ def test_idle_worker_serves_the_manager_and_applies_on_receipt(tmp_path, spawn, 
         rank = stats_rows(client.stats())["ranks"][0]
         assert rank["num_ubatches"] == 4 and [s["capacity_bytes"] for s in rank["slots"]] == [4096] * 4
         assert all(s["requests"] == 0 for s in rank["slots"])  # nothing computed
-    pids = proc.tree()
-    proc.send(signal.SIGTERM)
-    proc.wait(30)
-    wait_gone(pids, 10, "the idle worker")
-    assert proc.count(r"stopped cleanly \(idle\)") == 1, proc.output()
+        pids = proc.tree()
+        proc.send(signal.SIGTERM)
+        proc.wait(30)
+        wait_gone(pids, 10, "the idle worker")
+        assert proc.count(r"stopped cleanly \(idle\)") == 1, proc.output()
+        # Its goodbye reached the coordinator before the process exited: stopped, not lost.
+        [rank] = wait_until(lambda: [r for r in client.ranks()["ranks"] if r["state"] != "live"], 10,
+                            "the rank to leave")
+        assert rank["state"] == "stopped", rank
 
 
 def test_sigterm_to_torchrun_ends_every_process_cleanly(tmp_path, spawn):  # noqa: F811

@@ -219,6 +219,25 @@ def test_exit_3_when_a_rank_is_missing(cluster, capsys):
     assert run(capsys, ep, "ping")[0] == 0  # ping says nothing about ranks
 
 
+def test_a_stopped_rank_is_shown_stopped_and_missing(cluster, capsys):
+    """Fails if a rank whose worker stopped cleanly is not shown ``stopped`` by status and
+    ranks, or does not make them exit 3 as a lost or never registered rank does."""
+    coordinator, (a0, a1) = cluster(2)
+    ep = coordinator.client_endpoint
+    a1.stop()
+    code, doc = wait_until(lambda: (r := run_json(capsys, ep, "status"))[1]["ranks"]["stopped"] == 1 and r,
+                           5, "rank 1 to be stopped")
+    assert code == 3 and doc["ranks"] == {"live": 1, "lost": 0, "stopped": 1, "never_registered": 0}
+    code, out, _ = run(capsys, ep, "status")
+    assert code == 3 and "1 live, 0 lost, 1 stopped, 0 never registered" in out
+    assert "rank 1 (stopped (said goodbye at " in out
+    code, doc = run_json(capsys, ep, "ranks")
+    assert code == 3 and [(r["rank"], r["state"]) for r in doc["ranks"]] == [(0, "live"), (1, "stopped")]
+    assert doc["ranks"][1]["stopped_at"] is not None
+    code, out, _ = run(capsys, ep, "ranks")
+    assert code == 3 and [r.split()[:2] for r in out.splitlines()[1:]] == [["0", "live"], ["1", "stopped"]]
+
+
 def test_exit_1_when_the_coordinator_is_unreachable(capsys):
     """Fails if an unanswered request hangs, exits otherwise than 1, or says nothing clear."""
     with zmq.Context() as ctx:

@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 _OUTBOX_LIMIT = 1000
 # The I/O thread wakes at least this often to notice stop().
 _MAX_POLL = 0.5
+# How long a closed socket may go on delivering the goodbye (ms): a coordinator
+# that is slow or gone must not hold the process's exit up for longer.
+_GOODBYE_LINGER_MS = 500
 
 
 class AgentError(WsdError):
@@ -138,6 +141,7 @@ class Agent:
         self._waker = Waker()
         self._seq_tensor = torch.zeros(1, dtype=torch.int64)
         self._stop = threading.Event()
+        self._say_goodbye = False  # set by stop(), read by the I/O thread as it closes
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
         manager.add_violation_listener(self._on_violation)
@@ -153,7 +157,16 @@ class Agent:
                              f"{self.config.connect_timeout} s")
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 10.0, *, goodbye: bool = True) -> None:
+        """Stop the I/O thread; raises AgentError if it does not end within ``timeout``.
+
+        With ``goodbye`` (a clean shutdown) a registered agent tells the coordinator
+        first, which shows the rank ``stopped`` instead of ``lost``. A worker dying
+        of an error passes False: its rank is then lost, as a crash would be. The
+        goodbye is sent without waiting and delivered for at most half a second,
+        so a coordinator that is gone neither blocks nor fails the stop.
+        """
+        self._say_goodbye = goodbye
         self._stop.set()
         self._waker.wake()
         if self._thread is not None:
@@ -270,4 +283,16 @@ class Agent:
                     if not send_nowait(sock, [frame]):
                         link.unsent(now)
         finally:
-            sock.close(linger=0)
+            self._close(sock)
+
+    def _close(self, sock: zmq.Socket) -> None:
+        """Close the socket, after the goodbye if stop() asked for one (bounded linger)."""
+        linger = 0
+        frame = self._link.goodbye() if self._say_goodbye and self._stop.is_set() else None
+        if frame is not None:
+            try:
+                if send_nowait(sock, [frame]):  # False: no connection, nobody to tell
+                    linger = _GOODBYE_LINGER_MS
+            except zmq.ZMQError as e:
+                logger.warning("rank %d: could not say goodbye: %s", self.rank, e)
+        sock.close(linger=linger)

@@ -109,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _setup_logging(env)
     stop = threading.Event()
     ctx = agent = child = None
+    clean = False  # only a clean shutdown says goodbye: a worker dying of an error is lost
     with stop_signals(lambda signum: stop.set()):
         try:
             ctx = init_distributed(env, config.worker)
@@ -136,13 +137,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       should_stop=lambda: any_rank(stop.is_set(), group), wait=stop.wait)
                 logger.info("stopped cleanly after %d steps, %d lock violations",
                             result.steps, result.violations)
+            clean = True
             return 0
         except ConfigError as e:
             logger.error("%s", e)
             return 2
         finally:
             if agent is not None:
-                agent.stop()
+                agent.stop(goodbye=clean)
             if child is not None:
                 child.stop()
             if ctx is not None and dist.is_initialized():

@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +43,11 @@ logger = logging.getLogger(__name__)
 _OUTBOX_LIMIT = 1000
 # The I/O thread wakes at least this often to notice stop().
 _MAX_POLL = 0.5
+# An engine that has not stepped for this long while a command waits is asked
+# (on_pending) for a step; asked again at most this often while it still waits.
+_WAKE_AFTER = 0.2
+# How long a refused (raised) locked request waits for its report to be sent.
+_VIOLATION_FLUSH = 0.5
 # How long a closed socket may go on delivering the goodbye (ms): a coordinator
 # that is slow or gone must not hold the process's exit up for longer.
 _GOODBYE_LINGER_MS = 500
@@ -117,6 +123,7 @@ class Agent:
         context: zmq.Context | None = None,
         extra: dict[str, Any] | None = None,
         curve: ClientKeys | None = None,
+        on_pending: Callable[[], None] | None = None,
     ) -> None:
         self.manager = manager
         self.endpoint = endpoint
@@ -144,6 +151,17 @@ class Agent:
         self._say_goodbye = False  # set by stop(), read by the I/O thread as it closes
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
+        # An engine that may sit idle (vLLM's) passes on_pending: the I/O thread
+        # calls it when a command has waited _WAKE_AFTER without a step.
+        self._on_pending = on_pending
+        self._last_step = time.monotonic()
+        self._pending_since: float | None = None
+        self._last_wake = 0.0
+        # Frames put in the outbox by the engine thread and sent by the I/O
+        # thread, counted so that a lock violation can wait for its own report.
+        self._queued = 0
+        self._sent = 0
+        self._sent_cond = threading.Condition()
         manager.add_violation_listener(self._on_violation)
 
     # -- life cycle -----------------------------------------------------------
@@ -211,6 +229,7 @@ class Agent:
         """
         link = self._link
         link.steps += 1
+        self._last_step = time.monotonic()
         if self.idle or link.steps % self.config.apply_every:
             return []
         agreed = link.held
@@ -223,7 +242,7 @@ class Agent:
             return []
         done = link.apply_up_to(agreed)
         for _, ack in done:
-            self._outbox.put(ack)
+            self._put(ack)
         self._waker.wake()
         return [seq for seq, _ in done]
 
@@ -234,15 +253,52 @@ class Agent:
             return [ManagerStats.from_dict(mine)]
         return [ManagerStats.from_dict(d) for d in all_gather_values(mine, self._group)]
 
+    def _put(self, frame: bytes) -> int:
+        """Queue a frame for the I/O thread (engine thread); returns its ticket."""
+        self._queued += 1
+        self._outbox.put(frame)
+        return self._queued
+
     def _on_violation(self, ubatch: int, lane: int, violation: LockViolation) -> None:
-        self._outbox.put(p.encode(Op.EVENT, {"rank": self.rank, "kind": "lock_violation", "detail": {
+        served = "fallback" if self.manager.config.on_locked_growth.value == "fallback" else "raise"
+        ticket = self._put(p.encode(Op.EVENT, {"rank": self.rank, "kind": "lock_violation", "detail": {
             "ubatch": ubatch, "lane": lane, "caller": violation.caller,
             "requested": violation.requested, "capacity": violation.capacity,
-            "step": self._link.steps,
+            "step": self._link.steps, "policy": served,
         }}))
         self._waker.wake()
+        if served == "raise":
+            # The refusal is about to propagate and may end the process (vLLM's
+            # worker dies of it): give the I/O thread a bounded moment to send
+            # the report first. Never on the fallback path, which keeps serving.
+            with self._sent_cond:
+                self._sent_cond.wait_for(lambda: self._sent >= ticket, _VIOLATION_FLUSH)
 
     # -- the I/O thread ------------------------------------------------------------
+
+    def _wake_due(self) -> float:
+        """When the I/O thread must next look at whether to wake an idle engine."""
+        if self._on_pending is None or self._link.held <= self._link.applied:
+            return float("inf")
+        since = self._pending_since if self._pending_since is not None else time.monotonic()
+        return max(since, self._last_step, self._last_wake) + _WAKE_AFTER
+
+    def _maybe_wake(self, now: float) -> None:
+        """Ask the engine for a step when a received command waits and no step comes."""
+        if self._on_pending is None:
+            return
+        link = self._link
+        if link.held <= link.applied:
+            self._pending_since = None
+            return
+        if self._pending_since is None:
+            self._pending_since = now
+        if now - max(self._pending_since, self._last_step, self._last_wake) >= _WAKE_AFTER:
+            self._last_wake = now
+            try:
+                self._on_pending()
+            except Exception:  # waking is best effort: the next step applies it anyway
+                logger.exception("rank %d: waking the engine failed", self.rank)
 
     def _run(self) -> None:
         sock = make_socket(self._context, zmq.DEALER)
@@ -264,7 +320,8 @@ class Agent:
         held_back: deque[bytes] = deque(maxlen=_OUTBOX_LIMIT)
         try:
             while not self._stop.is_set():
-                wait = max(0.0, min(link.due() - time.monotonic(), _MAX_POLL))
+                wait = max(0.0, min(link.due(), self._wake_due()) - time.monotonic())
+                wait = min(wait, _MAX_POLL)
                 ready = dict(poller.poll(wait * 1000))
                 if sock in ready:
                     answer_waiting(sock, lambda frame: link.on_frame(frame, time.monotonic()))
@@ -275,10 +332,17 @@ class Agent:
                         held_back.append(self._outbox.get_nowait())
                     except queue.Empty:
                         break
-                if link.registered.is_set():
+                if link.registered.is_set() and held_back:
+                    sent = 0
                     while held_back and send_nowait(sock, [held_back[0]]):
                         held_back.popleft()
+                        sent += 1
+                    if sent:
+                        with self._sent_cond:
+                            self._sent += sent
+                            self._sent_cond.notify_all()
                 now = time.monotonic()
+                self._maybe_wake(now)
                 for frame in link.on_time(now):
                     if not send_nowait(sock, [frame]):
                         link.unsent(now)

@@ -49,6 +49,7 @@ __all__ = [
     "WsdConfig",
     "load_config",
     "parse_size",
+    "read_toml",
 ]
 
 MAX_UBATCHES = 64
@@ -479,6 +480,22 @@ def _build(cls: type, raw: Mapping[str, tuple[Any, str, bool]], section: str) ->
         raise ConfigError(f"{where}: [{section}] {e}") from None
 
 
+def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The TOML document at ``path``; ConfigError naming the file if it cannot be read or parsed."""
+    source = str(path)
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: configuration file not found") from None
+    except OSError as e:
+        raise ConfigError(f"{source}: cannot read configuration file: {e}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source}: not valid TOML: {e}") from e
+    except UnicodeDecodeError as e:  # tomllib decodes the bytes itself, before parsing
+        raise ConfigError(f"{source}: not valid TOML: not UTF-8 text ({e.reason} at byte {e.start})") from e
+
+
 def load_config(
     path: str | os.PathLike[str] | None = None,
     *,
@@ -495,18 +512,7 @@ def load_config(
     source = "<defaults>"
     if path is not None:
         source = str(path)
-        try:
-            with open(path, "rb") as f:
-                document = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"{source}: configuration file not found") from None
-        except OSError as e:
-            raise ConfigError(f"{source}: cannot read configuration file: {e}") from e
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{source}: not valid TOML: {e}") from e
-        except UnicodeDecodeError as e:  # tomllib decodes the bytes itself, before parsing
-            raise ConfigError(f"{source}: not valid TOML: not UTF-8 text ({e.reason} at byte {e.start})") from e
-        for section, body in document.items():
+        for section, body in read_toml(path).items():
             if section not in _SECTIONS:
                 allowed = ", ".join(f"[{s}]" for s in _SECTIONS)
                 raise ConfigError(

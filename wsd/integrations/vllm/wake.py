@@ -1,0 +1,112 @@
+"""Waking an idle vLLM engine so that a waiting command applies.
+
+An idle engine core blocks on its input queue: no ``execute_model``, so no step
+boundary, and a command would wait for the next request. A worker's agent that
+holds a command its group has not applied sends one small message to its engine
+core (``WakeSender``); the engine core's ``WakeListener`` thread puts one
+``WSD_STEP`` request on the engine's input queue, and the engine core's own
+thread then runs ``wsd_step`` on every worker (``collective_rpc``), where the TP
+group agrees and applies. Nothing is sent while nothing waits, so an idle engine
+spends no CPU on wsd: vLLM's shared-memory queue busy-spins for a second after
+each message, and a blind periodic tick cost 21% of a core per worker.
+
+The engine core binds an IPC socket named after its pid; its workers, which it
+spawned, find it by their parent pid.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import tempfile
+import threading
+from typing import Any
+
+import zmq
+
+__all__ = ["WSD_STEP", "WakeListener", "WakeSender", "wake_endpoint"]
+
+logger = logging.getLogger(__name__)
+
+WSD_STEP = "wsd_step"
+"""The request type put on the engine core's input queue, and the worker method it runs."""
+
+# The listener wakes at least this often to notice close().
+_POLL_MS = 500
+
+
+def wake_endpoint(engine_pid: int) -> str:
+    """Where the engine core of process ``engine_pid`` listens for wake-ups."""
+    return f"ipc://{tempfile.gettempdir()}/wsd-vllm-wake-{engine_pid}"
+
+
+class WakeListener:
+    """In the engine core: turns workers' wake-ups into one queued ``WSD_STEP`` at a time."""
+
+    def __init__(self, input_queue: queue.Queue[Any], context: zmq.Context | None = None) -> None:
+        self._queue = input_queue
+        self._context = context or zmq.Context.instance()
+        self.endpoint = wake_endpoint(os.getpid())
+        # Set while a WSD_STEP is queued and not yet run: wake-ups from every
+        # worker of a group arrive together, and one step serves them all.
+        self.queued = threading.Event()
+        self._stop = threading.Event()
+        self._sock = self._context.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 64)  # a wake-up is one empty frame
+        self._sock.bind(self.endpoint)
+        self._thread = threading.Thread(target=self._run, name="wsd-vllm-wake", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        sock = self._sock
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(_POLL_MS):
+                    continue
+                while sock.poll(0):
+                    sock.recv(zmq.NOBLOCK)
+                if not self.queued.is_set():
+                    self.queued.set()
+                    self._queue.put_nowait((WSD_STEP, None))
+        except zmq.ZMQError as e:
+            if not self._stop.is_set():
+                logger.warning("wsd wake listener stopped: %s", e)
+        finally:
+            sock.close(linger=0)
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop listening and remove the socket file (the engine core shuts down)."""
+        self._stop.set()
+        self._thread.join(timeout)
+        try:
+            os.unlink(self.endpoint[len("ipc://"):])
+        except FileNotFoundError:
+            pass
+
+
+class WakeSender:
+    """In a worker: asks its engine core for one agreement step. Called from one thread only."""
+
+    def __init__(self, endpoint: str, context: zmq.Context | None = None) -> None:
+        self.endpoint = endpoint
+        self._context = context or zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+
+    def __call__(self) -> None:
+        if self._sock is None:
+            self._sock = self._context.socket(zmq.PUSH)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.SNDHWM, 1)  # one waiting wake-up is as good as many
+            self._sock.setsockopt(zmq.IMMEDIATE, 1)  # none queued for an engine not there
+            self._sock.connect(self.endpoint)
+        try:
+            self._sock.send(b"", zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # one is already waiting, or no engine core listens (external launcher)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None

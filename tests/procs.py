@@ -117,11 +117,13 @@ class Proc:
     """One command in its own session; its merged output is collected line by line."""
 
     def __init__(self, args: Sequence[str], *, env: Mapping[str, str] | None = None,
-                 cwd: str | os.PathLike[str] | None = None, name: str | None = None) -> None:
+                 cwd: str | os.PathLike[str] | None = None, name: str | None = None,
+                 stdin: bool = False) -> None:
         self.args = list(args)
         self.name = name or os.path.basename(self.args[0])
         self.popen = subprocess.Popen(
-            self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             env=None if env is None else dict(env), cwd=cwd, start_new_session=True,
         )
         self.pid = self.popen.pid
@@ -173,6 +175,15 @@ class Proc:
                 if left <= 0:
                     self._fail(f"timed out after {timeout} s waiting for {pattern!r}")
                 self._changed.wait(min(left, 0.2))
+
+    def send_line(self, line: str) -> int:
+        """Write one line to its stdin (started with ``stdin=True``); returns the
+        number of output lines before it, for ``wait_for(..., start=)``."""
+        start = len(self.lines)
+        assert self.popen.stdin is not None, "started without stdin=True"
+        self.popen.stdin.write(line.encode() + b"\n")
+        self.popen.stdin.flush()
+        return start
 
     def count(self, pattern: str) -> int:
         regex = re.compile(pattern)

@@ -1,14 +1,15 @@
 """vLLM's own workspace tests, run unmodified against wsd's stand-in module.
 
-vLLM's ``tests/v1/worker/test_workspace.py`` (the version of vllm-project/vllm
-commit 02579a5f: 11 tests, for the workspace module vLLM 0.33.0 ships) is a
-peer's test of the contract ``wsd.integrations.vllm.workspace`` claims. It is
-not copied into this repository: vLLM's code stays out of wsd's commits. Point
-``WSD_VLLM_SOURCE`` at a checkout of vLLM's sources and this module loads that
-file, byte for byte as pinned by ``UPSTREAM_SHA256``, with
-``vllm.v1.worker.workspace`` resolving to wsd's module while it is imported, and
-runs its tests here. Without the variable, or without vLLM installed, the
-module is skipped, saying so.
+``upstream_test_workspace.py`` beside this file is vLLM's
+``tests/v1/worker/test_workspace.py`` byte for byte, licence header included
+(Apache-2.0, copyright the vLLM contributors): the version of vllm-project/vllm
+commit 02579a5f, 11 tests, for the workspace module vLLM 0.33.0 ships, pinned
+by ``UPSTREAM_SHA256``. It is a peer's test of the contract
+``wsd.integrations.vllm.workspace`` claims; its name keeps pytest from
+collecting it on its own (it would then test vLLM against itself). This module
+imports it with ``vllm.v1.worker.workspace`` resolving to wsd's module, and its
+tests run here. ``WSD_VLLM_SOURCE``, the root of a vLLM checkout, runs that
+checkout's copy instead (it must match the pin). Skipped only without vLLM.
 
 The swap lasts only for the import: the upstream file binds ``workspace`` once,
 at import, so its tests keep wsd's module, and every other test in the process
@@ -33,13 +34,7 @@ _TARGET = "vllm.v1.worker.workspace"
 
 def _upstream_file() -> Path:
     source = os.environ.get("WSD_VLLM_SOURCE")
-    if not source:
-        pytest.skip(
-            "WSD_VLLM_SOURCE is not set: point it at a checkout of vllm-project/vllm "
-            f"to run vLLM's {UPSTREAM_PATH} against wsd",
-            allow_module_level=True,
-        )
-    path = Path(source, UPSTREAM_PATH)
+    path = Path(source, UPSTREAM_PATH) if source else Path(__file__).with_name("upstream_test_workspace.py")
     if not path.is_file():
         raise FileNotFoundError(
             f"WSD_VLLM_SOURCE={source!r} has no {UPSTREAM_PATH}: it must be the root of "

@@ -91,16 +91,19 @@ class WakeSender:
 
     def __init__(self, endpoint: str, context: zmq.Context | None = None) -> None:
         self.endpoint = endpoint
-        self._context = context or zmq.Context.instance()
-        self._sock: zmq.Socket | None = None
+        # Connected now, so that the connection is up long before the first
+        # wake-up (a send before it is dropped). Used by one thread at a time:
+        # made here, then only the agent's I/O thread sends, and close() comes
+        # after that thread has ended.
+        self._sock: zmq.Socket | None = (context or zmq.Context.instance()).socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 1)  # one waiting wake-up is as good as many
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # none queued for an engine not there
+        self._sock.connect(endpoint)
 
     def __call__(self) -> None:
         if self._sock is None:
-            self._sock = self._context.socket(zmq.PUSH)
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.SNDHWM, 1)  # one waiting wake-up is as good as many
-            self._sock.setsockopt(zmq.IMMEDIATE, 1)  # none queued for an engine not there
-            self._sock.connect(self.endpoint)
+            return
         try:
             self._sock.send(b"", zmq.NOBLOCK)
         except zmq.Again:

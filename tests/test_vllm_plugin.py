@@ -5,6 +5,7 @@ The engine itself is in test_vllm_engine.py (heavy); these run in a second.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -12,13 +13,14 @@ import time
 import pytest
 import torch
 from conftest import wait_until
+from wsd_client.client import Client
 
 from wsd import WorkspaceManager
 from wsd.agent import Agent
 from wsd.errors import ConfigError
 from wsd.integrations.vllm import plugin
 from wsd.integrations.vllm.wake import WSD_STEP, WakeListener, WakeSender
-from wsd_client.client import Client
+
 
 def observe(seconds: float) -> None:
     """An observation window: asserting that something does *not* happen needs one."""
@@ -62,7 +64,7 @@ def test_patch_points_hold_for_the_installed_vllm():
 def test_a_changed_internal_fails_loudly_naming_the_version(monkeypatch):
     """A vLLM whose internals moved must be refused at start, not fail mid-step."""
     pytest.importorskip("vllm")
-    import vllm.v1.engine.core as core
+    from vllm.v1.engine import core
 
     from wsd.integrations.vllm import patches
 
@@ -192,3 +194,41 @@ def test_a_raised_violation_waits_for_its_report_to_leave(start_coordinator):
         assert events[0]["policy"] == "raise" and events[0]["requested"] == 256
     finally:
         agent.stop()
+
+
+def test_the_class_put_in_vllms_place_takes_the_workspace_section():
+    """vLLM builds its manager with its own counts only: [workspace]'s policies reach it
+    through the class, and the engine's positional arguments still mean what they mean."""
+    from wsd.config import WorkspaceConfig
+    from wsd.integrations.vllm import workspace
+
+    cls = workspace.configured(WorkspaceConfig(on_locked_growth="fallback", growth="granular",
+                                               granularity=4096))
+    manager = cls(torch.device("cpu"), 2, 1)
+    assert isinstance(manager, workspace.WorkspaceManager)
+    assert (manager.num_ubatches, manager.num_lanes) == (2, 1)
+    manager.get_simultaneous(((100,), torch.uint8))
+    assert manager._current_workspaces[0].numel() == 4096
+    manager.lock()
+    (big,) = manager.get_simultaneous(((8192,), torch.uint8))  # served: fallback
+    assert big.numel() == 8192 and manager.stats().lock_violations == 1
+
+
+def test_a_killed_engine_cores_socket_is_removed_by_the_next(tmp_path, monkeypatch):
+    """vLLM's default shutdown SIGKILLs the engine core, which then cannot remove its
+    socket file: the next engine core on the machine removes those of dead pids."""
+    import subprocess
+    import sys
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (tmp_path / f"wsd-vllm-wake-{dead}").touch()
+    (tmp_path / f"wsd-vllm-wake-{os.getppid()}").touch()  # a live pid: left alone
+    listener = WakeListener(queue.Queue())
+    try:
+        names = {p.name for p in tmp_path.iterdir()}
+        assert f"wsd-vllm-wake-{dead}" not in names
+        assert f"wsd-vllm-wake-{os.getppid()}" in names
+    finally:
+        listener.close()

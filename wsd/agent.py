@@ -27,7 +27,7 @@ import zmq
 from wsd import protocol as p
 from wsd.collectives import all_gather_values
 from wsd.auth import ClientKeys
-from wsd.config import AgentConfig
+from wsd.config import AgentConfig, LockedGrowthPolicy
 from wsd.errors import WsdError
 from wsd.link import AgentLink
 from wsd.manager import WorkspaceManager
@@ -260,14 +260,14 @@ class Agent:
         return self._queued
 
     def _on_violation(self, ubatch: int, lane: int, violation: LockViolation) -> None:
-        served = "fallback" if self.manager.config.on_locked_growth.value == "fallback" else "raise"
+        served = self.manager.config.on_locked_growth.value  # "raise" or "fallback"
         ticket = self._put(p.encode(Op.EVENT, {"rank": self.rank, "kind": "lock_violation", "detail": {
             "ubatch": ubatch, "lane": lane, "caller": violation.caller,
             "requested": violation.requested, "capacity": violation.capacity,
             "step": self._link.steps, "policy": served,
         }}))
         self._waker.wake()
-        if served == "raise":
+        if self.manager.config.on_locked_growth is LockedGrowthPolicy.RAISE:
             # The refusal is about to propagate and may end the process (vLLM's
             # worker dies of it): give the I/O thread a bounded moment to send
             # the report first. Never on the fallback path, which keeps serving.

@@ -619,13 +619,18 @@ def is_workspace_manager_initialized() -> bool:
     return _manager is not None
 
 
+def not_initialized() -> WorkspaceNotInitializedError:
+    """The error for a missing process-wide manager, in vLLM's words."""
+    return WorkspaceNotInitializedError(
+        "WorkspaceManager not initialized. Call init_workspace_manager() with a "
+        "device before using workspace functions."
+    )
+
+
 def current_workspace_manager() -> WorkspaceManager:
     """The process-wide manager; WorkspaceNotInitializedError if there is none."""
     if _manager is None:
-        raise WorkspaceNotInitializedError(
-            "WorkspaceManager not initialized. Call init_workspace_manager() with a "
-            "device before using workspace functions."
-        )
+        raise not_initialized()
     return _manager
 
 

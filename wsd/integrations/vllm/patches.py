@@ -35,14 +35,18 @@ The points:
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from wsd.errors import WsdError
 
-__all__ = ["CHECKED_VERSIONS", "VllmIntegrationError", "check", "vllm_version"]
+__all__ = ["CHECKED_VERSIONS", "VllmIntegrationError", "check", "install", "vllm_version", "wrap"]
+
+logger = logging.getLogger(__name__)
 
 CHECKED_VERSIONS = ("0.32.0", "0.33.0")
 """vLLM releases these patch points were checked against."""
@@ -128,3 +132,95 @@ def wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..
     wrapper.__wsd_wrapped__ = True  # type: ignore[attr-defined]
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     setattr(owner, name, wrapper)
+
+
+def install(*, manager_class: type, attach: Callable[[Any], None], detach: Callable[[], None],
+            step: Callable[[], list[int]]) -> None:
+    """Apply every patch point (call ``check()`` first).
+
+    ``manager_class`` takes the place of vLLM's ``WorkspaceManager``.
+    ``attach(worker)`` runs after a worker's ``init_device``; ``detach()`` at its
+    shutdown and at ``reset_workspace_manager``; ``step()`` at every
+    ``execute_model`` and at every ``wsd_step`` the engine core asks for.
+    """
+    import vllm.v1.worker.workspace as vllm_workspace
+    from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from wsd.integrations.vllm.wake import WSD_STEP, WakeListener
+
+    setattr(vllm_workspace, "WorkspaceManager", manager_class)  # noqa: B010 (a patch)
+
+    def reset_workspace_manager(original: Callable[[], None]) -> Callable[[], None]:
+        def reset() -> None:
+            detach()
+            original()
+        return reset
+
+    wrap(vllm_workspace, "reset_workspace_manager", reset_workspace_manager)
+
+    def init_device(original: Callable[..., Any]) -> Callable[..., Any]:
+        def init(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            attach(self)
+            return result
+        return init
+
+    wrap(Worker, "init_device", init_device)
+    cpu_worker: Any
+    try:
+        from vllm.v1.worker.cpu_worker import CPUWorker as cpu_worker
+    except ImportError:  # a vLLM build without the CPU worker: nothing to patch there
+        cpu_worker = None
+    if cpu_worker is not None and "init_device" in vars(cpu_worker):  # its own, without super()
+        wrap(cpu_worker, "init_device", init_device)
+
+    def execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
+        def execute(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            step()
+            return original(self, scheduler_output, *args, **kwargs)
+        return execute
+
+    wrap(Worker, "execute_model", execute_model)
+
+    def shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
+        def stop(self: Any, *args: Any, **kwargs: Any) -> Any:
+            detach()
+            return original(self, *args, **kwargs)
+        return stop
+
+    wrap(Worker, "shutdown", shutdown)
+
+    def wsd_step(self: Any) -> list[int]:
+        """One agreement step outside ``execute_model`` (the engine core asks it of every worker)."""
+        return step()
+
+    setattr(Worker, WSD_STEP, wsd_step)
+
+    def run_busy_loop(original: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            self._wsd_wake = listener = WakeListener(self.input_queue)
+            atexit.register(listener.close)  # also when the loop is left by a signal
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                listener.close()
+        return run
+
+    wrap(EngineCoreProc, "run_busy_loop", run_busy_loop)
+
+    def handle_client_request(original: Callable[..., Any]) -> Callable[..., Any]:
+        def handle(self: Any, request_type: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(request_type, str) and request_type == WSD_STEP:
+                wake = getattr(self, "_wsd_wake", None)
+                if wake is not None:
+                    wake.queued.clear()  # wake-ups from now on ask for another step
+                try:
+                    self.collective_rpc(WSD_STEP)
+                except Exception:  # a failed step must not take the engine down
+                    logger.exception("wsd: the agreement step on the workers failed")
+                return None
+            return original(self, request_type, request, *args, **kwargs)
+        return handle
+
+    wrap(EngineCoreProc, "_handle_client_request", handle_client_request)

@@ -24,9 +24,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import socket
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from wsd.config import WsdConfig, load_config
@@ -80,95 +78,20 @@ def _endpoint(config: WsdConfig) -> str:
     return config.coordinator.connect_endpoint or config.coordinator.agent_endpoint
 
 
-# -- the patches ----------------------------------------------------------------
+# -- what the patches call ------------------------------------------------------
 
 
 def _install(config: WsdConfig) -> None:
-    import vllm.v1.worker.workspace as vllm_workspace
-    from vllm.v1.engine.core import EngineCoreProc
-    from vllm.v1.worker.gpu_worker import Worker
+    from wsd.integrations.vllm import patches, workspace
 
-    from wsd.integrations.vllm import workspace
-    from wsd.integrations.vllm.patches import wrap
-    from wsd.integrations.vllm.wake import WSD_STEP, WakeListener
+    patches.install(manager_class=workspace.configured(config.workspace),
+                    attach=lambda worker: _attach(worker, config), detach=_detach, step=_step)
 
-    vllm_workspace.WorkspaceManager = workspace.WorkspaceManager
 
-    def reset_workspace_manager(original: Callable[[], None]) -> Callable[[], None]:
-        def reset() -> None:
-            _detach()
-            original()
-        return reset
-
-    wrap(vllm_workspace, "reset_workspace_manager", reset_workspace_manager)
-
-    def init_device(original: Callable[..., Any]) -> Callable[..., Any]:
-        def init(self: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(self, *args, **kwargs)
-            _attach(self, config)
-            return result
-        return init
-
-    wrap(Worker, "init_device", init_device)
-    try:
-        from vllm.v1.worker.cpu_worker import CPUWorker
-    except ImportError:  # a vLLM build without the CPU worker: nothing to patch there
-        CPUWorker = None
-    if CPUWorker is not None and "init_device" in vars(CPUWorker):
-        wrap(CPUWorker, "init_device", init_device)
-
-    def execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
-        def execute(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-            attachment = _attachment
-            if attachment is not None:
-                attachment.agent.step()
-            return original(self, scheduler_output, *args, **kwargs)
-        return execute
-
-    wrap(Worker, "execute_model", execute_model)
-
-    def shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
-        def stop(self: Any, *args: Any, **kwargs: Any) -> Any:
-            _detach()
-            return original(self, *args, **kwargs)
-        return stop
-
-    wrap(Worker, "shutdown", shutdown)
-
-    def wsd_step(self: Any) -> list[int]:
-        """One agreement step outside ``execute_model`` (the engine core asks it of every worker)."""
-        attachment = _attachment
-        return [] if attachment is None else attachment.agent.step()
-
-    Worker.wsd_step = wsd_step
-
-    def run_busy_loop(original: Callable[..., Any]) -> Callable[..., Any]:
-        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-            self._wsd_wake = listener = WakeListener(self.input_queue)
-            atexit.register(listener.close)  # also when the loop is left by a signal
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                listener.close()
-        return run
-
-    wrap(EngineCoreProc, "run_busy_loop", run_busy_loop)
-
-    def handle_client_request(original: Callable[..., Any]) -> Callable[..., Any]:
-        def handle(self: Any, request_type: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-            if request_type is WSD_STEP or request_type == WSD_STEP:
-                wake = getattr(self, "_wsd_wake", None)
-                if wake is not None:
-                    wake.queued.clear()  # wake-ups from now on ask for another step
-                try:
-                    self.collective_rpc(WSD_STEP)
-                except Exception:  # a failed step must not take the engine down
-                    logger.exception("wsd: the agreement step on the workers failed")
-                return None
-            return original(self, request_type, request, *args, **kwargs)
-        return handle
-
-    wrap(EngineCoreProc, "_handle_client_request", handle_client_request)
+def _step() -> list[int]:
+    """The step boundary (``execute_model``, or a woken idle engine's ``wsd_step``)."""
+    attachment = _attachment
+    return [] if attachment is None else attachment.agent.step()
 
 
 # -- one worker's attachment ------------------------------------------------------
@@ -229,8 +152,7 @@ def _attach(worker: Any, config: WsdConfig) -> None:
             heartbeat_timeout=config.coordinator.heartbeat_timeout,
             extra={"engine": "vllm", "vllm_version": vllm_version(),
                    "local_rank": getattr(worker, "local_rank", None),
-                   "tp_rank": tp.rank_in_group, "dp_rank": parallel.data_parallel_rank,
-                   "host": socket.gethostname()},
+                   "tp_rank": tp.rank_in_group, "dp_rank": parallel.data_parallel_rank},
             curve=agent_keys(config.security), on_pending=wake,
         ).start()
         _attachment = _Attachment(agent, wake)

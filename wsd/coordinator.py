@@ -344,7 +344,7 @@ class CoordinatorCore:
         return []
 
     def _goodbye(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
-        info = self.registry.stop(peer, body["rank"], body["step"])
+        info = self.registry.stop(peer, body)
         if info is None:  # not the connection that registered that rank (an impostor, a late frame)
             return []
         self.events.add(EventKind.STOPPED, self.wall(), rank=info.rank, tp_group=info.tp_group,

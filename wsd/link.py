@@ -164,7 +164,10 @@ class AgentLink:
         then shows the rank ``stopped`` at once, instead of ``lost`` a timeout later."""
         if not self.registered.is_set():
             return None
-        return p.encode(Op.GOODBYE, {"rank": self.rank, "step": self.steps})
+        return p.encode(Op.GOODBYE, {
+            "rank": self.rank, "step": self.steps, "applied_seq": self.applied,
+            "held_seq": self.held, "state": self.backend.state(),
+        })
 
     def _take_reports(self) -> list[bytes]:
         out = []

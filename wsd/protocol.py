@@ -224,7 +224,8 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
     Op.STATS_REPLY: (_RANK, _int("request"), _f("stats", dict), _opt(_int("step"), 0)),
     Op.EVENT: (_RANK, _f("kind", str), _opt(_f("detail", dict), {})),
     # A worker shutting down cleanly: its rank is stopped, not lost. No answer.
-    Op.GOODBYE: (_RANK, _opt(_int("step"), 0)),
+    Op.GOODBYE: (_RANK, _opt(_int("step"), 0), _opt(_int("applied_seq")), _opt(_int("held_seq")),
+                 _opt(_f("state", dict), {})),
     Op.REGISTERED: (_f("epoch", str), _int("baseline_seq"), Field("heartbeat_interval", (float,), low=0.001, high=3600.0),
                     Field("heartbeat_timeout", (float,), low=0.001, high=3600.0),
                     # To a fresh process: its TP group's desired state at baseline_seq

@@ -44,6 +44,17 @@ def _manager_state(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _note(info: RankInfo, body: dict[str, Any]) -> None:
+    """Where a heartbeat or goodbye says the rank stands (a goodbye may omit the seqs)."""
+    info.step = body["step"]
+    if body.get("applied_seq") is not None:
+        info.applied_seq = body["applied_seq"]
+    if body.get("held_seq") is not None:
+        info.held_seq = body["held_seq"]
+    if body["state"]:
+        info.manager_state = _manager_state(body["state"])
+
+
 class RegistrationError(Exception):
     """A registration that does not match the expected world; the message says how."""
 
@@ -172,11 +183,7 @@ class Registry:
         if info is None or info.rank != body["rank"] or info.state is RankState.LOST:
             return None
         info.last_seen = now
-        info.step = body["step"]
-        info.applied_seq = body["applied_seq"]
-        info.held_seq = body["held_seq"]
-        if body["state"]:
-            info.manager_state = _manager_state(body["state"])
+        _note(info, body)
         return info
 
     def touch(self, peer: bytes, now: float) -> RankInfo | None:
@@ -187,15 +194,16 @@ class Registry:
             return info
         return None
 
-    def stop(self, peer: bytes, rank: int, step: int) -> RankInfo | None:
-        """Mark ``rank`` stopped on its goodbye; None (nothing changed) unless ``peer`` is
-        the live connection that registered it: no one else can stop a rank."""
+    def stop(self, peer: bytes, body: dict[str, Any]) -> RankInfo | None:
+        """Mark the rank stopped on its goodbye, as it last stood; None (nothing changed)
+        unless ``peer`` is the live connection that registered it: no one else can stop
+        a rank."""
         info = self.by_peer(peer)
-        if info is None or info.rank != rank or info.state is not RankState.LIVE:
+        if info is None or info.rank != body["rank"] or info.state is not RankState.LIVE:
             return None
         info.state = RankState.STOPPED
         info.stopped_at = self.wall()
-        info.step = step
+        _note(info, body)
         self._by_peer.pop(peer, None)
         return info
 

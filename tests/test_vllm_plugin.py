@@ -232,3 +232,29 @@ def test_a_killed_engine_cores_socket_is_removed_by_the_next(tmp_path, monkeypat
         assert f"wsd-vllm-wake-{os.getppid()}" in names
     finally:
         listener.close()
+
+
+def test_a_busy_engine_that_agrees_seldom_is_asked_for_an_agreement_step(start_coordinator):
+    """With apply_every=16 a busy engine's steps do not agree; a waiting command still
+    asks for one agreement step (step(agree=True), as vLLM's woken wsd_step) after 0.2 s."""
+    from wsd.config import AgentConfig
+
+    coordinator = start_coordinator()
+    wakes = []
+    agent = Agent(WorkspaceManager("cpu", 1), endpoint=coordinator.agent_endpoint, rank=0,
+                  world_size=1, heartbeat_interval=0.2, heartbeat_timeout=2.0,
+                  config=AgentConfig(apply_every=16), on_pending=lambda: wakes.append(1)).start()
+    try:
+        assert agent.wait_registered(10)
+        agent.step()  # step 1: the baseline is not taken before a step agrees
+        with Client(coordinator.client_endpoint, timeout=5) as client:
+            client.lock(wait=False)
+        wait_until(lambda: agent.held_seq == 1, 5, "the lock to be held")
+        for _ in range(12):  # steps 2..13 over 0.6 s, none a 16th: the engine keeps stepping
+            assert agent.step() == []
+            observe(0.05)
+        assert wakes, "not woken while the engine stepped without agreeing"
+        assert not agent.manager.is_locked()
+        assert agent.step(agree=True) == [1] and agent.manager.is_locked()
+    finally:
+        agent.stop()

@@ -25,8 +25,8 @@ import torch.distributed as dist
 import zmq
 
 from wsd import protocol as p
-from wsd.collectives import all_gather_values
 from wsd.auth import ClientKeys
+from wsd.collectives import all_gather_values
 from wsd.config import AgentConfig, LockedGrowthPolicy
 from wsd.errors import WsdError
 from wsd.link import AgentLink
@@ -43,8 +43,8 @@ logger = logging.getLogger(__name__)
 _OUTBOX_LIMIT = 1000
 # The I/O thread wakes at least this often to notice stop().
 _MAX_POLL = 0.5
-# An engine that has not stepped for this long while a command waits is asked
-# (on_pending) for a step; asked again at most this often while it still waits.
+# An engine holding a command no step has applied for this long is asked
+# (on_pending) for an agreement step; asked again at most this often while it waits.
 _WAKE_AFTER = 0.2
 # How long a refused (raised) locked request waits for its report to be sent.
 _VIOLATION_FLUSH = 0.5
@@ -135,6 +135,7 @@ class Agent:
         self._group = tp_group
         self.idle = idle
         self.config = config or AgentConfig()
+        self._apply_every = self.config.apply_every or 1
         self._context = context or zmq.Context.instance()
         # The protocol state, shared with the I/O thread (see AgentLink on who writes what).
         self._link = AgentLink(
@@ -151,10 +152,9 @@ class Agent:
         self._say_goodbye = False  # set by stop(), read by the I/O thread as it closes
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
-        # An engine that may sit idle (vLLM's) passes on_pending: the I/O thread
-        # calls it when a command has waited _WAKE_AFTER without a step.
+        # An engine that may sit idle or agree seldom (vLLM's) passes on_pending:
+        # the I/O thread calls it when a command has waited _WAKE_AFTER unapplied.
         self._on_pending = on_pending
-        self._last_step = time.monotonic()
         self._pending_since: float | None = None
         self._last_wake = 0.0
         # Frames put in the outbox by the engine thread and sent by the I/O
@@ -220,17 +220,18 @@ class Agent:
 
     # -- the engine's side --------------------------------------------------------
 
-    def step(self) -> list[int]:
+    def step(self, *, agree: bool = False) -> list[int]:
         """The engine's step boundary: apply the commands the TP group agrees on.
 
         Returns the sequence numbers applied here. Costs one all_reduce of one
         integer on the gloo side group every ``apply_every`` steps, and never
-        touches the network otherwise.
+        touches the network otherwise. ``agree``: agree at this step whatever
+        the count (every rank of the group must pass the same; vLLM's woken
+        engine runs such a step on every worker at once).
         """
         link = self._link
         link.steps += 1
-        self._last_step = time.monotonic()
-        if self.idle or link.steps % self.config.apply_every:
+        if self.idle or (not agree and link.steps % self._apply_every):
             return []
         agreed = link.held
         if self._group is not None:
@@ -277,14 +278,19 @@ class Agent:
     # -- the I/O thread ------------------------------------------------------------
 
     def _wake_due(self) -> float:
-        """When the I/O thread must next look at whether to wake an idle engine."""
+        """When the I/O thread must next look at whether to wake the engine."""
         if self._on_pending is None or self._link.held <= self._link.applied:
             return float("inf")
         since = self._pending_since if self._pending_since is not None else time.monotonic()
-        return max(since, self._last_step, self._last_wake) + _WAKE_AFTER
+        return max(since, self._last_wake) + _WAKE_AFTER
 
     def _maybe_wake(self, now: float) -> None:
-        """Ask the engine for a step when a received command waits and no step comes."""
+        """Ask the engine for an agreement step when a received command has waited.
+
+        Idle, the engine would never step; busy, it agrees only every
+        ``apply_every`` steps: either way a command waits at most about
+        ``_WAKE_AFTER`` (and one step's time) before the group agrees on it.
+        """
         if self._on_pending is None:
             return
         link = self._link
@@ -293,7 +299,7 @@ class Agent:
             return
         if self._pending_since is None:
             self._pending_since = now
-        if now - max(self._pending_since, self._last_step, self._last_wake) >= _WAKE_AFTER:
+        if now - max(self._pending_since, self._last_wake) >= _WAKE_AFTER:
             self._last_wake = now
             try:
                 self._on_pending()

@@ -135,13 +135,14 @@ def wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..
 
 
 def install(*, manager_class: type, attach: Callable[[Any], None], detach: Callable[[], None],
-            step: Callable[[], list[int]]) -> None:
+            step: Callable[..., list[int]]) -> None:
     """Apply every patch point (call ``check()`` first).
 
     ``manager_class`` takes the place of vLLM's ``WorkspaceManager``.
     ``attach(worker)`` runs after a worker's ``init_device``; ``detach()`` at its
-    shutdown and at ``reset_workspace_manager``; ``step()`` at every
-    ``execute_model`` and at every ``wsd_step`` the engine core asks for.
+    shutdown and at ``reset_workspace_manager``; ``step(agree=False)`` at every
+    ``execute_model`` and ``step(agree=True)`` at every ``wsd_step`` the engine
+    core asks for.
     """
     import vllm.v1.worker.workspace as vllm_workspace
     from vllm.v1.engine.core import EngineCoreProc
@@ -177,7 +178,7 @@ def install(*, manager_class: type, attach: Callable[[Any], None], detach: Calla
 
     def execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
         def execute(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-            step()
+            step(agree=False)
             return original(self, scheduler_output, *args, **kwargs)
         return execute
 
@@ -193,7 +194,7 @@ def install(*, manager_class: type, attach: Callable[[Any], None], detach: Calla
 
     def wsd_step(self: Any) -> list[int]:
         """One agreement step outside ``execute_model`` (the engine core asks it of every worker)."""
-        return step()
+        return step(agree=True)
 
     setattr(Worker, WSD_STEP, wsd_step)
 

@@ -6,9 +6,11 @@ holds a command its group has not applied sends one small message to its engine
 core (``WakeSender``); the engine core's ``WakeListener`` thread puts one
 ``WSD_STEP`` request on the engine's input queue, and the engine core's own
 thread then runs ``wsd_step`` on every worker (``collective_rpc``), where the TP
-group agrees and applies. Nothing is sent while nothing waits, so an idle engine
-spends no CPU on wsd: vLLM's shared-memory queue busy-spins for a second after
-each message, and a blind periodic tick cost 21% of a core per worker.
+group agrees and applies. The same serves a busy engine, whose workers agree
+only every ``apply_every`` steps. Nothing is sent while nothing waits, so an idle
+engine is never woken for nothing: vLLM's shared-memory queue busy-spins for a
+second after each message, and a blind periodic tick cost 21% of a core per
+worker. (The agents' heartbeats still cost an idle worker about 1% of a core.)
 
 The engine core binds an IPC socket named after its pid; its workers, which it
 spawned, find it by their parent pid.

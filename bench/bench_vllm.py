@@ -207,9 +207,10 @@ def lock_latencies(engine: Engine, other: Engine, client: Client, samples: int) 
     out: dict[str, list[float]] = {"busy lock": [], "busy unlock": [], "idle lock": [], "idle unlock": []}
     for _ in range(samples):
         other.quiet()
-        # Busy: 16 sequences of 120 tokens, 4 at a time, take seconds on two cores,
-        # and the first step begins at once. A command applies at the next step boundary.
-        engine.call("generate_async", n=16, max_tokens=120)
+        # Busy: 32 sequences of 120 tokens, 4 at a time, take seconds on two cores,
+        # and the first step begins at once. A command applies at the next agreement
+        # (every 16th step) or at the agreement step a waiting command asks for.
+        engine.call("generate_async", n=32, max_tokens=120)
         began = time.monotonic()
         out["busy lock"].append(timed_command(client, "lock"))
         out["busy unlock"].append(timed_command(client, "unlock"))
@@ -235,6 +236,24 @@ def idle_cpu(engine: Engine, seconds: float) -> float:
     return (engine.cpu_seconds() - before) / seconds
 
 
+def start_engines(order: Sequence[str], model: str, agent_endpoint: str) -> dict[str, Engine]:
+    """The two engines, started one at a time in ``order`` (two starts at once would
+    starve each other's start-up timeouts on two cores)."""
+    engines: dict[str, Engine] = {}
+    try:
+        for name in order:
+            endpoint = agent_endpoint if name == "wsd" else None
+            began = time.monotonic()
+            engines[name] = Engine(name, model, endpoint)
+            engines[name].call("start", START_TIMEOUT, wsd=endpoint is not None)
+            print(f"  {name} engine started in {time.monotonic() - began:.0f} s", flush=True)
+    except BaseException:
+        for engine in engines.values():
+            engine.stop()
+        raise
+    return engines
+
+
 def run(quick: bool = False) -> list[Row]:
     rounds, lock_samples, n, max_tokens = (6, 3, 4, 48) if quick else (20, 10, 4, 96)
     rows: list[Row] = []
@@ -248,32 +267,43 @@ def run(quick: bool = False) -> list[Row]:
             agent_endpoint, client_endpoint = coordinator.result()
             client = Client(client_endpoint, timeout=30.0)
             model = str(Path(tmp) / "model")
-            # One at a time: two engine starts at once would starve each other's
-            # start-up timeouts on two cores.
-            for name, endpoint in (("wsd", agent_endpoint), ("plain", None)):
-                began = time.monotonic()
-                engines[name] = Engine(name, model, endpoint)
-                engines[name].call("start", START_TIMEOUT, wsd=endpoint is not None)
-                print(f"  {name} engine started in {time.monotonic() - began:.0f} s", flush=True)
-            wait_ranks(client, 2)
-
-            res = throughput_rounds(engines, rounds, n, max_tokens)
-            med = {k: statistics.median(v) for k, v in res["samples"].items()}
+            # Two sessions, the engines started in one order and then the other: on
+            # this machine the engine started first generated 20-25% slower than the
+            # second, wsd or not (seen both ways round), which one order alone would
+            # report as wsd's cost (or gain).
+            samples: dict[str, list[float]] = {"wsd": [], "plain": []}
+            cores: dict[str, list[float]] = {"wsd": [], "plain": []}
+            session_ratios = []
+            for order in (("wsd", "plain"), ("plain", "wsd")):
+                for engine in engines.values():
+                    engine.stop()
+                engines = start_engines(order, model, agent_endpoint)
+                wait_ranks(client, 2)
+                res = throughput_rounds(engines, rounds // 2, n, max_tokens)
+                med = {k: statistics.median(v) for k, v in res["samples"].items()}
+                session_ratios.append(med["wsd"] / med["plain"])
+                print(f"  started {' then '.join(order)}: tok/s wsd {med['wsd']:.1f}, plain "
+                      f"{med['plain']:.1f}, ratio {session_ratios[-1]:.3f}", flush=True)
+                for k in samples:
+                    samples[k] += res["samples"][k]
+                    cores[k] += res["cores"][k]
+                if res["unquiet"]:
+                    print(f"  ({res['unquiet']} generations began before the other engine went quiet)")
+            med = {k: statistics.median(v) for k, v in samples.items()}
             ratio = med["wsd"] / med["plain"]
             print(f"tokens per second, TP=2 tiny model, {n} sequences x {max_tokens} tokens, "
-                  f"median of {rounds} interleaved rounds")
+                  f"median of {2 * (rounds // 2)} interleaved rounds over both start orders")
             print(f"{'wsd':>9} {'plain':>9} {'ratio':>7}   spread wsd / plain (min-max)")
-            spread = {k: f"{min(v):.0f}-{max(v):.0f}" for k, v in res["samples"].items()}
-            print(f"{med['wsd']:>9.1f} {med['plain']:>9.1f} {ratio:>7.3f}   {spread['wsd']} / {spread['plain']}")
-            paired = statistics.median(w / p for w, p in zip(res["samples"]["wsd"], res["samples"]["plain"]))
-            got = {k: statistics.median(v) for k, v in res["cores"].items()}
-            print(f"  median of the rounds' own ratios {paired:.3f}; cores the generating engine got, "
-                  f"median: wsd {got['wsd']:.2f}, plain {got['plain']:.2f}")
+            spread = {k: f"{min(v):.0f}-{max(v):.0f}" for k, v in samples.items()}
+            print(f"{med['wsd']:>9.1f} {med['plain']:>9.1f} {ratio:>7.3f}   "
+                  f"{spread['wsd']} / {spread['plain']}")
+            balanced = statistics.geometric_mean(session_ratios)
+            got = {k: statistics.median(v) for k, v in cores.items()}
+            print(f"  geometric mean of the two orders' ratios {balanced:.3f}; cores the generating "
+                  f"engine got, median: wsd {got['wsd']:.2f}, plain {got['plain']:.2f}")
             if min(got.values()) < CONTENDED_CORES:
                 print(f"  WARNING: under {CONTENDED_CORES} cores: other work took the cores during the "
                       "rounds, and the throughput figures say little")
-            if res["unquiet"]:
-                print(f"  ({res['unquiet']} generations began before the other engine went quiet)")
             rows.append(Row("vllm tok/s wsd/plain", ratio, "the same engine without the plugin",
                             TARGETS["throughput"], at_least=True))
 
@@ -287,7 +317,8 @@ def run(quick: bool = False) -> list[Row]:
 
             cpu = {name: idle_cpu(engine, 3.0 if quick else 10.0) for name, engine in engines.items()}
             print(f"\nidle engine, share of one core: wsd {cpu['wsd']:.3f}, plain {cpu['plain']:.3f}")
-            print(f"load average {load:.2f} at start, {os.getloadavg()[0]:.2f} at end, {os.cpu_count()} cores")
+            print(f"load average {load:.2f} at start, {os.getloadavg()[0]:.2f} at end, "
+                  f"{os.cpu_count()} cores")
         finally:
             if client is not None:
                 client.close()

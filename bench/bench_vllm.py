@@ -43,6 +43,7 @@ from typing import Any
 from wsd_client.client import Client
 
 from bench.helpers import Helper, Row, run_coordinator
+from wsd.launch import descendants
 
 DRIVER = str(Path(__file__).resolve().parents[1] / "tests" / "vllm_driver.py")
 TARGETS = {"throughput": 0.97, "idle lock": 2.0}
@@ -103,7 +104,7 @@ class Engine:
         return answer
 
     def tree(self) -> set[int]:
-        return {self.proc.pid} | _descendants(self.proc.pid)
+        return {self.proc.pid, *descendants(self.proc.pid)}
 
     def cpu_seconds(self) -> float:
         """CPU time used so far by the driver and every process below it."""
@@ -127,26 +128,6 @@ class Engine:
         except (SystemExit, subprocess.TimeoutExpired, BrokenPipeError, OSError):
             self.proc.kill()
             self.proc.wait(10)
-
-
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found: set[int] = set()
-    todo = list(children.get(pid, []))
-    while todo:
-        p = todo.pop()
-        if p not in found:
-            found.add(p)
-            todo += children.get(p, [])
-    return found
 
 
 _TICK = os.sysconf("SC_CLK_TCK")

@@ -6,7 +6,7 @@ runs one alone): the manager's hot path and growth policies, the control plane
 32 to 1,024 simulated ranks, and, where vLLM is installed, a real TP=2 vLLM
 engine with wsd against one without. Every baseline is measured in the same
 run, on the same machine. ``--quick`` finishes within about two minutes, and
-about three more with vLLM (two engine starts).
+about four more with vLLM (two engines, started in both orders: four starts).
 
 Run: ``python -m bench [--quick] [--only NAME ...]``.
 """

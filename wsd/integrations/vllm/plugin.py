@@ -30,7 +30,7 @@ from typing import Any
 
 from wsd.config import WsdConfig, load_config
 
-__all__ = ["VLLM_APPLY_EVERY", "attached_agent", "enabled", "register"]
+__all__ = ["VLLM_APPLY_EVERY", "enabled", "register"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,12 +76,6 @@ def register() -> None:
     _installed = True
     logger.info("wsd plugin installed (vLLM %s): workers join the coordinator at %s",
                 patches.vllm_version(), _endpoint(config))
-
-
-def attached_agent() -> Any:
-    """This worker's agent, or None (not a worker, not yet attached, or detached)."""
-    attachment = _attachment
-    return None if attachment is None else attachment.agent
 
 
 def _endpoint(config: WsdConfig) -> str:

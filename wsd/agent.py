@@ -261,14 +261,14 @@ class Agent:
         return self._queued
 
     def _on_violation(self, ubatch: int, lane: int, violation: LockViolation) -> None:
-        served = self.manager.config.on_locked_growth.value  # "raise" or "fallback"
+        policy = self.manager.config.on_locked_growth
         ticket = self._put(p.encode(Op.EVENT, {"rank": self.rank, "kind": "lock_violation", "detail": {
             "ubatch": ubatch, "lane": lane, "caller": violation.caller,
             "requested": violation.requested, "capacity": violation.capacity,
-            "step": self._link.steps, "policy": served,
+            "step": self._link.steps, "policy": policy.value,
         }}))
         self._waker.wake()
-        if self.manager.config.on_locked_growth is LockedGrowthPolicy.RAISE:
+        if policy is LockedGrowthPolicy.RAISE:
             # The refusal is about to propagate and may end the process (vLLM's
             # worker dies of it): give the I/O thread a bounded moment to send
             # the report first. Never on the fallback path, which keeps serving.

@@ -454,7 +454,7 @@ def test_command_not_sent_when_state_file_cannot_be_written(tmp_path):
     sent = h.client(Op.LOCK)
     assert ops(sent) == []
     reply = only_reply(sent)
-    assert not reply.ok and reply.code is ErrorCode.INTERNAL and "coordinator.state" in reply.message
+    assert not reply.ok and reply.code is ErrorCode.STORAGE and "coordinator.state" in reply.message
     assert h.core.log.seq == 0 and h.core.log.default["locked"] is None
 
 

@@ -85,7 +85,7 @@ def test_contract_pins_ops_codes_and_socket_sets():
     }
     assert {str(c) for c in ErrorCode} == {
         "bad_message", "bad_version", "unknown_op", "bad_field", "too_large", "mismatch",
-        "conflict", "forbidden", "timeout", "unavailable", "internal",
+        "conflict", "forbidden", "timeout", "unavailable", "storage", "internal",
     }
     assert p.READ_ONLY_OPS == {Op.PING, Op.STATUS, Op.RANKS, Op.STATS, Op.EVENTS}
     assert p.COMMAND_OPS == {Op.LOCK, Op.UNLOCK, Op.SET_UBATCHES, Op.RESERVE, Op.EQUALIZE, Op.TRIM}

@@ -146,9 +146,9 @@ class CoordinatorCore:
             return self._client_ops[message.op](route, message)
         except ProtocolError as e:
             return [(CLIENT, route, p.error_reply(e.request_id, e.code, str(e)))]
-        except StateFileError as e:
+        except StateFileError as e:  # storage, not a bug: the message names the file
             logger.error("%s", e)
-            return [(CLIENT, route, p.error_reply(request_id, ErrorCode.INTERNAL, str(e)))]
+            return [(CLIENT, route, p.error_reply(request_id, ErrorCode.STORAGE, str(e)))]
         except Exception as e:  # a bug: the client gets an answer and the loop goes on
             logger.exception("coordinator failed on a client request")
             return [(CLIENT, route, p.error_reply(request_id, ErrorCode.INTERNAL, f"internal error: {e!r}"))]

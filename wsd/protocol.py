@@ -101,6 +101,9 @@ class ErrorCode(StrEnum):
     """No reply in time: retry, or check the coordinator."""
     UNAVAILABLE = "unavailable"
     """The coordinator cannot be reached: check it runs and the endpoint."""
+    STORAGE = "storage"
+    """The coordinator cannot write its state file (a full disk, permissions): the
+    message names the file. Nothing was numbered or sent; free space and retry."""
     INTERNAL = "internal"
     """A bug in wsd: report it with the coordinator's log."""
 

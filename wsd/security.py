@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import stat
 from dataclasses import dataclass
-from enum import StrEnum
+import enum
 
 import zmq.auth
 
@@ -28,8 +28,14 @@ from wsd.errors import ConfigError
 __all__ = ["Role", "SecurityConfig", "load_folder", "load_public", "load_secret"]
 
 
-class Role(StrEnum):
-    """What an authenticated client key may do; carried as ZeroMQ's User-Id."""
+class Role(str, enum.Enum):
+    """What an authenticated client key may do; carried as ZeroMQ's User-Id.
+
+    ``str, Enum`` rather than ``enum.StrEnum``, which Python 3.10 lacks.
+    """
+
+    def __str__(self) -> str:
+        return str(self.value)
 
     VIEWER = "viewer"
     """Read-only operations: ping, status, ranks, stats, events."""

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 # (seq, step, ok, error) of the last commands applied, resent on re-registration
 # so that acknowledgements lost with a connection still reach the coordinator.
-_ACK_MEMORY = 64
+_ACK_MEMORY = p.ACK_MEMORY
 # The order in which a fresh process takes on its group's desired state: an
 # unlock first (so that a reserve can apply if the engine locked itself), then
 # the slot count, the reservation (which sizes every slot, the new ones too),

@@ -126,6 +126,7 @@ COORDINATOR_OPS = frozenset({Op.REGISTERED, Op.PULSE, Op.COMMAND, Op.STATS_REQUE
 _INT_MAX = 2**63 - 1
 # Types whose values Field.check may accept on its fast path.
 _PLAIN = frozenset({int, str, bool, dict, list, bytes})
+_SIZED = frozenset({str, bytes, dict, list})
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,14 +140,20 @@ class Field:
     low: float | None = None
     high: float | None = None
     nullable: bool = False
+    max_len: int | None = None
+    """The most characters, bytes, items or entries of a string, bytes, list or map."""
 
     def check(self, value: Any, where: str) -> Any:
         # The common case in one test: exactly a listed type (so never a bool
         # where a number is meant) and no float (whose finiteness the full
         # check tests), within bounds. Every agent message passes here.
-        if type(value) in self.types and type(value) in _PLAIN and (
-                self.low is None or self.low <= value) and (self.high is None or value <= self.high):
-            return value
+        kind = type(value)
+        if kind in self.types and kind in _PLAIN:
+            if kind in _SIZED:
+                if self.max_len is None or len(value) <= self.max_len:
+                    return value
+            elif (self.low is None or self.low <= value) and (self.high is None or value <= self.high):
+                return value
         if value is None and self.nullable:
             return None
         # bool is an int in Python; it is never accepted where a number is meant.
@@ -167,6 +174,10 @@ class Field:
                     ErrorCode.BAD_FIELD,
                     f"{where}{self.name}: must be between {self.low:g} and {self.high:g}, got {value}",
                 )
+        if isinstance(value, (str, bytes, list, dict)) and self.max_len is not None and len(value) > self.max_len:
+            unit = "characters" if isinstance(value, str) else "bytes" if isinstance(value, bytes) else "entries"
+            raise ProtocolError(ErrorCode.BAD_FIELD,
+                                f"{where}{self.name}: at most {self.max_len} {unit}, got {len(value)}")
         return value
 
     def _kind(self) -> str:
@@ -184,8 +195,17 @@ def _int(name: str, low: int = 0, high: int = _INT_MAX, **kw: Any) -> Field:
     return Field(name, (int,), low=low, high=high, **kw)
 
 
+def _str(name: str, max_len: int, **kw: Any) -> Field:
+    return Field(name, (str,), max_len=max_len, **kw)
+
+
+def _map(name: str, max_len: int, **kw: Any) -> Field:
+    return Field(name, (dict,), max_len=max_len, **kw)
+
+
 def _opt(field: Field, default: Any = None) -> Field:
-    return Field(field.name, field.types, False, default, field.low, field.high, field.nullable or default is None)
+    return Field(field.name, field.types, False, default, field.low, field.high,
+                 field.nullable or default is None, field.max_len)
 
 
 _TARGET = (
@@ -194,6 +214,12 @@ _TARGET = (
     _opt(Field("timeout", (float,), low=0.0, high=3600.0)),
 )
 _RANK = _int("rank", 0, 1 << 20)
+# Bounds of what agents send: generous for every legitimate sender, small enough
+# that nothing a peer claims costs the coordinator more than it can afford.
+_HOST = _str("host", 255)
+_STATE = _opt(_map("state", 16), {})
+ACK_MEMORY = 64
+"""Acknowledgements an agent keeps to resend when it registers again."""
 
 SCHEMAS: dict[Op, tuple[Field, ...]] = {
     Op.PING: (),
@@ -212,23 +238,27 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
         _int("world_size", 1, 1 << 20),
         _int("tp_size", 1, 1 << 20),
         _int("tp_group", 0, 1 << 20),
-        _f("host", str),
+        _HOST,
         _int("pid", 0, 1 << 31),
-        _f("device", str),
+        _str("device", 64),
         _opt(_int("applied_seq")),
-        _opt(_f("acks", list), []),
+        _opt(Field("acks", (list,), max_len=ACK_MEMORY), []),
         _opt(_int("step"), 0),
         _opt(_f("idle", bool), False),
-        _opt(_f("state", dict), {}),
-        _opt(_f("config", dict), {}),
+        _STATE,
+        _opt(_map("config", 64), {}),
+        # Who is registering: one value per agent process, kept across its
+        # reconnections; and, where the coordinator has an agent token, the
+        # proof that the sender holds it (wsd.security.registration_proof).
+        _opt(_str("instance", 64)),
+        _opt(_str("proof", 128)),
     ),
-    Op.HEARTBEAT: (_RANK, _int("step"), _int("applied_seq"), _int("held_seq"), _opt(_f("state", dict), {})),
-    Op.ACK: (_RANK, _int("seq", 1), _int("step"), _f("ok", bool), _opt(_f("error", str))),
-    Op.STATS_REPLY: (_RANK, _int("request"), _f("stats", dict), _opt(_int("step"), 0)),
-    Op.EVENT: (_RANK, _f("kind", str), _opt(_f("detail", dict), {})),
+    Op.HEARTBEAT: (_RANK, _int("step"), _int("applied_seq"), _int("held_seq"), _STATE),
+    Op.ACK: (_RANK, _int("seq", 1), _int("step"), _f("ok", bool), _opt(_str("error", 4096))),
+    Op.STATS_REPLY: (_RANK, _int("request"), _map("stats", 64), _opt(_int("step"), 0)),
+    Op.EVENT: (_RANK, _str("kind", 64), _opt(_map("detail", 32), {})),
     # A worker shutting down cleanly: its rank is stopped, not lost. No answer.
-    Op.GOODBYE: (_RANK, _opt(_int("step"), 0), _opt(_int("applied_seq")), _opt(_int("held_seq")),
-                 _opt(_f("state", dict), {})),
+    Op.GOODBYE: (_RANK, _opt(_int("step"), 0), _opt(_int("applied_seq")), _opt(_int("held_seq")), _STATE),
     Op.REGISTERED: (_f("epoch", str), _int("baseline_seq"), Field("heartbeat_interval", (float,), low=0.001, high=3600.0),
                     Field("heartbeat_timeout", (float,), low=0.001, high=3600.0),
                     # To a fresh process: its TP group's desired state at baseline_seq
@@ -239,6 +269,44 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
     Op.STATS_REQUEST: (_int("request"),),
     Op.REJECTED: (_f("code", str), _f("message", str)),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What decoding one operation's body may cost: its bytes, and msgpack's length
+    limits on every string, bytes, list and map in it (checked as it decodes)."""
+
+    body_bytes: int
+    str_len: int = 4096
+    bin_len: int = 4096
+    array_len: int = 256
+    map_len: int = 64
+
+
+_SMALL = Limits(4096)
+# A client's request is bounded by the client endpoint's max_message_bytes
+# alone, so that a field too long is refused naming the field.
+_CLIENT = Limits(1 << 24, str_len=1 << 24, bin_len=1 << 24, array_len=1 << 24, map_len=1 << 24)
+# Per operation. A stats reply is the one large message an agent sends (every
+# slot's columns, up to MAX_UBATCHES x MAX_LANES slots); everything else it sends
+# fits in a few KiB.
+LIMITS: dict[Op, Limits] = {
+    **{op: _SMALL for op in Op},
+    **{op: _CLIENT for op in CLIENT_OPS},
+    Op.REGISTER: Limits(64 << 10, array_len=ACK_MEMORY),
+    Op.EVENT: Limits(16 << 10, str_len=2048),
+    Op.STATS_REPLY: Limits(16 << 20, str_len=1 << 16, bin_len=16 << 20, array_len=1 << 16, map_len=1 << 16),
+    # Coordinator to agent, which trusts its coordinator's sizes.
+    Op.COMMAND: Limits(64 << 10),
+    Op.REGISTERED: Limits(64 << 10),
+    Op.REJECTED: Limits(64 << 10, str_len=1 << 16),
+}
+# A frame this small is decoded whole at once: whatever it holds, it holds at
+# most this many objects (a few hundred microseconds at worst).
+_SMALL_FRAME = 4096
+# The envelope's own values ("v", "op", "id") are tiny.
+_ENVELOPE = {"max_str_len": 64, "max_bin_len": 64, "max_array_len": 8, "max_map_len": 8}
+_ENVELOPE_KEYS = 8
 
 # What decode looks up for every message, computed once.
 _OPS = {op.value: op for op in Op}
@@ -329,9 +397,77 @@ def _envelope(data: dict[Any, Any]) -> int:
     return request_id
 
 
+def _split(frame: bytes) -> tuple[dict[Any, Any], tuple[int, int] | None]:
+    """The envelope's values, and where the body's bytes are, without decoding the body.
+
+    The body is skipped (msgpack walks it without building an object), so that
+    its cost is known from its size and operation before anything is built.
+    """
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=max(len(frame), 1),
+                                **_ENVELOPE)
+    unpacker.feed(frame)
+    envelope: dict[Any, Any] = {}
+    body = None
+    try:
+        try:
+            entries = unpacker.read_map_header()
+        except ValueError:  # another type: decode it for the message that names it
+            _unpack(frame)
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, "a message must be a msgpack map") from None
+        if entries > _ENVELOPE_KEYS:
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"a message has at most {_ENVELOPE_KEYS} keys, got {entries}")
+        for _ in range(entries):
+            key = unpacker.unpack()
+            if type(key) is not str:
+                raise ProtocolError(ErrorCode.BAD_MESSAGE,
+                                    f"not a msgpack message of this protocol: a key {key!r} that is not a string")
+            if key == "body":
+                start = unpacker.tell()
+                unpacker.skip()
+                body = (start, unpacker.tell())
+            elif key in ("v", "op", "id"):
+                try:
+                    envelope[key] = unpacker.unpack()
+                except ValueError as e:
+                    if "exceeds max" not in str(e):
+                        raise
+                    raise ProtocolError(ErrorCode.BAD_FIELD, f"{key}: not a valid {key} ({e})") from None
+            else:
+                unpacker.skip()
+        if unpacker.tell() != len(frame):
+            raise ProtocolError(ErrorCode.BAD_MESSAGE,
+                                f"not a msgpack message: {len(frame) - unpacker.tell()} bytes after its end")
+    except ProtocolError:
+        raise
+    except Exception as e:  # msgpack raises a zoo of types for hostile bytes
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"not a msgpack message ({type(e).__name__}: {e})") from e
+    return envelope, body
+
+
+def _loads(raw: bytes, limits: Limits) -> Any:
+    """One msgpack object, each string, list and map in it within ``limits``."""
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True, max_str_len=limits.str_len,
+                               max_bin_len=limits.bin_len, max_array_len=limits.array_len,
+                               max_map_len=limits.map_len)
+    except ValueError as e:
+        if "exceeds max" in str(e):  # msgpack's words for a length limit
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"body: {e}") from e
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"not a msgpack message ({type(e).__name__}: {e})") from e
+    except Exception as e:  # msgpack raises a zoo of types for hostile bytes
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"not a msgpack message ({type(e).__name__}: {e})") from e
+
+
 def decode(frame: bytes, allowed: frozenset[Op] | None = None) -> Message:
-    """Validate one request frame; ProtocolError (with the request id if known) otherwise."""
-    data = _unpack(frame)
+    """Validate one request frame; ProtocolError (with the request id if known) otherwise.
+
+    Its cost is bounded by the operation's ``LIMITS``: the body is decoded only
+    once the operation is known and the body's size is within its limit.
+    """
+    if len(frame) <= _SMALL_FRAME:  # costs little whatever it holds: decoded in one call
+        data, span = _unpack(frame), None
+    else:
+        data, span = _split(frame)
     request_id = _envelope(data)
     raw_op = data.get("op")
     # A plain lookup, not Op(raw_op): the enum's call costs a microsecond of every message.
@@ -340,7 +476,18 @@ def decode(frame: bytes, allowed: frozenset[Op] | None = None) -> Message:
         raise ProtocolError(ErrorCode.UNKNOWN_OP, f"op: unknown operation {raw_op!r}", request_id)
     if allowed is not None and op not in allowed:
         raise ProtocolError(ErrorCode.UNKNOWN_OP, f"op: {op} is not accepted here", request_id)
-    body = data.get("body", {})
+    body: Any = data.get("body", {})
+    if span is not None:
+        limits = LIMITS[op]
+        size = span[1] - span[0]
+        if size > limits.body_bytes:
+            raise ProtocolError(ErrorCode.TOO_LARGE,
+                                f"body: {op} bodies are at most {limits.body_bytes} bytes, got {size}", request_id)
+        try:
+            body = _loads(frame[span[0]:span[1]], limits)
+        except ProtocolError as e:
+            e.request_id = request_id
+            raise
     if not isinstance(body, dict):
         raise ProtocolError(ErrorCode.BAD_FIELD, f"body: expected a map, got {type(body).__name__}", request_id)
     try:

@@ -1083,11 +1083,15 @@ def test_damaged_state_file_refuses_to_start(tmp_path, damage):
 def test_torn_last_journal_record_is_dropped_and_reported(tmp_path):
     """A crash mid-append leaves part of a record that was never sent: the coordinator
     must start from the commands before it and say so in an event, not refuse to start
-    (nor replay half a command)."""
+    (nor replay half a command). The journal's header counts a record only once it is
+    on disk, so the crash leaves the header of two commands and part of the third."""
     first = make(tmp_path)
-    issue_three(first)
     journal = tmp_path / "coordinator.state.journal"
-    journal.write_bytes(journal.read_bytes()[:-3])  # the third record cut short
+    first.client(Op.LOCK, {"wait": False})
+    first.client(Op.SET_UBATCHES, {"n": 4, "group": 1, "wait": False})
+    two = journal.read_bytes()
+    first.client(Op.UNLOCK, {"group": 0, "wait": False})
+    journal.write_bytes(two + journal.read_bytes()[len(two):-3])  # the third record cut short, never counted
     second = make(tmp_path)
     assert second.core.recovered is True and second.core.log.seq == 2
     assert second.core.log.desired(0)["locked"] is True  # the unlock of group 0 was torn
@@ -1180,3 +1184,52 @@ def test_times_shown_to_operators_are_wall_clock(h):
 def test_events_reply_carries_the_epoch(h):
     """A follower tells a restarted coordinator (ids start again) by its epoch."""
     assert h.ok(Op.EVENTS)["epoch"] == h.core.epoch
+
+
+# -- the state file: refused at start-up, storage unavailable while running -----
+
+
+def test_state_file_in_a_missing_folder_stops_the_coordinator_at_start(tmp_path):
+    """Found by attack: such a coordinator started fine and failed at the first command."""
+    with pytest.raises(StateFileError, match=f"^{tmp_path / 'gone' / 'coordinator.state'}: the folder"):
+        make(tmp_path, state_file=str(tmp_path / "gone" / "coordinator.state"))
+
+
+@pytest.mark.parametrize("damage", ["cut at the last record", "deleted"])
+def test_journal_missing_acknowledged_commands_stops_the_coordinator(tmp_path, damage):
+    """Found by attack: a journal cut exactly between records, or deleted, started a
+    coordinator that had forgotten acknowledged commands, without a word."""
+    first = make(tmp_path)
+    journal = tmp_path / "coordinator.state.journal"
+    first.client(Op.LOCK, {"wait": False})
+    two = journal.read_bytes()
+    first.client(Op.UNLOCK, {"wait": False})
+    if damage == "deleted":
+        journal.unlink()
+    else:
+        journal.write_bytes(journal.read_bytes()[:len(two)])
+    with pytest.raises(StateFileError, match=f"^{journal}: "):
+        make(tmp_path)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /dev/full")
+def test_full_disk_is_answered_storage_and_numbers_nothing(tmp_path):
+    """Found by attack: a full disk was answered ``internal`` ("a bug in wsd"). The
+    journal pointed at /dev/full (the kernel's own ENOSPC): the reply is ``storage``
+    naming the file, nothing is sent or numbered, and the next command after that
+    goes through."""
+    h = make(tmp_path)
+    h.register_all()
+    assert to_agents(h.client(Op.LOCK, {"wait": False}), Op.COMMAND)[peer_of(0)]["seq"] == 1
+    journal = tmp_path / "coordinator.state.journal"
+    journal.unlink()
+    journal.symlink_to("/dev/full")
+    sent = h.client(Op.UNLOCK, {"wait": False})
+    assert ops(sent) == []
+    reply = only_reply(sent)
+    assert not reply.ok and reply.code is ErrorCode.STORAGE
+    assert reply.message.startswith(f"{journal}: storage unavailable (no space left on device)"), reply.message
+    assert h.core.log.seq == 1 and h.core.log.default["locked"] is True
+    # the next command writes a fresh snapshot and journal first (replacing the link)
+    assert to_agents(h.client(Op.UNLOCK, {"wait": False}), Op.COMMAND)[peer_of(0)]["seq"] == 2
+    assert make(tmp_path).core.log.seq == 2

@@ -2,31 +2,43 @@
 
 Every state-changing command gets the next sequence number and is recorded
 durably before it is sent to any agent, so that a coordinator restarted from
-disk knows every command it ever sent. Two files hold it:
+disk knows every command it ever sent. Two files hold it (docs/state-file.md):
 
-* the snapshot, at ``state_file``: desired state, sequence number and the kept
-  commands, replaced atomically (temporary file, fsync, rename, fsync the
-  folder);
-* the journal, at ``state_file + ".journal"``: one record per command since the
-  snapshot, appended and fsynced before the command is sent.
+* the snapshot, at ``state_file``: desired state, sequence number, kept
+  commands and its generation, replaced atomically (temporary file, fsync,
+  rename, fsync the folder);
+* the journal, at ``state_file + ".journal"``: a 40-byte header (the
+  generation and seq of the snapshot it follows, how many records it holds, a
+  CRC-32 chained over them, its own CRC-32), then one record per command,
+  ``length | crc32 of length and payload | msgpack payload``.
 
-Recording a command writes one small record however many commands are kept.
+Recording a command appends its record and fdatasyncs, then rewrites the
+header in place to count it and fdatasyncs again; only then is the command
+acknowledged (numbered, applied, sent). The count is what no record can say
+about itself: without it a journal cut exactly between records, or missing,
+reads as a shorter history. So ``load`` drops only bytes after the counted
+records (an append a crash interrupted, never acknowledged) and refuses
+anything else: a bad header, a counted record missing or damaged, a journal of
+another generation, a snapshot without its journal. The header lies in one
+disk sector and is rewritten in place, as PostgreSQL rewrites ``pg_control``;
+one torn anyway fails its CRC and is refused, never guessed.
+
 The journal is folded into a new snapshot when it holds ``2 * capacity``
 records (so a snapshot's bytes are spread over at least ``capacity`` commands)
-and at start-up. Both files start with a magic and hold frames of
-``length (u32) | crc32 (u32) | msgpack payload``, so damage is found exactly:
-see ``load``. No sockets, no torch.
+and at start-up. No sockets, no torch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import struct
 import zlib
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -36,14 +48,21 @@ __all__ = ["Command", "CommandLog"]
 
 logger = logging.getLogger(__name__)
 
-_FORMAT = 2
-_SNAPSHOT_MAGIC = b"WSDSNAP2"
-_JOURNAL_MAGIC = b"WSDJRNL2"
-_HEADER = struct.Struct(">II")  # payload length, crc32 of the payload
+_FORMAT = 3
+_SNAPSHOT_MAGIC = b"WSDSNAP3"
+_JOURNAL_MAGIC = b"WSDJRNL3"
+# Files written by wsd before the journal had a header: refused, not migrated
+# (their journal cannot tell a cut at a record boundary from a shorter history).
+_OLD_MAGICS = (b"WSDSNAP2", b"WSDJRNL2")
+_RECORD = struct.Struct(">II")  # payload length, crc32 of the length field and the payload
+_HEAD = struct.Struct(">8sQQQII")  # magic, generation, base seq, records, chain crc32, crc32 of the rest
 # A command record is a few dozen bytes; a bound on the length tells a damaged
-# length field from a record, and a torn tail from a damaged middle.
+# length field from a record.
 _MAX_RECORD = 1 << 20
 _DECODE_ERRORS = (ValueError, TypeError, KeyError, AttributeError, struct.error, msgpack.UnpackException)
+# Errors that say the storage cannot take the write (not that wsd is wrong).
+_UNAVAILABLE = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+_START_AFRESH = "or move it and {other} aside to start afresh (forgetting the desired state and command log)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,33 +116,55 @@ def _blank() -> dict[str, Any]:
 
 
 def _frame(payload: bytes) -> bytes:
-    return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+    length = len(payload).to_bytes(4, "big")
+    return length + zlib.crc32(payload, zlib.crc32(length)).to_bytes(4, "big") + payload
 
 
 def _frame_problem(raw: bytes, pos: int) -> str | None:
-    """What is wrong with the frame at ``pos``; None if it is whole and its checksum holds."""
-    if len(raw) - pos < _HEADER.size:
+    """What is wrong with the record at ``pos``; None if it is whole and its checksum holds."""
+    if len(raw) - pos < _RECORD.size:
         return f"{len(raw) - pos} bytes, less than a record header"
-    length, crc = _HEADER.unpack_from(raw, pos)
+    length, crc = _RECORD.unpack_from(raw, pos)
     if not 0 < length <= _MAX_RECORD:
         return f"impossible record length {length}"
-    if pos + _HEADER.size + length > len(raw):
-        return f"record of {length} bytes cut short at {len(raw) - pos - _HEADER.size}"
-    if zlib.crc32(raw[pos + _HEADER.size:pos + _HEADER.size + length]) != crc:
+    if pos + _RECORD.size + length > len(raw):
+        return f"record of {length} bytes cut short at {len(raw) - pos - _RECORD.size}"
+    if zlib.crc32(raw[pos + _RECORD.size:pos + _RECORD.size + length], zlib.crc32(raw[pos:pos + 4])) != crc:
         return "checksum mismatch"
     return None
 
 
-def _is_torn_tail(raw: bytes, pos: int) -> bool:
-    """Whether the bad bytes from ``pos`` on can be one append cut short by a crash.
+def _frame_end(raw: bytes, pos: int) -> int:
+    return pos + _RECORD.size + _RECORD.unpack_from(raw, pos)[0]
 
-    Such an append leaves at most one record's bytes (a prefix, or on some file
-    systems the full length with part of it unwritten) and no whole record after
-    them. Anything else is damage to records that were once complete.
-    """
-    if len(raw) - pos > _HEADER.size + _MAX_RECORD:
-        return False
-    return all(_frame_problem(raw, q) is not None for q in range(pos + 1, len(raw) - _HEADER.size))
+
+class _Head(NamedTuple):
+    generation: int
+    """The snapshot generation this journal follows."""
+    base: int
+    """That snapshot's sequence number: the first record is ``base + 1``."""
+    records: int
+    """Records acknowledged: appended, fdatasynced and counted here."""
+    chain: int
+    """CRC-32 over those records' bytes, in order."""
+
+    def pack(self) -> bytes:
+        body = _HEAD.pack(_JOURNAL_MAGIC, *self, 0)[:-4]
+        return body + zlib.crc32(body).to_bytes(4, "big")
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> _Head:
+        """The header of journal bytes ``raw``; ValueError saying what is wrong."""
+        if raw.startswith(_OLD_MAGICS):
+            raise ValueError("written by an older wsd (state file format 2), which this one does not read")
+        if len(raw) < _HEAD.size:
+            raise ValueError(f"{len(raw)} bytes, less than the {_HEAD.size}-byte journal header")
+        magic, generation, base, records, chain, crc = _HEAD.unpack_from(raw)
+        if magic != _JOURNAL_MAGIC:
+            raise ValueError(f"does not start with {_JOURNAL_MAGIC!r}")
+        if zlib.crc32(raw[:_HEAD.size - 4]) != crc:
+            raise ValueError("header checksum mismatch")
+        return cls(generation, base, records, chain)
 
 
 def _read(path: str) -> bytes | None:
@@ -133,13 +174,27 @@ def _read(path: str) -> bytes | None:
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise StateFileError(f"{path}: cannot read the coordinator state: {e}") from e
+        raise StateFileError(f"{path}: cannot read the coordinator state: {e.strerror or e}") from e
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def _storage_error(path: str, doing: str, e: OSError) -> StateFileError:
+    """``e`` as a StateFileError naming ``path`` (the file the OS names, if any)."""
+    where = e.filename or path
+    if e.errno in _UNAVAILABLE:
+        return StateFileError(f"{where}: storage unavailable ({os.strerror(e.errno).lower()}): cannot {doing}; "
+                              f"nothing was numbered: free space or fix the permissions, then retry")
+    return StateFileError(f"{where}: cannot {doing}: {e.strerror or e}")
+
+
+def _datasync(fd: int) -> None:
+    (os.fdatasync if hasattr(os, "fdatasync") else os.fsync)(fd)
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def _fsync_dir(path: str) -> None:
@@ -150,15 +205,23 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _replace(path: str, data: bytes) -> None:
-    """Write ``data`` as ``path`` atomically: a crash leaves the old file or the new one."""
+def _write_temporary(path: str, data: bytes) -> str:
+    """``data`` in ``path + ".tmp"``, synced, for ``_rename`` to put in place."""
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        _write_all(fd, data)
+        _pwrite_all(fd, data, 0)
         os.fsync(fd)
+    except OSError as e:
+        e.filename = e.filename or tmp  # a failed write names no file: say which
+        raise
     finally:
         os.close(fd)
+    return tmp
+
+
+def _rename(tmp: str, path: str) -> None:
+    """Replace ``path`` atomically, durably before anything after it (the folder synced)."""
     os.replace(tmp, path)
     _fsync_dir(path)
 
@@ -167,6 +230,13 @@ class CommandLog:
     """Sequence numbers, the last ``capacity`` commands and the desired state per group."""
 
     def __init__(self, path: str, capacity: int) -> None:
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise StateFileError(f"{path}: the folder {folder} does not exist: create it, "
+                                 f"or set [coordinator] state_file to a file in an existing folder")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise StateFileError(f"{path}: the folder {folder} is not writable by this user: "
+                                 f"fix its permissions, or set [coordinator] state_file elsewhere")
         self.path = path
         self.journal_path = f"{path}.journal"
         self.capacity = capacity
@@ -175,12 +245,15 @@ class CommandLog:
         self.default = _blank()
         self.groups: dict[int, dict[str, Any]] = {}
         self.repaired: str | None = None
-        """What ``load`` dropped from a journal cut short by a crash, if anything."""
+        """What ``load`` dropped after the acknowledged records of the journal, if anything."""
+        self.generation = 0
+        """Of the snapshot on disk; 0: none written yet."""
         # False until the journal is known to be whole and ours: the next append
         # then writes a fresh snapshot and journal first (a fresh log, or a failed
-        # append that may have left part of a record behind).
+        # append that may have left the journal other than its header says).
         self._journal_ready = False
-        self._journal_records = 0
+        self._head = _Head(0, 0, 0, 0)
+        self._journal_end = _HEAD.size
         self._compact_after = 2 * capacity
 
     def desired(self, group: int) -> dict[str, Any]:
@@ -223,16 +296,15 @@ class CommandLog:
         if len(payload) > _MAX_RECORD:
             raise StateFileError(f"{self.journal_path}: a command of {len(payload)} bytes is too large to record")
         self._append_record(_frame(payload))
-        self._apply(command)  # only once it is on disk
-        self._journal_records += 1
-        if self._journal_records >= self._compact_after:
+        self._apply(command)  # only once it is on disk and counted
+        if self._head.records >= self._compact_after:
             try:
                 self.compact()
             except StateFileError as e:
                 # The command is recorded (and will be sent): only the folding
                 # failed, which loses nothing. Retry after another capacity.
                 logger.warning("cannot compact the coordinator journal, will retry: %s", e)
-                self._compact_after = self._journal_records + self.capacity
+                self._compact_after = self._head.records + self.capacity
         return command
 
     def since(self, seq: int) -> list[Command]:
@@ -253,41 +325,78 @@ class CommandLog:
                 raise
 
     def compact(self) -> None:
-        """Write the whole state as the snapshot, then start an empty journal.
+        """Write the whole state as a snapshot of the next generation, then its empty journal.
 
-        In that order, each step atomic: a crash between the two leaves a
-        journal whose records the snapshot already holds, which ``load`` skips.
+        In that order, each step atomic: a crash between the two leaves the
+        journal of the generation before, whose records the snapshot already
+        holds, which ``load`` accepts as such. The very first time, the journal
+        goes first instead (there is no journal to lose yet): a crash between
+        leaves an empty journal of generation 1 and no snapshot, which ``load``
+        reads as no state; so a snapshot is never without its journal, and a
+        missing journal is always damage.
         """
+        generation = self.generation + 1
         document = {
             "format": _FORMAT,
+            "generation": generation,
             "seq": self.seq,
             "default": self.default,
             "groups": {str(g): s for g, s in self.groups.items()},
             "log": [c.to_row() for c in self.entries],
         }
+        head = _Head(generation, self.seq, 0, 0)
+        writes = [(self.path, _SNAPSHOT_MAGIC + _frame(msgpack.packb(document, use_bin_type=True))),
+                  (self.journal_path, head.pack())]
         try:
-            _replace(self.path, _SNAPSHOT_MAGIC + _frame(msgpack.packb(document, use_bin_type=True)))
-            _replace(self.journal_path, _JOURNAL_MAGIC)
+            # A full disk fails here, with both files as they were: appends go on.
+            renames = [(_write_temporary(path, data), path)
+                       for path, data in (writes if self.generation else reversed(writes))]
+            # From the first rename on, the journal on disk may not follow the
+            # snapshot on disk: no record may be appended until both are in place.
+            self._journal_ready = False
+            for tmp, path in renames:
+                _rename(tmp, path)
         except OSError as e:
-            raise StateFileError(f"{e.filename or self.path}: cannot write the coordinator state: {e}") from e
+            raise _storage_error(self.path, "write the coordinator state", e) from e
+        self.generation = generation
+        self._head = head
+        self._journal_end = _HEAD.size
         self._journal_ready = True
-        self._journal_records = 0
         self._compact_after = 2 * self.capacity
 
     def _append_record(self, record: bytes) -> None:
+        head = _Head(self._head.generation, self._head.base, self._head.records + 1,
+                     zlib.crc32(record, self._head.chain))
         try:
             # No O_CREAT: compact() made the journal; if it has gone, say so.
-            fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND)
+            # No O_APPEND either: Linux's pwrite would append the header too.
+            fd = os.open(self.journal_path, os.O_WRONLY)
             try:
-                _write_all(fd, record)
-                os.fsync(fd)
+                _pwrite_all(fd, record, self._journal_end)
+                _datasync(fd)
+                # Count the record only once it is on disk: counted first, a crash
+                # could leave a header promising a record that is not there, which
+                # load must refuse. Not counted yet, it is a tail load may drop.
+                try:
+                    _pwrite_all(fd, head.pack(), 0)
+                    _datasync(fd)
+                except OSError:
+                    # The new count may be on disk: put the old one back (an
+                    # in-place write needs no space), so that a crash now does
+                    # not bring back a command its client was told failed.
+                    with contextlib.suppress(OSError):
+                        _pwrite_all(fd, self._head.pack(), 0)
+                        _datasync(fd)
+                    raise
             finally:
                 os.close(fd)
         except OSError as e:
-            # Part of the record may be on disk: appending after it would turn
-            # a torn tail into damage mid-journal, so start afresh next time.
+            # Bytes may lie past the counted records, or the header be either
+            # count: start afresh next time rather than append after them.
             self._journal_ready = False
-            raise StateFileError(f"{self.journal_path}: cannot record the command: {e}") from e
+            raise _storage_error(self.journal_path, "record the command", e) from e
+        self._head = head
+        self._journal_end += len(record)
 
     def _apply(self, command: Command) -> None:
         if command.group is None:
@@ -304,98 +413,138 @@ class CommandLog:
     def load(self) -> bool:
         """Restore from the snapshot and the journal; False if there is no state yet.
 
-        A journal whose last record was cut short is repaired by dropping that
-        record (see ``_read_journal``): it was being appended when the process
-        died, and a command is sent only after its record is fsynced, so no
-        agent ever saw it. Any other damage raises StateFileError naming the
-        file and what is wrong, and leaves both files exactly as they are.
+        Bytes after the records the journal's header counts are dropped (see
+        ``_read_journal``): an append a crash cut short, never acknowledged, so
+        no agent ever saw it. Anything else that is wrong raises StateFileError
+        naming the file, what is wrong and what to do, and leaves both files
+        exactly as they are. Once loaded, the journal is folded into a new
+        snapshot, so that no record is ever appended after dropped bytes.
         """
         snapshot, journal = _read(self.path), _read(self.journal_path)
         if snapshot is None:
-            if journal is None:
+            if journal is None or _is_unborn(journal):
                 return False
             raise StateFileError(f"{self.path}: missing, but its journal {self.journal_path} exists "
-                                 f"(restore the snapshot, or move both away to start afresh)")
+                                 f"(restore the snapshot, or move the journal aside to start afresh)")
         fresh = CommandLog(self.path, self.capacity)
         fresh._restore_snapshot(snapshot)
-        records, torn = fresh._read_journal(journal)
-        if records and records[0][1].seq > fresh.seq + 1:
+        if journal is None:
             raise StateFileError(
-                f"{self.journal_path}: starts at seq {records[0][1].seq} but the snapshot {self.path} "
-                f"ends at seq {fresh.seq}: commands in between are missing")
-        for at, command in records:
-            if command.seq > fresh.seq:
-                try:
-                    fresh._apply(command)
-                except _DECODE_ERRORS as e:
-                    raise StateFileError(f"{self.journal_path}: record at byte {at} cannot be applied ({e!r})") from e
-        if torn is not None:
-            cut = len(journal or b"") - torn
-            fresh.repaired = (f"{self.journal_path}: dropped the last record, cut short at byte {torn} ({cut} bytes):"
-                              " a crash interrupted its append, so it was never sent")
-            logger.warning("%s", fresh.repaired)
+                f"{self.journal_path}: missing, but the snapshot {self.path} (generation {fresh.generation}) "
+                f"has one: the commands recorded since the snapshot are gone (restore the journal, "
+                + _START_AFRESH.format(other=self.path) + ")")
+        head = fresh._read_head(journal)
+        # Generation one before the snapshot's: a crash came between writing the
+        # snapshot and its journal, and the snapshot holds every record of this one.
+        if head.generation != fresh.generation - 1:
+            fresh._replay(journal, head)
         self.seq, self.entries, self.default, self.groups = fresh.seq, fresh.entries, fresh.default, fresh.groups
-        self.repaired = fresh.repaired
-        if journal is not None:
-            # Fold the journal in, so that it is short again and, if it was torn,
-            # no record is ever appended after the torn bytes.
-            self.compact()
+        self.generation, self.repaired = fresh.generation, fresh.repaired
+        self.compact()
         return True
+
+    def _replay(self, journal: bytes, head: _Head) -> None:
+        if head.generation != self.generation or head.base != self.seq:
+            raise self._refuse(f"follows the snapshot of generation {head.generation} at seq {head.base}, "
+                               f"but {self.path} is generation {self.generation} at seq {self.seq}")
+        records, tail = self._read_journal(journal, head)
+        for at, command in records:
+            try:
+                self._apply(command)
+            except _DECODE_ERRORS as e:
+                raise self._refuse(f"record at byte {at} cannot be applied ({e!r})") from e
+        if tail is not None:
+            self.repaired = (f"{self.journal_path}: dropped {len(journal) - tail} bytes from byte {tail}, after "
+                             f"the {head.records} records its header counts: a crash interrupted an append "
+                             f"before it was acknowledged, so that command was never sent")
+            logger.warning("%s", self.repaired)
 
     def _restore_snapshot(self, raw: bytes) -> None:
         try:
             if not raw:
                 raise ValueError("empty file")
+            if raw.startswith(_OLD_MAGICS):
+                raise ValueError("written by an older wsd (state file format 2), which this one does not read")
             if not raw.startswith(_SNAPSHOT_MAGIC):
                 raise ValueError(f"does not start with {_SNAPSHOT_MAGIC!r}")
             problem = _frame_problem(raw, len(_SNAPSHOT_MAGIC))
             if problem is not None:
                 raise ValueError(problem)
-            length, _ = _HEADER.unpack_from(raw, len(_SNAPSHOT_MAGIC))
-            if len(_SNAPSHOT_MAGIC) + _HEADER.size + length != len(raw):
-                raise ValueError(f"{len(raw) - len(_SNAPSHOT_MAGIC) - _HEADER.size - length} bytes after the document")
-            doc = msgpack.unpackb(raw[len(_SNAPSHOT_MAGIC) + _HEADER.size:], raw=False, strict_map_key=False)
+            if _frame_end(raw, len(_SNAPSHOT_MAGIC)) != len(raw):
+                raise ValueError(f"{len(raw) - _frame_end(raw, len(_SNAPSHOT_MAGIC))} bytes after the document")
+            doc = msgpack.unpackb(raw[len(_SNAPSHOT_MAGIC) + _RECORD.size:], raw=False, strict_map_key=False)
             if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
                 raise ValueError(f"unknown format {doc.get('format') if isinstance(doc, dict) else doc!r}")
-            seq = doc["seq"]
+            seq, generation = doc["seq"], doc["generation"]
             if not isinstance(seq, int) or seq < 0:
                 raise ValueError(f"seq {seq!r}")
+            if not isinstance(generation, int) or generation < 1:
+                raise ValueError(f"generation {generation!r}")
             entries = [Command.from_row(row) for row in doc["log"]]
             if any(c.seq > seq for c in entries):
                 raise ValueError(f"a kept command is numbered after seq {seq}")
             self.default = dict(doc["default"])
             self.groups = {int(g): dict(s) for g, s in doc["groups"].items()}
         except _DECODE_ERRORS as e:
-            raise StateFileError(f"{self.path}: not a valid coordinator state file ({e})") from e
-        self.seq = seq
+            raise StateFileError(f"{self.path}: not a valid coordinator state file ({e}): restore it, "
+                                 + _START_AFRESH.format(other=self.journal_path)) from e
+        self.seq, self.generation = seq, generation
         self.entries.extend(entries)
 
-    def _read_journal(self, raw: bytes | None) -> tuple[list[tuple[int, Command]], int | None]:
-        """The journal's records with their byte offsets, and where a torn last record starts."""
-        if raw is None:
-            return [], None
-        if not raw.startswith(_JOURNAL_MAGIC):
-            what = "empty file" if not raw else f"does not start with {_JOURNAL_MAGIC!r}"
-            raise StateFileError(f"{self.journal_path}: not a valid coordinator journal ({what})")
+    def _refuse(self, problem: str) -> StateFileError:
+        return StateFileError(f"{self.journal_path}: not a valid coordinator journal ({problem}): restore it, "
+                              + _START_AFRESH.format(other=self.path))
+
+    def _read_head(self, raw: bytes) -> _Head:
+        try:
+            return _Head.unpack(raw)
+        except ValueError as e:
+            raise self._refuse(str(e)) from e
+
+    def _read_journal(self, raw: bytes, head: _Head) -> tuple[list[tuple[int, Command]], int | None]:
+        """The records the header counts, with their byte offsets, and where bytes after them start.
+
+        Every counted record was acknowledged, so each must be there, whole,
+        with its checksum, its number in order, and the chain of them matching
+        the header's. After them, an append cut short by a crash can leave one
+        record or part of one, and nothing else.
+        """
         records: list[tuple[int, Command]] = []
-        pos = len(_JOURNAL_MAGIC)
-        while pos < len(raw):
+        pos, chain = _HEAD.size, 0
+        for i in range(head.records):
+            if pos == len(raw):
+                raise self._refuse(f"ends at byte {pos} after {i} of the {head.records} records its header counts: "
+                                   f"acknowledged commands {head.base + i + 1} to {head.base + head.records} "
+                                   f"are missing")
             problem = _frame_problem(raw, pos)
             if problem is not None:
-                if _is_torn_tail(raw, pos):
-                    return records, pos
-                raise StateFileError(f"{self.journal_path}: not a valid coordinator journal "
-                                     f"(record at byte {pos}: {problem}, with data after it)")
-            length, _ = _HEADER.unpack_from(raw, pos)
+                raise self._refuse(f"record {i + 1} of {head.records}, at byte {pos}: {problem}")
+            end = _frame_end(raw, pos)
             try:
-                command = Command.from_row(msgpack.unpackb(raw[pos + _HEADER.size:pos + _HEADER.size + length],
-                                                           raw=False, strict_map_key=False))
+                command = Command.from_row(msgpack.unpackb(raw[pos + _RECORD.size:end], raw=False,
+                                                           strict_map_key=False))
             except _DECODE_ERRORS as e:
-                raise StateFileError(f"{self.journal_path}: not a valid coordinator journal "
-                                     f"(record at byte {pos}: {e})") from e
-            if records and command.seq != records[-1][1].seq + 1:
-                raise StateFileError(f"{self.journal_path}: not a valid coordinator journal (record at byte "
-                                     f"{pos} has seq {command.seq} after seq {records[-1][1].seq})")
+                raise self._refuse(f"record {i + 1} of {head.records}, at byte {pos}: {e}") from e
+            if command.seq != head.base + i + 1:
+                raise self._refuse(f"record {i + 1} of {head.records}, at byte {pos}, has seq {command.seq}, "
+                                   f"not {head.base + i + 1}")
             records.append((pos, command))
-            pos += _HEADER.size + length
-        return records, None
+            chain = zlib.crc32(raw[pos:end], chain)
+            pos = end
+        if chain != head.chain:
+            raise self._refuse("its records do not match the checksum in its header")
+        if pos == len(raw):
+            return records, None
+        if len(raw) - pos > _RECORD.size + _MAX_RECORD or (
+                _frame_problem(raw, pos) is None and _frame_end(raw, pos) != len(raw)):
+            raise self._refuse(f"{len(raw) - pos} bytes after the {head.records} records its header counts, "
+                               f"more than one interrupted append leaves")
+        return records, pos
+
+
+def _is_unborn(journal: bytes) -> bool:
+    """Whether ``journal`` is the empty one the first compaction writes before any snapshot."""
+    try:
+        return _Head.unpack(journal) == _Head(1, 0, 0, 0) and len(journal) == _HEAD.size
+    except ValueError:
+        return False

@@ -155,8 +155,13 @@ class WorkspaceLimitError(WorkspaceError, ValueError):
 
 
 class StateFileError(WsdError):
-    """The coordinator's state file cannot be read or written.
+    """The coordinator's state file (snapshot and journal) cannot be read or written.
 
-    The coordinator refuses to start rather than lose the command log: repair
-    or move the named file (start afresh only if you mean to forget it).
+    The message names the file, what is wrong and what to do. At start-up
+    (damage, a journal cut or missing, a folder that does not exist) the
+    coordinator refuses to start rather than lose an acknowledged command:
+    restore the named file, or move the snapshot and its journal aside to start
+    afresh, forgetting the desired state and command log (docs/state-file.md).
+    While running (a full disk, a read-only file system, permissions) the
+    command was not numbered: free space or fix the permissions, and retry.
     """

@@ -173,7 +173,7 @@ def test_crash_in_the_very_first_compaction_is_no_state(tmp_path):
 def test_failed_append_can_leave_only_a_tail_that_is_dropped(made, monkeypatch):
     """A write that fails half way must neither count the command nor leave part of a
     record that a later append would bury mid-journal."""
-    path, journal = made
+    path, _ = made
     log = reopened(path, 8)
     fill(log, 1, 3)
     real_pwrite = os.pwrite
@@ -200,10 +200,11 @@ def test_cut_at_every_record_boundary_is_refused(made):
     history, without a word, and the acknowledged commands after the cut were gone."""
     path, journal = made
     good = journal.read_bytes()
-    for offset, _ in records(journal):
+    for kept, (offset, _) in enumerate(records(journal)):
         journal.write_bytes(good[:offset])
         message = refused(path)
-        assert message.startswith(f"{journal}: ") and "are missing" in message, message
+        assert message.startswith(f"{journal}: ") and f"after {kept} of the 3 records" in message, message
+        assert ("command 3 is" if kept == 2 else f"commands {kept + 1} to 3 are") + " missing" in message
         assert "move it" in message and "aside" in message  # what the operator can do
 
 
@@ -252,7 +253,7 @@ def test_every_bit_flipped_in_the_journal_is_refused(made):
 
 def test_every_bit_flipped_in_the_snapshot_is_refused(made):
     """A damaged snapshot must never read as another state (or as none)."""
-    path, journal = made
+    path, _ = made
     reopened(path, 8)  # a snapshot holding commands and desired state
     good = path.read_bytes()
     for pos in range(len(good)):
@@ -295,7 +296,7 @@ def test_other_damage_is_refused_and_left_alone(made, case):
 def test_journal_of_another_generation_is_refused(made):
     """A journal from a later run beside an older snapshot (commands in between lost)
     must not be replayed as if nothing were missing."""
-    path, journal = made
+    path, _ = made
     old_snapshot = path.read_bytes()
     log = reopened(path, 8)  # compacts: snapshot generation 2 at seq 3, empty journal
     log.compact()  # generation 3
@@ -306,7 +307,7 @@ def test_journal_of_another_generation_is_refused(made):
 
 def test_journal_without_its_snapshot_is_refused(made):
     """Replaying a journal onto a blank state would forget everything compacted away."""
-    path, journal = made
+    path, _ = made
     path.unlink()
     assert "missing, but its journal" in refused(path)
 
@@ -462,3 +463,15 @@ def test_append_writes_the_same_bytes_however_many_commands_are_kept(tmp_path, m
     # one record (under 64 bytes) and the header, plus the snapshots' share: a
     # snapshot of `capacity` commands every `capacity` or more appends
     assert per_append <= 64 + HEAD + 64, per_append
+
+
+def test_docs_describe_this_format():
+    """docs/state-file.md is what an operator repairs by: it must match the code."""
+    from wsd import commandlog
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "state-file.md").read_text()
+    assert f"magic `{commandlog._SNAPSHOT_MAGIC.decode()}`" in doc
+    assert f"| 0-8 | magic `{commandlog._JOURNAL_MAGIC.decode()}` |" in doc
+    assert f"| `format` | {commandlog._FORMAT} |" in doc
+    assert f"a {commandlog._HEAD.size}-byte header" in doc and commandlog._HEAD.size == HEAD
+    assert "| 24-32 | records acknowledged (u64) |" in doc  # where counted() reads

@@ -513,9 +513,10 @@ class CommandLog:
         pos, chain = _HEAD.size, 0
         for i in range(head.records):
             if pos == len(raw):
+                first, last = head.base + i + 1, head.base + head.records
+                gone = f"command {first} is" if first == last else f"commands {first} to {last} are"
                 raise self._refuse(f"ends at byte {pos} after {i} of the {head.records} records its header counts: "
-                                   f"acknowledged commands {head.base + i + 1} to {head.base + head.records} "
-                                   f"are missing")
+                                   f"acknowledged {gone} missing")
             problem = _frame_problem(raw, pos)
             if problem is not None:
                 raise self._refuse(f"record {i + 1} of {head.records}, at byte {pos}: {problem}")

@@ -62,7 +62,8 @@ _MAX_RECORD = 1 << 20
 _DECODE_ERRORS = (ValueError, TypeError, KeyError, AttributeError, struct.error, msgpack.UnpackException)
 # Errors that say the storage cannot take the write (not that wsd is wrong).
 _UNAVAILABLE = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
-_START_AFRESH = "or move it and {other} aside to start afresh (forgetting the desired state and command log)"
+# What the operator can do, at the end of every refusal (docs/state-file.md).
+_START_AFRESH = "move {files} aside to start afresh, forgetting the desired state and command log"
 
 
 @dataclass(frozen=True, slots=True)
@@ -424,15 +425,15 @@ class CommandLog:
         if snapshot is None:
             if journal is None or _is_unborn(journal):
                 return False
-            raise StateFileError(f"{self.path}: missing, but its journal {self.journal_path} exists "
-                                 f"(restore the snapshot, or move the journal aside to start afresh)")
+            raise StateFileError(f"{self.path}: missing, but its journal {self.journal_path} exists: "
+                                 "restore the snapshot, or " + _START_AFRESH.format(files="the journal"))
         fresh = CommandLog(self.path, self.capacity)
         fresh._restore_snapshot(snapshot)
         if journal is None:
             raise StateFileError(
                 f"{self.journal_path}: missing, but the snapshot {self.path} (generation {fresh.generation}) "
-                f"has one: the commands recorded since the snapshot are gone (restore the journal, "
-                + _START_AFRESH.format(other=self.path) + ")")
+                f"has one: the commands recorded since the snapshot are gone: restore the journal, or "
+                + _START_AFRESH.format(files="the snapshot"))
         head = fresh._read_head(journal)
         # Generation one before the snapshot's: a crash came between writing the
         # snapshot and its journal, and the snapshot holds every record of this one.
@@ -486,14 +487,14 @@ class CommandLog:
             self.default = dict(doc["default"])
             self.groups = {int(g): dict(s) for g, s in doc["groups"].items()}
         except _DECODE_ERRORS as e:
-            raise StateFileError(f"{self.path}: not a valid coordinator state file ({e}): restore it, "
-                                 + _START_AFRESH.format(other=self.journal_path)) from e
+            raise StateFileError(f"{self.path}: not a valid coordinator state file ({e}): restore it, or "
+                                 + _START_AFRESH.format(files=f"it and {self.journal_path}")) from e
         self.seq, self.generation = seq, generation
         self.entries.extend(entries)
 
     def _refuse(self, problem: str) -> StateFileError:
-        return StateFileError(f"{self.journal_path}: not a valid coordinator journal ({problem}): restore it, "
-                              + _START_AFRESH.format(other=self.path))
+        return StateFileError(f"{self.journal_path}: not a valid coordinator journal ({problem}): restore it, or "
+                              + _START_AFRESH.format(files=f"it and {self.path}"))
 
     def _read_head(self, raw: bytes) -> _Head:
         try:

@@ -205,3 +205,88 @@ def test_bad_worker_and_workload_keys_name_file_key_and_allowed(tmp_path, text, 
 def test_bad_workload_environment_is_named():
     with pytest.raises(ConfigError, match="environment variable WSD_WORKLOAD_OVERSIZE_CHANCE: .*must be a number"):
         load_config(None, env={"WSD_WORKLOAD_OVERSIZE_CHANCE": "often"})
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # ZeroMQ binds port 99999 as a random port, and -1 as 65535, on every interface, silently.
+        ('[coordinator]\nagent_endpoint = "tcp://*:99999"\n',
+         r"agent_endpoint must have a port from 0 \(any free port\) to 65535, got 'tcp://\*:99999'"),
+        ('[coordinator]\nclient_endpoint = "tcp://127.0.0.1:-1"\n', "client_endpoint must have a port from 0"),
+        ('[coordinator]\nclient_endpoint = "tcp://127.0.0.1:4294967297"\n', "client_endpoint must have a port"),
+        ('[coordinator]\nagent_endpoint = "tcp://127.0.0.1:*"\n', "agent_endpoint must be a ZeroMQ endpoint: tcp://HOST:PORT"),
+        ('[coordinator]\nagent_endpoint = "tcp://:7600"\n', "agent_endpoint must be a ZeroMQ endpoint"),
+        ('[coordinator]\nagent_endpoint = "tcp://127.0.0.1"\n', "agent_endpoint must be a ZeroMQ endpoint"),
+        ('[coordinator]\nagent_endpoint = "udp://127.0.0.1:7600"\n', "agent_endpoint must be a ZeroMQ endpoint"),
+        ('[coordinator]\nagent_endpoint = "ipc://"\n', "agent_endpoint must be a ZeroMQ endpoint"),
+        ('[coordinator]\nconnect_endpoint = "tcp://head:0"\n', "connect_endpoint must have a port from 1 to 65535"),
+        ('[coordinator]\nconnect_endpoint = "tcp://*:7600"\n', "connect_endpoint must name the host to connect to"),
+    ],
+)
+def test_an_endpoint_zeromq_would_bend_is_refused(tmp_path, text, expected):
+    """Fails if an endpoint that ZeroMQ binds as some other one (or cannot use) loads."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=expected) as info:
+        load_config(path, env={})
+    assert str(path) in str(info.value)
+
+
+def test_endpoints_that_work_still_load():
+    """Fails if the endpoint check refuses what wsd relies on: port 0 (any free port, as the
+    tests and `wsd up` use it), every interface, names, IPv6, ipc and inproc."""
+    env = {"WSD_COORDINATOR_AGENT_ENDPOINT": "tcp://0.0.0.0:0", "WSD_COORDINATOR_CLIENT_ENDPOINT": "tcp://*:7601",
+           "WSD_COORDINATOR_CONNECT_ENDPOINT": "tcp://head-node.example.com:7600"}
+    assert load_config(None, env=env).coordinator.client_endpoint == "tcp://*:7601"
+    for endpoint in ("tcp://[::1]:0", "tcp://localhost:65535", "ipc:///tmp/wsd.ipc", "inproc://wsd"):
+        assert load_config(None, env={"WSD_COORDINATOR_AGENT_ENDPOINT": endpoint}).coordinator.agent_endpoint \
+            == endpoint
+
+
+def test_an_unknown_environment_section_fails_naming_the_variable():
+    """Fails if WSD_COORDNATOR_HEARTBEAT_INTERVAL=2 (a typo) is ignored: the operator would
+    believe the heartbeat changed."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env={"WSD_COORDNATOR_HEARTBEAT_INTERVAL": "2"})
+    message = str(info.value)
+    assert message.startswith("environment variable WSD_COORDNATOR_HEARTBEAT_INTERVAL: unknown section 'coordnator'")
+    assert "SECTION one of WORKSPACE, COORDINATOR, AGENT, WORKER, WORKLOAD, SECURITY" in message
+    assert "WSD_CONFIG" in message and "WSD_ENDPOINT" in message
+
+
+def test_variables_that_are_not_configuration_are_left_alone(tmp_path):
+    """Fails if a WSD_* variable that something else reads (a launcher's secret, wsctl's
+    endpoint and keys, the file's name) breaks start-up."""
+    from wsd.config import NOT_CONFIGURATION
+
+    path = write(tmp_path, "[workspace]\nnum_lanes = 2\n")
+    env = {name: "x" for name in NOT_CONFIGURATION} | {"WSD_CONFIG": str(path)}
+    assert load_config(env=env).workspace.num_lanes == 2
+    assert "WSD_AGENT_TOKEN" in NOT_CONFIGURATION
+
+
+def test_every_wsd_variable_the_code_reads_is_configuration_or_listed():
+    """Fails if code reads a WSD_* variable that load_config would refuse at start-up: add it to
+    NOT_CONFIGURATION (with what reads it), or make it a configuration key."""
+    import dataclasses
+    import pathlib
+    import re
+    import typing
+
+    from wsd.config import NOT_CONFIGURATION, WsdConfig
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    sections = {name: {f.name for f in dataclasses.fields(kind)}
+                for name, kind in typing.get_type_hints(WsdConfig).items() if name != "source"}
+    quoted = re.compile(r"""["'](WSD_[A-Z0-9_]*[A-Z0-9])["']""")
+    read = re.compile(r"""environ(?:\.get\(|\[)\s*["'](WSD_[A-Z0-9_]*[A-Z0-9])["']""")
+    names: set[str] = set()
+    for folder, pattern in (("wsd", quoted), ("clients", quoted), ("bench", quoted), ("tests", read)):
+        for source in (root / folder).rglob("*.py"):
+            text = source.read_text()
+            # A name the module defines (WSD_STEP = "wsd_step", listed in __all__) is Python's, not the shell's.
+            names |= {n for n in pattern.findall(text) if not re.search(rf"^{n}\s*=", text, re.MULTILINE)}
+    assert "WSD_ENDPOINT" in names and "WSD_COORDINATOR_CONNECT_ENDPOINT" in names  # the scan works
+    for name in names - set(NOT_CONFIGURATION):
+        section, _, key = name[4:].lower().partition("_")
+        assert key in sections.get(section, ()), f"{name} is read but load_config refuses it"

@@ -7,13 +7,16 @@ error it raises names the file (or variable), the key and what is allowed.
 
 Environment variables are ``WSD_<SECTION>_<KEY>`` in upper case, for example
 ``WSD_WORKSPACE_NUM_UBATCHES=4``; they win over the file. ``WSD_CONFIG`` names
-the file when no path is given.
+the file when no path is given. Any other ``WSD_*`` variable is refused at
+start-up, as an unknown key in the file is, unless ``NOT_CONFIGURATION`` lists
+it (a variable that some other part of wsd reads).
 
 This module imports no torch: the coordinator and the clients load it too.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import enum
 import os
@@ -21,12 +24,13 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from wsd.errors import ConfigError
 from wsd.security import SecurityConfig
+from wsd.transport import check_endpoint
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -34,8 +38,10 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 __all__ = [
+    "MAX_EVENT_CAPACITY",
     "MAX_LANES",
     "MAX_UBATCHES",
+    "NOT_CONFIGURATION",
     "AgentConfig",
     "Backend",
     "CoordinatorConfig",
@@ -47,6 +53,7 @@ __all__ = [
     "WorkloadDtype",
     "WorkspaceConfig",
     "WsdConfig",
+    "flag_number",
     "load_config",
     "parse_size",
     "read_toml",
@@ -56,6 +63,21 @@ MAX_UBATCHES = 64
 """Largest ``num_ubatches`` a manager accepts."""
 MAX_LANES = 64
 """Largest ``num_lanes`` a manager accepts."""
+MAX_EVENT_CAPACITY = 10_000_000
+"""Largest ``event_capacity``: the most events a coordinator holds."""
+
+NOT_CONFIGURATION: dict[str, str] = {
+    "WSD_CONFIG": "the configuration file, when none is given on the command line",
+    "WSD_ENDPOINT": "the coordinator's client endpoint, for wsctl and wsd_client",
+    "WSD_CURVE_SERVER_KEY": "the coordinator's public certificate, for wsctl and wsd_client",
+    "WSD_CURVE_CLIENT_KEY": "the client's secret certificate, for wsctl and wsd_client",
+    "WSD_AGENT_TOKEN": "the registration secret a launcher hands its workers",
+    "WSD_SOAK_RECORD": "the folder bench/soak.py's workers record into",
+    "WSD_VLLM_SOURCE": "a vLLM checkout, for tests/vllm_peer",
+    "WSD_HOSTILE_SEED": "the seed that replays the inputs of the hostile tests",
+}
+"""The ``WSD_*`` environment variables that are not ``WSD_<SECTION>_<KEY>``
+overrides, and what reads each; ``load_config`` refuses any other."""
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -74,6 +96,29 @@ def parse_size(value: int | str) -> int:
             f"expected a size such as 4096, \"512KiB\" or \"2MiB\", got {value!r}"
         )
     return int(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
+
+
+def flag_number(kind: type[int | float], low: float, high: float, *, what: str,
+                unit: str = "", above_low: bool = False) -> Callable[[str], Any]:
+    """An argparse ``type`` for a command-line number: a ``kind`` from ``low`` (excluded if
+    ``above_low``) to ``high``; otherwise a usage error that names the range."""
+
+    def show(bound: float) -> str:
+        return f"{bound:g}" if isinstance(bound, float) else str(bound)
+
+    def convert(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        # NaN fails every comparison, so it is refused by the first test, as inf is by the last.
+        if not (low < value if above_low else low <= value) or not value <= high:
+            bounds = (f"more than {show(low)} and at most {show(high)}" if above_low
+                      else f"between {show(low)} and {show(high)}")
+            raise argparse.ArgumentTypeError(f"must be {bounds}{unit}, got {text}")
+        return value
+
+    return convert
 
 
 def _size_field(default: int | None) -> Any:
@@ -162,11 +207,11 @@ def _check_positive(name: str, value: float, high: float = 86400.0) -> None:
         raise ValueError(f"{name} must be a number of seconds in (0, {high:g}], got {value!r}")
 
 
-def _check_endpoint(name: str, value: str) -> None:
-    if not isinstance(value, str) or not re.match(r"^(tcp|ipc|inproc)://.+", value):
-        raise ValueError(
-            f"{name} must be a ZeroMQ endpoint such as tcp://127.0.0.1:7600, got {value!r}"
-        )
+def _check_endpoint(name: str, value: str, *, bind: bool) -> None:
+    try:
+        check_endpoint(value, bind=bind)
+    except ValueError as e:
+        raise ValueError(f"{name} {e}") from None
 
 
 class CoordinatorMode(enum.Enum):
@@ -229,9 +274,9 @@ class CoordinatorConfig:
     def __post_init__(self) -> None:
         _coerce_enum(self, "mode", CoordinatorMode)
         if self.connect_endpoint is not None:
-            _check_endpoint("connect_endpoint", self.connect_endpoint)
-        _check_endpoint("agent_endpoint", self.agent_endpoint)
-        _check_endpoint("client_endpoint", self.client_endpoint)
+            _check_endpoint("connect_endpoint", self.connect_endpoint, bind=False)
+        _check_endpoint("agent_endpoint", self.agent_endpoint, bind=True)
+        _check_endpoint("client_endpoint", self.client_endpoint, bind=True)
         _check_positive("heartbeat_interval", self.heartbeat_interval)
         _check_positive("heartbeat_timeout", self.heartbeat_timeout)
         if self.heartbeat_timeout <= self.heartbeat_interval:
@@ -254,7 +299,7 @@ class CoordinatorConfig:
         _check_range("max_message_bytes", self.max_message_bytes, 1024, 1 << 30)
         _check_range("max_agent_message_bytes", self.max_agent_message_bytes, 64 << 10, 1 << 30)
         _check_range("high_water_mark", self.high_water_mark, 1, 10_000_000)
-        _check_range("event_capacity", self.event_capacity, 1, 10_000_000)
+        _check_range("event_capacity", self.event_capacity, 1, MAX_EVENT_CAPACITY)
         _check_range("log_capacity", self.log_capacity, 1, 10_000_000)
         if self.metrics_port is not None:
             _check_range("metrics_port", self.metrics_port, 0, 65535)
@@ -525,12 +570,18 @@ def load_config(
                 raise ConfigError(f"{source}: {section} must be a [{section}] table")
             raw[section].update({k: (v, source, False) for k, v in body.items()})
     for name, value in env.items():
-        if not name.startswith("WSD_"):
+        if not name.startswith("WSD_") or name in NOT_CONFIGURATION:
             continue
         section, _, key = name[4:].lower().partition("_")
-        if section in _SECTIONS:
-            if not key:
-                raise ConfigError(f"environment variable {name}: names no key")
-            raw[section][key] = (value, f"environment variable {name}", True)
+        if section not in _SECTIONS:
+            allowed = ", ".join(s.upper() for s in _SECTIONS)
+            raise ConfigError(
+                f"environment variable {name}: unknown section {section!r}; allowed: "
+                f"WSD_<SECTION>_<KEY> with SECTION one of {allowed}, or one of "
+                f"{', '.join(sorted(NOT_CONFIGURATION))}, which are not configuration"
+            )
+        if not key:
+            raise ConfigError(f"environment variable {name}: names no key")
+        raw[section][key] = (value, f"environment variable {name}", True)
     sections = {s: _build(cls, raw[s], s) for s, cls in _SECTIONS.items()}
     return WsdConfig(source=source, **sections)

@@ -1,11 +1,14 @@
 """ZeroMQ plumbing shared by the coordinator, the agent and the clients.
 
-Socket options in one place, endpoints with port 0 resolved to the port the
-kernel chose, and zmq's errors translated into wsd's at this boundary.
+Socket options in one place, endpoints checked before ZeroMQ sees them (it
+binds some other port than a bad one asks for, without a word), port 0
+resolved to the port the kernel chose, and zmq's errors translated into wsd's
+at this boundary.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import resource
@@ -14,14 +17,60 @@ from collections.abc import Callable
 
 import zmq
 
-from wsd.errors import WsdError
+from wsd.errors import ConfigError, WsdError
 
-__all__ = ["TransportError", "Waker", "answer_waiting", "bind", "connect", "make_socket", "raise_fd_limit",
-           "send_nowait"]
+__all__ = ["BindError", "TransportError", "Waker", "answer_waiting", "bind", "check_endpoint", "connect",
+           "make_socket", "raise_fd_limit", "send_nowait"]
 
 
 class TransportError(WsdError):
     """A socket could not be bound or connected; the message names the endpoint."""
+
+
+class BindError(TransportError, ConfigError):
+    """An endpoint could not be bound: in use, not an address of this host, a privileged port.
+
+    A configuration problem (``wsd`` exits 2): choose another endpoint, or stop
+    whatever holds this one, and start again.
+    """
+
+
+# tcp://HOST:PORT, HOST a name or an IPv4 address, [an IPv6 address] or *.
+_TCP = re.compile(r"tcp://(?P<host>\*|\[[0-9A-Fa-f:.]+(?:%[A-Za-z0-9_.-]+)?\]|[A-Za-z0-9_.-]+)"
+                  r":(?P<port>-?[0-9]{1,12})")
+
+
+def check_endpoint(endpoint: str, *, bind: bool) -> None:
+    """ValueError, saying what is allowed, unless wsd can ``bind`` (else connect to) ``endpoint``.
+
+    ZeroMQ accepts more than it should: it binds port 99999 as some random
+    port and -1 as 65535 without a word, and binds ``*`` as a host (every
+    interface), which cannot be connected to. A bound endpoint may ask for
+    port 0, any free port; ``bind`` returns the one the kernel chose.
+    """
+    if not isinstance(endpoint, str):
+        raise ValueError(f"must be a ZeroMQ endpoint such as tcp://127.0.0.1:7600, got {endpoint!r}")
+    scheme, sep, address = endpoint.partition("://")
+    if scheme in ("ipc", "inproc") and sep and address:
+        return
+    match = _TCP.fullmatch(endpoint)
+    if match is None:
+        wildcards = " or * for every interface; PORT 0 for any free one" if bind else ""
+        raise ValueError(f"must be a ZeroMQ endpoint: tcp://HOST:PORT (HOST a name, an IPv4 address, "
+                         f"[an IPv6 address]{wildcards}), ipc://PATH or inproc://NAME, got {endpoint!r}")
+    if match["host"] == "*" and not bind:
+        raise ValueError(f"must name the host to connect to (* means every interface, to bind), "
+                         f"got {endpoint!r}")
+    if not (0 if bind else 1) <= int(match["port"]) <= 65535:
+        ports = "0 (any free port) to 65535" if bind else "1 to 65535"
+        raise ValueError(f"must have a port from {ports}, got {endpoint!r}")
+
+
+def _ipv6(sock: zmq.Socket, endpoint: str) -> None:
+    # ZeroMQ sockets are IPv4 only unless told otherwise: tcp://[::1]:7600
+    # would fail with "No such device".
+    if endpoint.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
 
 
 def make_socket(context: zmq.Context, kind: int, *, hwm: int = 10_000) -> zmq.Socket:
@@ -33,16 +82,34 @@ def make_socket(context: zmq.Context, kind: int, *, hwm: int = 10_000) -> zmq.So
 
 
 def bind(sock: zmq.Socket, endpoint: str) -> str:
-    """Bind, with ``:0`` meaning a free port; returns the endpoint actually bound."""
-    wanted = re.sub(r":0$", ":*", endpoint) if endpoint.startswith("tcp://") else endpoint
+    """Bind, with port 0 meaning a free port; returns the endpoint actually bound.
+
+    BindError names the endpoint and the reason (address in use, not this
+    host's, permission).
+    """
     try:
-        sock.bind(wanted)
+        check_endpoint(endpoint, bind=True)
+    except ValueError as e:
+        raise BindError(f"cannot bind {endpoint}: {e}") from None
+    _ipv6(sock, endpoint)
+    try:
+        sock.bind(re.sub(r":0$", ":*", endpoint) if endpoint.startswith("tcp://") else endpoint)
     except zmq.ZMQError as e:
-        raise TransportError(f"cannot bind {endpoint}: {e}") from e
+        # libzmq says "No such device" for a host it cannot resolve to one of this host's addresses.
+        if e.errno == errno.ENODEV:
+            reason = "not an address or interface of this host"
+        else:
+            reason = zmq.strerror(e.errno) if e.errno is not None else str(e)
+        raise BindError(f"cannot bind {endpoint}: {reason}") from e
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 def connect(sock: zmq.Socket, endpoint: str) -> None:
+    try:
+        check_endpoint(endpoint, bind=False)
+    except ValueError as e:
+        raise TransportError(f"cannot connect to {endpoint}: {e}") from None
+    _ipv6(sock, endpoint)
     try:
         sock.connect(endpoint)
     except zmq.ZMQError as e:

@@ -278,8 +278,8 @@ def test_exit_1_when_a_rank_fails_to_apply(cluster, capsys):
     (["set-ubatches", "0"], "argument N: must be between 1 and 64, got 0"),
     (["set-ubatches", "two"], "argument N: expected an integer, got 'two'"),
     (["set-ubatches", "65"], "argument N: must be between 1 and 64, got 65"),
-    (["stats", "--timeout", "0"], "argument --timeout: must be more than 0 seconds"),
-    (["watch", "--count", "0"], "argument --count: must be at least 1, got 0"),
+    (["stats", "--timeout", "0"], "argument --timeout: must be more than 0 and at most 3600 seconds, got 0"),
+    (["watch", "--count", "0"], "argument --count: must be between 1 and 1000000000, got 0"),
     (["lock", "--group", "-1"], "argument --group: must be between 0 and 65535"),
     (["explode"], "invalid choice: 'explode'"),
     ([], "the following arguments are required: COMMAND"),
@@ -289,6 +289,61 @@ def test_exit_2_on_usage_errors(capsys, argv, message):
     code, out, err = run(capsys, None, *argv)
     assert code == 2 and out == ""
     assert message in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    # Each was a traceback, a silent wait of centuries, or a refusal by the coordinator (exit 1).
+    (["ping", "--timeout", "1e308"], "argument --timeout: must be more than 0 and at most 3600 seconds, got 1e308"),
+    (["ping", "--timeout", "inf"], "argument --timeout: must be more than 0 and at most 3600 seconds, got inf"),
+    (["ping", "--timeout", "nan"], "argument --timeout: must be more than 0 and at most 3600 seconds, got nan"),
+    (["ping", "--timeout", "-1"], "argument --timeout: must be more than 0 and at most 3600 seconds, got -1"),
+    (["ping", "--timeout", "3601"], "argument --timeout: must be more than 0 and at most 3600 seconds, got 3601"),
+    (["watch", "--interval", "1e308"], "argument --interval: must be between 0.01 and 3600 seconds, got 1e308"),
+    (["watch", "--interval", "nan"], "argument --interval: must be between 0.01 and 3600 seconds, got nan"),
+    (["events", "-f", "--interval", "0.0001"], "argument --interval: must be between 0.01 and 3600 seconds"),
+    (["watch", "--count", "99999999999999999999999"], "argument --count: must be between 1 and 1000000000"),
+    (["events", "--count", "1e308"], "argument --count: expected an integer, got '1e308'"),
+    (["events", "--since", "9223372036854775808"], "argument --since: must be between 0 and 9223372036854775807"),
+    (["events", "--since", "-1"], "argument --since: must be between 0 and 9223372036854775807, got -1"),
+    (["events", "--last", "99999999999999999999999"], "argument --last: must be between 0 and 10000000"),
+    (["stats", "--group", "65536"], "argument --group: must be between 0 and 65535, got 65536"),
+    (["lock", "--group", "inf"], "argument --group: expected a TP group number, got 'inf'"),
+    (["reserve", "99999999999999999999999"], "argument SIZE: must be between 0 and 1125899906842624 bytes"),
+    (["reserve", "1125899906842625"], "argument SIZE: must be between 0 and 1125899906842624 bytes"),
+    (["set-ubatches", "99999999999999999999999"], "argument N: must be between 1 and 64"),
+    (["ping", "--endpoint", "tcp://127.0.0.1:99999"], "argument --endpoint: must have a port from 1 to 65535"),
+    (["ping", "--endpoint", "tcp://127.0.0.1:0"], "argument --endpoint: must have a port from 1 to 65535"),
+    (["ping", "--endpoint", "tcp://*:7601"], "argument --endpoint: must name the host to connect to"),
+    (["ping", "--endpoint", "127.0.0.1:7601"], "argument --endpoint: must be a ZeroMQ endpoint: tcp://HOST:PORT"),
+])
+def test_exit_2_on_numbers_and_endpoints_out_of_range(capsys, argv, message):
+    """Fails if a non-finite, negative or absurd number, or an endpoint ZeroMQ would turn into
+    another one, gets past argparse: each must be a usage error naming the option and the range."""
+    code, out, err = run(capsys, None, *argv)
+    assert code == 2 and out == ""
+    assert message in err and "Traceback" not in err
+
+
+def test_the_largest_allowed_numbers_are_accepted(capsys):
+    """Fails if the bounds are off by one: these reach the network (nothing listens, so: unavailable)."""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        for argv in (["ping", "--timeout", "0.05"], ["stats", "--group", "65535", "--timeout", "0.05"],
+                     ["events", "--since", str(2**63 - 1), "--last", "10000000", "--timeout", "0.05"]):
+            code, out, err = run(capsys, endpoint, *argv)
+            assert code == 1 and err.startswith("wsctl: unavailable: no reply"), (argv, err)
+
+
+def test_a_bad_endpoint_in_the_environment_is_a_usage_error(capsys, monkeypatch):
+    """Fails if WSD_ENDPOINT=tcp://127.0.0.1:99999 is tried (and times out, exit 1) instead of refused."""
+    monkeypatch.setenv("WSD_ENDPOINT", "tcp://127.0.0.1:99999")
+    code, out, err = run(capsys, None, "ping")
+    assert (code, out) == (2, "")
+    assert err == "wsctl: environment variable WSD_ENDPOINT must have a port from 1 to 65535, " \
+                  "got 'tcp://127.0.0.1:99999'\n"
 
 
 def test_events_human_and_json(cluster, capsys):

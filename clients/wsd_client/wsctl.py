@@ -24,7 +24,7 @@ Keys (no coordinator involved)::
 
 Options taken by every command, before or after its name: ``--endpoint``
 (default ``$WSD_ENDPOINT``, else ``tcp://127.0.0.1:7601``), ``--timeout`` seconds
-per request (default 5), ``--json``; with CURVE, ``--curve-server-key FILE`` (the
+per request (default 5, at most 3600), ``--json``; with CURVE, ``--curve-server-key FILE`` (the
 coordinator's public certificate, default ``$WSD_CURVE_SERVER_KEY``) and
 ``--curve-client-key FILE`` (your NAME.key_secret, default ``$WSD_CURVE_CLIENT_KEY``).
 
@@ -82,8 +82,10 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from wsd.auth import keygen
-from wsd.config import MAX_UBATCHES, parse_size
+from wsd.config import MAX_EVENT_CAPACITY, flag_number, parse_size
 from wsd.errors import ConfigError
+from wsd.protocol import SCHEMAS, Op
+from wsd.transport import check_endpoint
 from wsd_client import render
 from wsd_client.client import Client, ClientError, CommandResult
 from wsd_client.rows import stats_rows
@@ -91,6 +93,12 @@ from wsd_client.rows import stats_rows
 __all__ = ["COMMANDS", "Exit", "main"]
 
 DEFAULT_TIMEOUT = 5.0
+# Most seconds between two refreshes of ``watch`` or polls of ``events --follow``.
+_MAX_INTERVAL = 3600.0
+# Least: a shorter pace would only poll the coordinator in a busy loop.
+_MIN_INTERVAL = 0.01
+# Most rounds or events ``--count`` waits for: beyond any real use, so a typo is caught.
+_MAX_COUNT = 1_000_000_000
 # Events asked for per request while reading the log (the protocol allows 10,000).
 _EVENT_PAGE = 1000
 # ANSI: cursor home, clear screen; ``watch`` redraws in place on a terminal.
@@ -270,40 +278,40 @@ def _keygen_options(p: argparse.ArgumentParser) -> None:
 # -- the command table ------------------------------------------------------------
 
 
-def _number(kind: type, low: float, high: float | None = None,
-            what: str = "") -> Callable[[str], Any]:
-    """An argparse type: a ``kind`` number in [low, high]; a clear usage error otherwise."""
-
-    def convert(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            expected = what or kind.__name__
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-        if value != value or value < low or (high is not None and value > high):
-            bound = f"between {low:g} and {high:g}" if high is not None else f"at least {low:g}"
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
-        return value
-
-    return convert
+def _wire(op: Op, name: str) -> tuple[Any, Any]:
+    """The bounds the protocol puts on a field: a flag refuses what the coordinator would."""
+    field = next(f for f in SCHEMAS[op] if f.name == name)
+    return field.low, field.high
 
 
 def _size(text: str) -> int:
+    low, high = _wire(Op.RESERVE, "bytes")
     try:
-        return parse_size(text)
+        value = parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _positive_seconds(text: str) -> float:
-    value = _number(float, 0, what="seconds")(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"must be between {low} and {high} bytes, got {text}")
     return value
 
 
+def _endpoint(text: str) -> str:
+    try:
+        check_endpoint(text, bind=False)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+_seconds = flag_number(float, 0, _wire(Op.STATS, "timeout")[1], what="seconds", unit=" seconds",
+                       above_low=True)
+_interval = flag_number(float, _MIN_INTERVAL, _MAX_INTERVAL, what="seconds", unit=" seconds")
+_count = flag_number(int, 1, _MAX_COUNT, what="an integer")
+
+
 def _group(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--group", metavar="G", type=_number(int, 0, 65535, "a TP group number"),
+    p.add_argument("--group", metavar="G", type=flag_number(int, *_wire(Op.STATS, "group"),
+                                                            what="a TP group number"),
                    default=None,
                    help="only this TP group (default: every group)")
 
@@ -316,24 +324,28 @@ def _target(p: argparse.ArgumentParser) -> None:
 
 def _count_interval(interval: float, what: str) -> Callable[[argparse.ArgumentParser], None]:
     def add(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--interval", metavar="SECONDS", type=_positive_seconds, default=interval,
-                       help=f"seconds between refreshes (default: {interval:g})")
-        p.add_argument("--count", metavar="N", type=_number(int, 1, what="an integer"),
+        p.add_argument("--interval", metavar="SECONDS", type=_interval, default=interval,
+                       help=f"seconds between refreshes, {_MIN_INTERVAL:g} to {_MAX_INTERVAL:g} "
+                            f"(default: {interval:g})")
+        p.add_argument("--count", metavar="N", type=_count,
                        default=None, help=f"stop after N {what} (default: until Ctrl-C)")
     return add
 
 
 def _events_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--since", metavar="ID", type=_number(int, 0, what="an event id"), default=None,
+    p.add_argument("--since", metavar="ID", default=None,
+                   type=flag_number(int, *_wire(Op.EVENTS, "cursor"), what="an event id"),
                    help="every event after this id (default: the last --last events)")
-    p.add_argument("--last", metavar="N", type=_number(int, 0, what="an integer"), default=20,
+    p.add_argument("--last", metavar="N", default=20,
+                   type=flag_number(int, 0, MAX_EVENT_CAPACITY, what="an integer"),
                    help="how many of the latest events to show first (default: 20)")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
 
 
 def _ubatches(p: argparse.ArgumentParser) -> None:
-    p.add_argument("n", metavar="N", type=_number(int, 1, MAX_UBATCHES, "an integer"),
-                   help=f"ubatch slots per lane, 1..{MAX_UBATCHES}")
+    low, high = _wire(Op.SET_UBATCHES, "n")
+    p.add_argument("n", metavar="N", type=flag_number(int, low, high, what="an integer"),
+                   help=f"ubatch slots per lane, {low}..{high}")
 
 
 def _reserve_size(p: argparse.ArgumentParser) -> None:
@@ -387,12 +399,13 @@ def _common(p: argparse.ArgumentParser, top: bool) -> None:
     def default(value: Any) -> Any:
         return value if top else argparse.SUPPRESS
 
-    p.add_argument("--endpoint", default=default(None),
+    p.add_argument("--endpoint", type=_endpoint, default=default(None),
                    help="the coordinator's client endpoint "
                         "(default: $WSD_ENDPOINT, else tcp://127.0.0.1:7601)")
-    p.add_argument("--timeout", metavar="SECONDS", type=_positive_seconds,
+    p.add_argument("--timeout", metavar="SECONDS", type=_seconds,
                    default=default(DEFAULT_TIMEOUT),
-                   help=f"seconds to wait for each reply (default: {DEFAULT_TIMEOUT:g})")
+                   help=f"seconds to wait for each reply, at most {_wire(Op.STATS, 'timeout')[1]:g} "
+                        f"(default: {DEFAULT_TIMEOUT:g})")
     p.add_argument("--json", action="store_true", default=default(False),
                    help="one JSON document per result per line on stdout (stable keys, see README)")
     p.add_argument("--curve-server-key", metavar="FILE", default=default(None),
@@ -421,6 +434,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else Exit.USAGE
     out = Output(args.json, sys.stdout)
     spec = COMMANDS[args.command]
+    from_env = os.environ.get("WSD_ENDPOINT")
+    if spec.client and args.endpoint is None and from_env:  # --endpoint was checked by argparse
+        try:
+            check_endpoint(from_env, bind=False)
+        except ValueError as e:
+            print(f"wsctl: environment variable WSD_ENDPOINT {e}", file=sys.stderr)
+            return Exit.USAGE
     try:
         if not spec.client:
             return int(spec.run(None, args, out))  # type: ignore[arg-type]

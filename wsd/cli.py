@@ -15,9 +15,15 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from wsd.errors import ConfigError, WsdError
+from wsd.config import flag_number
+from wsd.errors import ConfigError, StateFileError, WsdError
 
 logger = logging.getLogger("wsd")
+
+MAX_LOCAL_WORKERS = 1024
+"""Most workers ``wsd up`` starts: one machine's worth; more is a typo."""
+MAX_DEMO_STEPS = 1_000_000
+"""Most steady steps ``wsd demo`` runs; more is a typo."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,11 +36,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--config", help="TOML configuration file (default: $WSD_CONFIG or defaults)")
     demo.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    demo.add_argument("--steps", type=int, default=100, help="steady-state steps (default: 100)")
+    demo.add_argument("--steps", type=flag_number(int, 1, MAX_DEMO_STEPS, what="an integer"), default=100,
+                      help=f"steady-state steps, 1..{MAX_DEMO_STEPS} (default: 100)")
     up = sub.add_parser(
         "up", help="start a local cluster: a coordinator and torchrun workers, until Ctrl-C or SIGTERM"
     )
-    up.add_argument("--nproc", type=int, default=2, help="worker processes (default: 2)")
+    up.add_argument("--nproc", type=flag_number(int, 1, MAX_LOCAL_WORKERS, what="an integer"), default=2,
+                    help=f"worker processes, 1..{MAX_LOCAL_WORKERS} (default: 2)")
     up.add_argument("--config", help="TOML configuration file (default: $WSD_CONFIG or defaults)")
     coordinator = sub.add_parser(
         "coordinator", help="run the coordinator alone in the foreground, until SIGTERM or Ctrl-C"
@@ -56,8 +64,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "up":
             from wsd.launch import up
 
-            if args.nproc < 1:
-                parser.error(f"--nproc must be at least 1, got {args.nproc}")
             return up(args.nproc, args.config)
         if args.command == "coordinator":
             from wsd.config import load_config
@@ -67,12 +73,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             from wsd.demo import run_demo
 
-            if args.steps < 1:
-                parser.error("--steps must be at least 1")
             print(run_demo(args.config, args.device, args.steps))
             return 0
-    except ConfigError as e:
+    except ConfigError as e:  # a bad file, variable or flag, or an endpoint that cannot be bound
         print(f"wsd: configuration error: {e}", file=sys.stderr)
+        return 2
+    except StateFileError as e:  # at start-up: the state file is unreadable, damaged or has no folder
+        print(f"wsd: state file error: {e}", file=sys.stderr)
         return 2
     except WsdError as e:
         print(f"wsd: {e}", file=sys.stderr)

@@ -40,6 +40,7 @@ from prometheus_client.metrics_core import (
 from wsd.errors import WsdError
 from wsd.protocol import StrEnum
 from wsd.registry import RankState, Registry
+from wsd.transport import BindError
 
 __all__ = ["COMMAND_BUCKETS", "FAMILIES", "Collector", "CommandOutcome", "CommandStats", "CoreView",
            "MetricsServer", "Published", "RankRow", "StatsView", "core_view"]
@@ -305,9 +306,9 @@ class MetricsServer:
             server_class = type("_MetricsServer", (_Server,), {"address_family": family})
             self._server = make_server(address[0], port, make_wsgi_app(registry), server_class,
                                        handler_class=_QuietHandler)
-        except OSError as e:
-            raise WsdError(f"cannot serve metrics on {host}:{port} ([coordinator] metrics_host, "
-                           f"metrics_port): {e}") from e
+        except OSError as e:  # in use, not this host's, a privileged port: configuration
+            raise BindError(f"cannot serve metrics on {host}:{port} ([coordinator] metrics_host, "
+                            f"metrics_port): {e.strerror or e}") from e
         self.host = host
         self.port: int = self._server.server_address[1]
         """The bound port: the one asked for, or the one the OS chose for port 0."""

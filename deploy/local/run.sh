@@ -17,6 +17,8 @@
 #   WORKER_ARGS    extra arguments of `python -m wsd.worker`, e.g. --idle
 #   READY_TIMEOUT  seconds to wait for the coordinator to bind (default 30)
 #   STOP_GRACE     seconds the workers get to stop after SIGTERM (default 15)
+#   WSD_AGENT_TOKEN the agent token (default: one made up for this run, as
+#                  `wsd up` does: only the workers started here can register)
 #   WSD_*          any configuration key, e.g. WSD_WORKSPACE_NUM_UBATCHES=2 or
 #                  WSD_COORDINATOR_CLIENT_ENDPOINT=tcp://127.0.0.1:0 (ports the OS picks)
 #
@@ -51,6 +53,12 @@ if [[ -n $CONFIG ]]; then
     config_args=(--config "$CONFIG")
 fi
 read -r -a worker_args <<<"$WORKER_ARGS"
+# The coordinator admits only registrations that prove they hold this token, and
+# only the workers started here inherit it (docs/security.md). Never printed.
+if [[ -z ${WSD_AGENT_TOKEN:-} ]]; then
+    WSD_AGENT_TOKEN=$("$PYTHON" -c 'import secrets; print(secrets.token_hex(32))')
+fi
+export WSD_AGENT_TOKEN
 
 RUN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/wsd-local.XXXXXX")
 COORDINATOR=""

@@ -5,9 +5,14 @@ Static tier: every shell script passes ``bash -n`` (and shellcheck where
 installed), every YAML file parses, every example TOML loads with
 ``load_config`` and agrees with the manifests it sits beside, and every metric
 name (and label) the dashboard, the alert rules and the scrape configuration
-use is one the coordinator exports. Process tier: ``deploy/local/run.sh``
-starts a coordinator and torchrun workers, shows only the chosen ranks, and
-stops everything it started on Ctrl-C, on SIGTERM, and when its coordinator dies.
+use is one the coordinator exports. Agent token: ``slurm/wsd.sbatch``, run with
+test doubles of srun and scontrol, gives both job steps one token made for the
+job; the Kubernetes coordinator and workers take it from one Secret, which the
+documented steps make. Process tier: ``deploy/local/run.sh`` starts a
+coordinator and torchrun workers (agents authenticated by a token it made),
+shows only the chosen ranks, and stops everything it started on Ctrl-C, on
+SIGTERM, and when its coordinator dies; each example configuration starts a
+coordinator as its recipe starts it.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import dataclasses
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -37,6 +43,7 @@ from wsd.auth import agent_keys
 from wsd.config import load_config
 from wsd.metrics import FAMILIES
 from wsd.protocol import ErrorCode
+from wsd.security import load_agent_token
 from wsd_client import wsctl
 from wsd_client.client import Client, ClientError
 
@@ -49,6 +56,7 @@ DASHBOARD = DEPLOY / "grafana" / "wsd-dashboard.json"
 ALERTS = DEPLOY / "prometheus" / "wsd-alerts.yml"
 SCRAPE = DEPLOY / "prometheus" / "prometheus.yml"
 KUBERNETES = DEPLOY / "kubernetes"
+SBATCH = DEPLOY / "slurm" / "wsd.sbatch"
 INSTALL_KEYS = KUBERNETES / "install-keys.sh"
 README = DEPLOY / "README.md"
 
@@ -331,13 +339,37 @@ def test_kubernetes_secret_keys_reach_wsd_only_through_the_mode_fixing_init_cont
             mode = (volume.get("secret") or volume.get("projected"))["defaultMode"]
             assert mode | 0o440 == 0o440, f"{volume['name']}: mode {mode:o} gives others access"
 
+_AGENT_TOKEN_ENV = "WSD_AGENT_TOKEN"
+
+
+def _token_ref(kind: str) -> dict[str, Any]:
+    """Where the container of ``kind`` takes the agent token from (its secretKeyRef)."""
+    container = _container(kind)
+    (variable,) = [e for e in container.get("env", []) if e["name"] == _AGENT_TOKEN_ENV]
+    return variable["valueFrom"]["secretKeyRef"]
+
+
+def test_kubernetes_coordinator_and_workers_take_the_agent_token_from_one_secret():
+    """Without the token in the coordinator, any pod reaching the agent port may register as
+    any rank not live; without it in the workers, every worker is refused. Both must read
+    the same entry of the same required Secret, which the documented steps make, and
+    wsd.toml must not point either at a token file instead."""
+    coordinator, worker = _token_ref("Deployment"), _token_ref("Job")
+    assert coordinator == worker, (coordinator, worker)
+    assert not coordinator.get("optional", False), "a pod without the token must not start"
+    assert load_config(KUBERNETES / "wsd.toml", env={}).security.agent_token_file is None
+    steps = _readme_block("### Keys on Kubernetes")
+    made = re.findall(r"kubectl create secret generic (\S+) --from-file=(\w+)=", steps)
+    assert (coordinator["name"], coordinator["key"]) in made, made
+
+
 def test_kubernetes_workers_rendezvous_and_world_agree_with_the_configuration():
     """The Job's node count, torchrun's arguments, the headless Service and wsd.toml's world
     size must agree, or the rendezvous waits forever for nodes that never come."""
     config = load_config(KUBERNETES / "wsd.toml", env={})
     (job,) = [w for w, _ in _pod_specs() if w["kind"] == "Job"]
     container = _container("Job")
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}  # not the token's secretKeyRef
     nnodes, nproc = int(env["NNODES"]), int(env["NPROC_PER_NODE"])
     assert job["spec"]["completionMode"] == "Indexed"
     assert job["spec"]["completions"] == job["spec"]["parallelism"] == nnodes
@@ -534,6 +566,87 @@ def test_scrape_config_targets_the_coordinators_metrics_port():
     assert load_config(KUBERNETES / "wsd.toml", env={}).coordinator.metrics_host == "0.0.0.0"
 
 
+# -- slurm/wsd.sbatch: the steps it starts, with test doubles of srun and scontrol -------------------
+
+# `scontrol show hostnames` lists the nodes. srun records each step (its options, its
+# command, its WSD_* environment) instead of running it; the coordinator step prints a
+# ready line and waits to be stopped, the workers' step ends at once, as a job whose
+# workers finished: the script then stops the coordinator and exits 0.
+_FAKE_SCONTROL = """#!/usr/bin/env bash
+[[ $1 == show && $2 == hostnames ]] || { echo "fake scontrol: unexpected $*" >&2; exit 2; }
+tr ',' '\\n' <<<"$3"
+"""
+_FAKE_SRUN = """#!{python}
+import json, os, sys, time
+args, options = sys.argv[1:], []
+while args and args[0].startswith("-"):
+    options.append(args.pop(0))
+env = {{k: v for k, v in os.environ.items() if k.startswith("WSD_")}}
+with open({log!r}, "a") as f:
+    f.write(json.dumps({{"options": options, "argv": args, "env": env}}) + "\\n")
+if "coordinator" in args:
+    print("wsd coordinator ready: agents tcp://127.0.0.1:1 clients tcp://127.0.0.1:2", flush=True)
+    time.sleep(60)  # until the script's SIGTERM
+"""
+
+
+def _run_sbatch(tmp_path: Path, config: Path, job_id: str = "4242", **env: str) -> tuple[int, str, list[dict]]:
+    """wsd.sbatch as Slurm would run it on two nodes from ``tmp_path``: (exit code, its
+    output, the job steps it started)."""
+    bin_dir, log = tmp_path / f"bin-{job_id}", tmp_path / f"steps-{job_id}.jsonl"
+    bin_dir.mkdir()
+    for name, text in (("scontrol", _FAKE_SCONTROL),
+                       ("srun", _FAKE_SRUN.format(python=sys.executable, log=str(log)))):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("WSD_")}
+    result = subprocess.run(
+        ["bash", str(SBATCH)], check=False, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        env={**base, "PATH": f"{bin_dir}{os.pathsep}{base['PATH']}", "PYTHON": sys.executable,
+             "SLURM_JOB_ID": job_id, "SLURM_JOB_NODELIST": "node1,node2", "SLURM_SUBMIT_DIR": str(tmp_path),
+             "CONFIG": str(config), **env})
+    steps = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return result.returncode, result.stdout + result.stderr, steps
+
+
+def _steps(steps: list[dict]) -> tuple[dict, dict]:
+    """The coordinator's step and the workers' step."""
+    (coordinator,) = [s for s in steps if "coordinator" in s["argv"]]
+    (workers,) = [s for s in steps if "wsd.worker" in s["argv"]]
+    return coordinator, workers
+
+
+def test_slurm_script_gives_both_steps_a_token_made_for_the_job_and_the_world_size(tmp_path):
+    """Without a token the coordinator admits any registration that reaches its agent port
+    (every interface of the first node); without the world size it would refuse to start.
+    Each job gets a token of its own, the same in the coordinator's step and the workers'
+    (exported to both, --export=ALL so that `sbatch --export=NONE` does not drop it),
+    printed nowhere; one given in WSD_AGENT_TOKEN is kept; a short one is refused before
+    any step starts."""
+    tokens = []
+    for job in ("101", "102"):
+        code, output, steps = _run_sbatch(tmp_path, DEPLOY / "slurm" / "wsd.toml", job)
+        assert code == 0, output
+        coordinator, workers = _steps(steps)
+        token = coordinator["env"].get(_AGENT_TOKEN_ENV)
+        assert token and re.fullmatch(r"[0-9a-f]{64}", token), coordinator["env"]
+        assert workers["env"].get(_AGENT_TOKEN_ENV) == token
+        assert coordinator["env"]["WSD_COORDINATOR_WORLD_SIZE"] == str(2 * 8)  # 2 nodes x NPROC_PER_NODE
+        assert all("--export=ALL" in s["options"] for s in (coordinator, workers))
+        run_dir = tmp_path / f"wsd-{job}"
+        assert token not in output
+        assert not [f for f in run_dir.rglob("*") if f.is_file() and token in f.read_text()]
+        tokens.append(token)
+    assert tokens[0] != tokens[1], "two jobs got the same token"
+    given = secrets.token_hex(16)
+    code, output, steps = _run_sbatch(tmp_path, DEPLOY / "slurm" / "wsd.toml", "103", WSD_AGENT_TOKEN=given)
+    assert code == 0, output
+    assert {s["env"][_AGENT_TOKEN_ENV] for s in steps} == {given}
+    code, output, steps = _run_sbatch(tmp_path, DEPLOY / "slurm" / "wsd.toml", "104", WSD_AGENT_TOKEN="short")
+    assert code == 2 and steps == [], output
+    assert "at least 16 characters" in output
+
+
 # -- deploy/local/run.sh, for real -------------------------------------------------------------------
 
 _SMALL_WORKLOAD = {"WSD_WORKLOAD_HIDDEN_SIZE": "32", "WSD_WORKLOAD_FFN_SIZE": "64",
@@ -583,6 +696,8 @@ def test_local_script_runs_a_cluster_shows_chosen_ranks_and_stops_on_ctrl_c(tmp_
     with client:
         status = client.status()
         assert status["world_size"] == 2 and status["tp_size"] == 2  # told up front; one group per node
+        # run.sh made up a token, as `wsd up` does: the workers registered with it.
+        assert status["agents_authenticated"] is True and status["agents_refused"] == {}
     # The metrics URL the script printed (from the coordinator's ready line) answers.
     wait_until(lambda: _ranks_up(metrics_url) == {"0": 1.0, "1": 1.0}, 10, "both ranks up in /metrics")
     proc.wait_for(r"rank 0/2 wsd.workload INFO warm-up done", 30)
@@ -755,14 +870,32 @@ def test_kubernetes_install_keys_gives_each_pod_its_keys_with_modes_wsd_accepts(
 
 
 def _start_secured(spawn, config: Path, tmp_path: Path, cwd: Path, env: Mapping[str, str]):  # noqa: F811
-    """`wsd coordinator` with ``config`` on OS-chosen loopback ports; its two endpoints."""
+    """`wsd coordinator` with ``config`` and ``env`` (what the recipe gives it), moved to
+    OS-chosen loopback ports and a state file of the test's; its two endpoints."""
     base = {k: v for k, v in worker_env().items() if not k.startswith("WSD_")}
     proc = spawn(python("-m", "wsd.cli", "coordinator", "--config", str(config)), cwd=cwd, name="wsd coordinator",
-                 env={**base, "WSD_COORDINATOR_AGENT_ENDPOINT": "tcp://127.0.0.1:0",
+                 env={**base, **env, "WSD_COORDINATOR_AGENT_ENDPOINT": "tcp://127.0.0.1:0",
                       "WSD_COORDINATOR_CLIENT_ENDPOINT": "tcp://127.0.0.1:0",
                       "WSD_COORDINATOR_METRICS_PORT": "0", "WSD_COORDINATOR_METRICS_HOST": "127.0.0.1",
-                      "WSD_COORDINATOR_STATE_FILE": str(tmp_path / "state"), **env})
+                      "WSD_COORDINATOR_STATE_FILE": str(tmp_path / "state")})
     return proc.wait_for(COORDINATOR_READY, 30).groups()
+
+
+def _agent_registers(agent_endpoint: str, client_endpoint: str, security: Any, *, world_size: int,
+                     tp_size: int, token: str, server_key: Path, admin_key: Path) -> None:
+    """A worker's agent with ``security``'s keys and the token in its environment (read as
+    a worker reads it) registers as rank 0, and the coordinator says it authenticates agents."""
+    agent = Agent(WorkspaceManager("cpu", 1), endpoint=agent_endpoint, rank=0, world_size=world_size,
+                  tp_size=tp_size, idle=True, heartbeat_interval=0.2, heartbeat_timeout=2.0,
+                  curve=agent_keys(security), token=load_agent_token(security, {_AGENT_TOKEN_ENV: token})).start()
+    try:
+        with Client(client_endpoint, timeout=5, curve_server_key=str(server_key),
+                    curve_client_key=str(admin_key)) as admin:
+            wait_until(lambda: admin.status()["ranks"]["live"] == 1, 30, "the agent to register")
+            status = admin.status()
+            assert status["agents_authenticated"] is True and status["world_size"] == world_size
+    finally:
+        agent.stop(timeout=10)
 
 
 def _check_roles(client_endpoint: str, server_key: Path, admin_key: Path, viewer_key: Path) -> None:
@@ -780,9 +913,12 @@ def _check_roles(client_endpoint: str, server_key: Path, admin_key: Path, viewer
 def test_kubernetes_example_config_starts_a_coordinator_on_the_installed_keys(tmp_path, spawn):  # noqa: F811
     """kubernetes/wsd.toml, its [security] paths moved (WSD_SECURITY_*) under a root holding
     what each pod's install-keys produced from the documented Secrets: `wsd coordinator`
-    starts; the admin key locks, the viewer key is forbidden; the liveness probe's command
-    answers; a worker's agent registers with the worker pod's keys."""
+    starts with the agent token the pod gets from its Secret; the admin key locks, the
+    viewer key is forbidden; the liveness probe's command answers; a worker's agent
+    registers with the worker pod's keys and token."""
     secrets = _secrets(_run_readme_block("### Keys on Kubernetes", tmp_path), tmp_path)
+    ref = _token_ref("Deployment")
+    token = secrets[ref["name"]][ref["key"]].decode()
     config = load_config(KUBERNETES / "wsd.toml", env={})
     roots = {kind: tmp_path / kind for kind in ("Deployment", "Job")}
     for kind, root in roots.items():
@@ -793,7 +929,7 @@ def test_kubernetes_example_config_starts_a_coordinator_on_the_installed_keys(tm
                 for key in _SECURITY_FILES + _SECURITY_FOLDERS}
 
     agent_endpoint, client_endpoint = _start_secured(spawn, KUBERNETES / "wsd.toml", tmp_path, tmp_path,
-                                                     moved("Deployment"))
+                                                     {**moved("Deployment"), _AGENT_TOKEN_ENV: token})
     home = tmp_path / "home" / ".wsd"
     keys = roots["Deployment"] / "etc/wsd/keys"
     _check_roles(client_endpoint, keys / "coordinator/coordinator.key", home / "alice.key_secret",
@@ -803,15 +939,9 @@ def test_kubernetes_example_config_starts_a_coordinator_on_the_installed_keys(tm
     probe[probe.index("--endpoint") + 1] = client_endpoint
     assert wsctl.main(probe[1:]) == 0
     worker = load_config(KUBERNETES / "wsd.toml", env=moved("Job")).security
-    agent = Agent(WorkspaceManager("cpu", 1), endpoint=agent_endpoint, rank=0,
-                  world_size=config.coordinator.world_size, tp_size=config.worker.tp_size, idle=True,
-                  heartbeat_interval=0.2, heartbeat_timeout=2.0, curve=agent_keys(worker)).start()
-    try:
-        with Client(client_endpoint, timeout=5, curve_server_key=str(keys / "coordinator/coordinator.key"),
-                    curve_client_key=str(home / "alice.key_secret")) as admin:
-            wait_until(lambda: admin.status()["ranks"]["live"] == 1, 30, "the agent to register")
-    finally:
-        agent.stop(timeout=10)
+    _agent_registers(agent_endpoint, client_endpoint, worker, world_size=config.coordinator.world_size,
+                     tp_size=config.worker.tp_size, token=token, server_key=keys / "coordinator/coordinator.key",
+                     admin_key=home / "alice.key_secret")
 
 
 def _local_with_security(path: Path) -> Path:
@@ -838,13 +968,26 @@ def test_slurm_curve_example_is_the_plain_one_plus_security():
 def test_security_example_starts_a_coordinator_on_the_documented_keys(example, tmp_path, spawn):  # noqa: F811
     """The documented keygen steps for Slurm and one machine, run as written, then `wsd
     coordinator` with the example (local: its [security] section uncommented) from that
-    directory, as the recipes run it: the relative key paths resolve, the admin key locks, the
-    viewer key is forbidden, and the agents' keys load."""
+    directory, with the environment its recipe gives it (Slurm: what wsd.sbatch hands its
+    coordinator step, world size and token included): the relative key paths resolve, the
+    admin key locks, the viewer key is forbidden, and an agent with the workers' keys and
+    token registers."""
     _run_readme_block("### Keys for Slurm and one machine", tmp_path)
-    config = DEPLOY / example if example.startswith("slurm") else _local_with_security(tmp_path / "local.toml")
+    if example.startswith("slurm"):
+        config = DEPLOY / example
+        code, output, steps = _run_sbatch(tmp_path, config)
+        assert code == 0, output
+        coordinator, workers = _steps(steps)
+        assert coordinator["argv"] == python("-m", "wsd.cli", "coordinator", "--config", str(config))
+        env, token = coordinator["env"], workers["env"][_AGENT_TOKEN_ENV]
+    else:
+        # What run.sh gives its coordinator (its real runs above check that it does).
+        config = _local_with_security(tmp_path / "local.toml")
+        token = secrets.token_hex(32)
+        env = {"WSD_COORDINATOR_WORLD_SIZE": "2", _AGENT_TOKEN_ENV: token}
     security = load_config(config, env={}).security
     assert security.curve_clients and security.curve_agents
-    _, client_endpoint = _start_secured(spawn, config, tmp_path, tmp_path, {})
+    agent_endpoint, client_endpoint = _start_secured(spawn, config, tmp_path, tmp_path, env)
     home = tmp_path / "home" / ".wsd"
     _check_roles(client_endpoint, tmp_path / security.server_public_key, home / "alice.key_secret",
                  home / "grafana.key_secret")
@@ -852,3 +995,7 @@ def test_security_example_starts_a_coordinator_on_the_documented_keys(example, t
     worker = dataclasses.replace(security, **{key: str(tmp_path / getattr(security, key))
                                               for key in _SECURITY_FILES + _SECURITY_FOLDERS})
     assert agent_keys(worker).server == agent_keys(dataclasses.replace(worker, server_public_key=None)).server
+    config_file = load_config(config, env={})
+    _agent_registers(agent_endpoint, client_endpoint, worker, world_size=int(env["WSD_COORDINATOR_WORLD_SIZE"]),
+                     tp_size=config_file.worker.tp_size or int(env["WSD_COORDINATOR_WORLD_SIZE"]), token=token,
+                     server_key=tmp_path / security.server_public_key, admin_key=home / "alice.key_secret")

@@ -82,7 +82,10 @@ class Harness:
         body = {"rank": rank, "world_size": world, "tp_size": tp, "tp_group": rank // tp,
                 "host": "node", "pid": 1000 + rank, "device": "cpu", "applied_seq": applied_seq,
                 "acks": acks or [], "step": step, "idle": False,
-                "state": {"locked": False, "num_ubatches": 2}}
+                "state": {"locked": False, "num_ubatches": 2},
+                # One agent process per rank unless a test says otherwise: a new
+                # connection of the same instance is that agent reconnecting.
+                "instance": f"agent-{rank}"}
         body.update(overrides)
         return self.agent(peer or peer_of(rank), Op.REGISTER, body)
 
@@ -232,7 +235,8 @@ def test_registration_refused_on_mismatch(h, overrides, named):
 
 
 def test_second_registration_supersedes(h):
-    """A restarted worker replaces its old record; the old peer stops counting."""
+    """An agent that reconnected (the same instance on a new connection) replaces its old
+    record at once; the old peer stops counting."""
     h.register(0, peer=peer_of(0, 0))
     h.advance(1)
     sent = h.register(0, peer=peer_of(0, 1))
@@ -321,6 +325,7 @@ def test_goodbye_records_where_the_rank_last_stood(h):
     a heartbeat the stopping worker will never send: the goodbye carries the rank's last
     applied seq and manager state, so ranks shows the stopped rank as it really ended."""
     h.register(0)
+    issue_three(h)
     h.agent(peer_of(0), Op.GOODBYE, {"rank": 0, "step": 7, "applied_seq": 3, "held_seq": 3,
                                      "state": {"locked": True, "num_ubatches": 2}})
     info = h.core.registry.ranks[0]
@@ -367,7 +372,7 @@ def test_goodbye_from_anyone_but_the_ranks_own_connection_is_ignored(h):
     h.register(1)
     assert goodbye(h, 0, peer=b"stranger") == []
     assert goodbye(h, 0, peer=peer_of(1)) == []  # a registered peer naming another rank
-    h.register(0, peer=peer_of(0, 1))  # rank 0 restarted: the old connection is superseded
+    h.register(0, peer=peer_of(0, 1))  # rank 0 reconnected: the old connection is superseded
     assert goodbye(h, 0, peer=peer_of(0, 0)) == []  # the old process's late goodbye
     assert [i.state for i in h.core.registry.ranks.values()] == [RankState.LIVE, RankState.LIVE]
     assert h.events("stopped") == []
@@ -942,20 +947,30 @@ def test_reregistering_agent_gets_exactly_the_commands_it_missed(tmp_path):
     assert ops(caught_up) == [Op.REGISTERED]
 
 
-def test_agent_ahead_of_the_log_bumps_seq(tmp_path):
-    """If the state file was lost, agents' applied seqs must not be handed out again."""
+def test_agent_ahead_of_the_log_is_refused_until_the_operator_resumes(tmp_path):
+    """If the state file was lost, agents' applied seqs must not be handed out again; but
+    no peer's claim moves the coordinator's numbering (one register claiming seq 1,000
+    ahead used to wedge the cluster for good): the operator says where to resume."""
     first = make(tmp_path)
     issue_three(first)
     for name in ("coordinator.state", "coordinator.state.journal"):  # snapshot and journal
         (tmp_path / name).unlink()
     second = make(tmp_path)
     assert second.core.log.seq == 0 and second.core.recovered is False
-    sent = second.register(0, applied_seq=3)
-    assert ops(sent) == [Op.REGISTERED]
-    assert second.core.log.seq == 3
-    fresh = CommandLog(second.config.state_file, 10)
-    assert fresh.load() and fresh.seq == 3
-    assert to_agents(second.client(Op.LOCK, {"wait": False}), Op.COMMAND)[peer_of(0)]["seq"] == 4
+    rejected = to_agents(second.register(0, applied_seq=3), Op.REJECTED)[peer_of(0)]
+    assert rejected["code"] == "mismatch"
+    assert "applied_seq 3" in rejected["message"] and "resume_seq = 3" in rejected["message"]
+    assert second.core.log.seq == 0 and second.core.registry.live() == []
+    assert second.events("rejected")[-1]["reason"] == rejected["message"]
+    assert CommandLog(second.config.state_file, 10).load() is False  # nothing persisted
+    # the documented recovery: restart with resume_seq
+    third = make(tmp_path, resume_seq=3)
+    assert third.core.log.seq == 3 and [e["seq"] for e in third.events("resumed")] == [3]
+    assert ops(third.register(0, applied_seq=3)) == [Op.REGISTERED]
+    assert to_agents(third.client(Op.LOCK, {"wait": False}), Op.COMMAND)[peer_of(0)]["seq"] == 4
+    fresh = CommandLog(third.config.state_file, 10)
+    assert fresh.load() and fresh.seq == 4
+    assert make(tmp_path, resume_seq=3).core.log.seq == 4  # left in the file: no effect once past
 
 
 def test_fresh_agent_joining_a_live_group_gets_the_baseline(h):

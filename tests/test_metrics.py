@@ -130,7 +130,8 @@ def test_collector_exports_every_family_with_its_labels_and_values():
     commands = CommandStats()
     commands.record("lock", CommandOutcome.COMPLETE, 0.02)
     commands.record("lock", CommandOutcome.PARTIAL, 3.0)
-    view = core_view(registry, seq=7, heartbeats=41, inconsistent={1}, commands=commands)
+    view = core_view(registry, seq=7, heartbeats=41, inconsistent={1}, commands=commands,
+                     refused={"registration forbidden": 3, "rate": 12})
     result = stats_result({0: manager([4096, 8192]), 1: manager([4096, 0])}, tp_size=2, world_size=4)
     types, s = collect(Published(core=view, stats=StatsView(time=990.0, result=result)), wall=1000.0)
 
@@ -160,6 +161,7 @@ def test_collector_exports_every_family_with_its_labels_and_values():
     assert by(s, "wsd_group_consistent", "tp_group") == {"0": 1, "1": 0}
     assert by(s, "wsd_ranks", "state") == {"live": 2, "lost": 1, "stopped": 0, "never_registered": 1}
     assert by(s, "wsd_commands_total", "action", "result") == {("lock", "complete"): 1, ("lock", "partial"): 1}
+    assert by(s, "wsd_agent_refusals_total", "reason") == {"registration forbidden": 3, "rate": 12}
     assert by(s, "wsd_command_duration_seconds_count", "action") == {"lock": 2}
     assert by(s, "wsd_command_duration_seconds_sum", "action") == {"lock": pytest.approx(3.02)}
     assert s["wsd_heartbeats_total"] == {(): 41} and s["wsd_command_seq"] == {(): 7}

@@ -54,7 +54,7 @@ def test_wsd_up_refuses_a_bad_config_before_starting_anything(tmp_path):
 
 def test_wsd_coordinator_runs_without_torch_and_stops_on_sigterm(tmp_path, spawn):  # noqa: F811
     """With every `import torch` failing, the coordinator serves clients; SIGTERM stops it, exit 0."""
-    config = write_config(tmp_path / "wsd.toml", {"coordinator": coordinator_section(tmp_path)})
+    config = write_config(tmp_path / "wsd.toml", {"coordinator": {**coordinator_section(tmp_path), "world_size": 1}})
     code = ("import sys; sys.modules['torch'] = None\n"
             "from wsd.cli import main\n"
             f"sys.exit(main(['coordinator', '--config', {config!r}]))\n")
@@ -70,7 +70,7 @@ def test_wsd_coordinator_runs_without_torch_and_stops_on_sigterm(tmp_path, spawn
 
 
 def test_wsd_coordinator_stops_on_ctrl_c(tmp_path, spawn):  # noqa: F811
-    config = write_config(tmp_path / "wsd.toml", {"coordinator": coordinator_section(tmp_path)})
+    config = write_config(tmp_path / "wsd.toml", {"coordinator": {**coordinator_section(tmp_path), "world_size": 1}})
     proc = spawn(["wsd", "coordinator", "--config", config], name="wsd coordinator")
     proc.wait_for(COORDINATOR_READY, 30)
     proc.send(signal.SIGINT, group=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import tempfile
 import time
 from collections.abc import Iterator
@@ -29,11 +30,16 @@ DRIVER = os.path.join(os.path.dirname(__file__), "vllm_driver.py")
 START_TIMEOUT = 180.0
 
 
+AGENT_TOKEN = secrets.token_hex(32)
+"""The agent token the coordinators and vLLM workers of these tests share, as a user's would."""
+
+
 def vllm_env(**extra: str) -> dict[str, str]:
-    """vLLM on two cores: one OMP thread bound per TP rank, functions allowed over RPC."""
+    """vLLM on two cores: one OMP thread bound per TP rank, functions allowed over RPC; and
+    the agent token, which the coordinator started with the same environment requires."""
     return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1",
             "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "VLLM_LOGGING_LEVEL": "WARNING",
-            "TOKENIZERS_PARALLELISM": "false", **extra}
+            "TOKENIZERS_PARALLELISM": "false", "WSD_AGENT_TOKEN": AGENT_TOKEN, **extra}
 
 
 def shm_segments() -> set[str]:
@@ -74,7 +80,7 @@ def engine(tmp_path_factory) -> Iterator[Engine]:
     before = shm_segments()
     sockets_before = wake_sockets()
     with processes() as start:
-        coordinator = start([WSD, "coordinator", "--config", config], name="coordinator")
+        coordinator = start([WSD, "coordinator", "--config", config], name="coordinator", env=vllm_env())
         agents, client = coordinator.wait_for(COORDINATOR_READY, 30).groups()
         proc = start(python(DRIVER, str(tmp / "model")), name="vllm-driver", stdin=True,
                      env=vllm_env(WSD_COORDINATOR_CONNECT_ENDPOINT=agents))
@@ -117,6 +123,9 @@ def test_two_ranks_live_with_vllms_ranks_group_and_device(engine):
         assert info["tp_group"] == 0 and info["device"] == "cpu", info
     assert engine.call("rpc", fn="manager_class")["results"] == [
         "wsd.integrations.vllm.workspace.WorkspaceManager"] * 2
+    # they proved they hold the agent token the coordinator was started with
+    status = wsctl(engine.client, "status").doc
+    assert status["agents_authenticated"] is True and "registration forbidden" not in status["agents_refused"]
 
 
 def test_per_slot_stats_for_every_rank(engine):

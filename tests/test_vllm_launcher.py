@@ -78,7 +78,7 @@ def test_lock_applies_at_one_step_on_both_torchrun_ranks(tmp_path):
 
 def run(tmp_path: Any, config: str, gofile: Any) -> None:
     with processes() as start:
-        coordinator = start([WSD, "coordinator", "--config", config], name="coordinator")
+        coordinator = start([WSD, "coordinator", "--config", config], name="coordinator", env=vllm_env())
         agents, client = coordinator.wait_for(COORDINATOR_READY, 30).groups()
         launcher = start(python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                 SCRIPT, str(tmp_path / "model"), str(gofile)),

@@ -50,7 +50,7 @@ def test_the_openai_api_server_joins_wsd_and_stops_cleanly(tmp_path, spawn):  # 
     config = write_config(tmp_path / "wsd.toml", {"coordinator": {
         "agent_endpoint": "tcp://127.0.0.1:0", "client_endpoint": "tcp://127.0.0.1:0",
         "state_file": str(tmp_path / "state"), "heartbeat_timeout": 15.0}})
-    coordinator = spawn([WSD, "coordinator", "--config", config], name="coordinator")
+    coordinator = spawn([WSD, "coordinator", "--config", config], name="coordinator", env=vllm_env())
     agents, client = coordinator.wait_for(COORDINATOR_READY, 30).groups()
     model = write_model(str(tmp_path / "model"))
     sockets_before = wake_sockets()

@@ -124,6 +124,7 @@ class Agent:
         extra: dict[str, Any] | None = None,
         curve: ClientKeys | None = None,
         on_pending: Callable[[], None] | None = None,
+        token: bytes | None = None,
     ) -> None:
         self.manager = manager
         self.endpoint = endpoint
@@ -141,7 +142,7 @@ class Agent:
         self._link = AgentLink(
             _ManagerBackend(manager), rank=rank, world_size=world_size, tp_size=tp_size, idle=idle,
             heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout, extra=extra,
-            now=time.monotonic(),
+            now=time.monotonic(), token=token,
         )
         self.registered = self._link.registered
         # Frames from the engine thread (acks, violation events) for the I/O thread to send.

@@ -270,6 +270,10 @@ class CoordinatorConfig:
     """Address the Prometheus endpoint binds; loopback unless Prometheus scrapes from elsewhere."""
     metrics_refresh: float = 5.0
     """Seconds between the stats rounds that refresh the per-slot metrics (when the endpoint is on)."""
+    resume_seq: int | None = None
+    """Recovery after the state file was lost: number commands after this seq, the highest
+    ``applied_seq`` that refused agents report (the events name it). No effect once the
+    log is past it. None: agents reporting more than was issued are refused."""
 
     def __post_init__(self) -> None:
         _coerce_enum(self, "mode", CoordinatorMode)
@@ -306,6 +310,8 @@ class CoordinatorConfig:
         if not isinstance(self.metrics_host, str) or not self.metrics_host:
             raise ValueError(f"metrics_host must be an address such as 127.0.0.1, got {self.metrics_host!r}")
         _check_positive("metrics_refresh", self.metrics_refresh, 3600.0)
+        if self.resume_seq is not None:
+            _check_range("resume_seq", self.resume_seq, 0, 2**62)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,6 +8,7 @@ socket loop that drives it is ``wsd.server.Coordinator``. Imports no torch.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import math
 import time
@@ -21,10 +22,12 @@ from wsd.aggregate import StatsRound, read_snapshot
 from wsd.commandlog import Command, CommandLog
 from wsd.config import CoordinatorConfig
 from wsd.errors import StateFileError
-from wsd.events import EventKind, EventLog
+from wsd.events import EventKind, EventLog, bounded_detail
 from wsd.metrics import CommandOutcome, CommandStats, Published, StatsView, core_view
 from wsd.protocol import ErrorCode, Op, ProtocolError
-from wsd.registry import RankState, RegistrationError, Registry
+from wsd.ratelimit import RateLimit
+from wsd.registry import RankState, RankTaken, RegistrationError, Registry
+from wsd.security import registration_proof
 
 __all__ = ["AGENT", "CLIENT", "CoordinatorCore", "Out"]
 
@@ -34,6 +37,24 @@ AGENT = "agent"
 CLIENT = "client"
 Route = tuple[bytes, ...]
 Out = tuple[str, Route, bytes]
+
+# What one agent connection may cost before its frames are dropped unread. A
+# connection that has not registered may send registrations only: small, and few.
+_UNREGISTERED_FRAME = 64 << 10
+_UNREGISTERED_RATE = (64 << 10, 128 << 10)  # bytes a second, burst
+# A registered agent: heartbeats, acknowledgements and events of a few hundred
+# bytes, and stats replies when asked (up to max_agent_message_bytes).
+_REGISTERED_RATE = (1 << 20, 4 << 20)
+_FRAME_COST = 256  # the least a frame counts for: a flood of tiny frames is metered too
+# Commands sent to a rank per registration or heartbeat that finds it behind:
+# the rest follow at its next heartbeats, so no claim makes one message cost many.
+RESEND_WINDOW = 64
+# Events a source (a rank, or a connection refused) may add: a second, burst.
+_EVENT_RATE = (10.0, 50.0)
+
+
+class _Unauthenticated(RegistrationError):
+    """A registration without a valid proof of the agent token."""
 
 
 @dataclass
@@ -83,19 +104,41 @@ class CoordinatorCore:
         *,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        agent_token: bytes | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
         self.wall = wall
         self.epoch = uuid.uuid4().hex
+        # Registrations must prove they hold this (wsd.security.registration_proof);
+        # None: they are not authenticated (a warning at start-up says so).
+        self._agent_token = agent_token
         self.registry = Registry(config.world_size, config.tp_size, config.heartbeat_timeout, wall=wall)
         self.log = CommandLog(config.state_file, config.log_capacity)
         self.recovered = self.log.load()
         self.events = EventLog(config.event_capacity)
+        # What agent connections may cost, metered before their frames are decoded,
+        # and how many events each source may add; what was refused, by reason.
+        self._unregistered_rate = RateLimit(*_UNREGISTERED_RATE)
+        self._registered_rate = RateLimit(*_REGISTERED_RATE)
+        self._event_rate = RateLimit(*_EVENT_RATE)
+        self._suppressed: dict[str, int] = {}
+        self.refused_agent_frames: dict[str, int] = {}
+        # When each command in the log was last sent to agents (monotonic): a rank
+        # still lacking one a heartbeat interval later is sent it again.
+        self._sent_at: dict[int, float] = {}
+        self._resent_at: dict[int, float] = {}
         self.started = wall()
         self.events.add(EventKind.STARTED, self.started, seq=self.log.seq, recovered=self.recovered)
         if self.log.repaired:  # a torn last journal record was dropped: tell the operator
             self.events.add(EventKind.STATE_REPAIRED, self.started, detail=self.log.repaired)
+        if config.resume_seq is not None and config.resume_seq > self.log.seq:
+            # The operator's recovery from a lost state file: never hand out again a
+            # number that agents applied. Written at once, so it holds across restarts.
+            self.events.add(EventKind.RESUMED, self.started, seq=config.resume_seq, was=self.log.seq)
+            logger.warning("resuming numbering after seq %d ([coordinator] resume_seq; the log was at %d)",
+                           config.resume_seq, self.log.seq)
+            self.log.bump_to(config.resume_seq)
         self._commands: dict[int, _PendingCommand] = {}
         self._stats: dict[int, _PendingStats] = {}
         self._stats_ids = 0
@@ -155,12 +198,17 @@ class CoordinatorCore:
 
     def handle_agent(self, route: Route, frame: bytes) -> list[Out]:
         peer = route[0]
+        refused = self._meter(peer, len(frame))
+        if refused is not None:  # dropped unread: answering would cost as much again
+            self.refused_agent_frames[refused] = self.refused_agent_frames.get(refused, 0) + 1
+            return []
         try:
             message = p.decode(frame, p.AGENT_OPS)
             return self._agent_ops[message.op](peer, message.body)
         except ProtocolError as e:
             self.dropped_bad_agent_frames += 1
-            logger.warning("bad message from agent %s: %s", peer.hex(), e)
+            if self._event_rate.allow(("bad", peer), self.clock()):
+                logger.warning("bad message from agent %s: %s", peer.hex(), e)
             return [(AGENT, (peer,), p.encode(Op.REJECTED, {"code": str(e.code), "message": str(e)}))]
         except StateFileError as e:
             logger.error("%s", e)
@@ -169,13 +217,31 @@ class CoordinatorCore:
             logger.exception("coordinator failed on an agent message")
             return []
 
-    def tick(self) -> list[Out]:
-        """Time-driven work: lost ranks, timeouts, pulses to agents."""
+    def _meter(self, peer: bytes, size: int) -> str | None:
+        """Why this connection's frame is dropped unread (its size or its rate), or None."""
+        now = self.clock()
+        if self.registry.by_peer(peer) is None:
+            if size > _UNREGISTERED_FRAME:
+                return "too large before registering"
+            limit = self._unregistered_rate
+        else:
+            limit = self._registered_rate
+        return None if limit.allow(peer, now, max(size, _FRAME_COST)) else "rate"
+
+    def tick(self, heard_until: float | None = None) -> list[Out]:
+        """Time-driven work: lost ranks, timeouts, pulses to agents.
+
+        ``heard_until``: the (monotonic) time up to which every agent frame has
+        been read. A rank is lost only if it was silent for the timeout before
+        then: frames waiting unread behind a burst are the coordinator's delay,
+        not the rank's silence.
+        """
         now = self.clock()
         out: list[Out] = []
-        for info in self.registry.expire(now):
+        heard = now if heard_until is None else min(now, heard_until)
+        for info in self.registry.expire(heard):
             self.events.add(EventKind.LOST, self.wall(), rank=info.rank, tp_group=info.tp_group,
-                            last_step=info.step, silent_for=round(now - info.last_seen, 3))
+                            last_step=info.step, silent_for=round(heard - info.last_seen, 3))
             out += self._rank_gone(info.rank, tp_group=info.tp_group)
         for seq, pending in list(self._commands.items()):
             if now >= pending.deadline:
@@ -185,6 +251,9 @@ class CoordinatorCore:
                 out += self._finish_stats(request)
         if now >= self._next_pulse:
             self._next_pulse = now + self.config.heartbeat_interval
+            if self._suppressed:  # one line for a flood, at most once an interval
+                self.events.add(EventKind.SUPPRESSED, self.wall(), counts=self._suppressed)
+                self._suppressed = {}
             pulse = p.encode(Op.PULSE, {"epoch": self.epoch})
             out += [(AGENT, (i.peer,), pulse) for i in self.registry.live()]
             if self._metrics:
@@ -208,10 +277,20 @@ class CoordinatorCore:
     def _register(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
         now = self.clock()
         try:
+            self._authenticate(body)
+            claimed = body["applied_seq"]
+            if claimed is not None and claimed > self.log.seq:
+                raise RegistrationError(
+                    f"rank {body['rank']} reports applied_seq {claimed}, but this coordinator has issued "
+                    f"only up to {self.log.seq}: its state file was lost or replaced. If so, set "
+                    f"[coordinator] resume_seq = {claimed} (the highest such report) and restart it")
             info, old = self.registry.register(peer, body, now)
+        except _Unauthenticated as e:
+            return self._refuse(peer, body, ErrorCode.FORBIDDEN, str(e))
+        except RankTaken as e:
+            return self._refuse(peer, body, ErrorCode.CONFLICT, str(e))
         except RegistrationError as e:
-            self.events.add(EventKind.REJECTED, self.wall(), rank=body["rank"], reason=str(e))
-            return [(AGENT, (peer,), p.encode(Op.REJECTED, {"code": str(ErrorCode.MISMATCH), "message": str(e)}))]
+            return self._refuse(peer, body, ErrorCode.MISMATCH, str(e))
         group = info.tp_group
         desired: dict[str, Any] | None = None
         if body["applied_seq"] is None:  # a fresh process
@@ -222,9 +301,7 @@ class CoordinatorCore:
                 logger.warning("rank %d starts at seq %d without its group's desired state (older than the log)",
                                info.rank, baseline)
         else:
-            baseline = body["applied_seq"]
-            if baseline > self.log.seq:  # this coordinator forgot numbers agents applied
-                self.log.bump_to(baseline)
+            baseline = body["applied_seq"]  # checked above: never beyond what was issued
         if group not in self._baselines:
             # The desired state goes with the baseline: a fresh process applies it
             # and then the commands after the baseline, so it must be the state
@@ -254,7 +331,7 @@ class CoordinatorCore:
         if missed and missed[0].seq != baseline + 1:
             self.events.add(EventKind.REPLAY_GAP, self.wall(), rank=info.rank,
                             applied_seq=baseline, oldest_kept=missed[0].seq)
-        out += [(AGENT, (peer,), p.encode(Op.COMMAND, c.to_wire())) for c in missed]
+        out += self._resend(info.rank, peer, missed, now, registering=True)
         for ack in body["acks"]:  # acknowledgements sent while we could not hear them
             try:  # [seq, step, ok, error], checked as an ACK message would be
                 if not (isinstance(ack, list) and len(ack) == 4):
@@ -266,21 +343,76 @@ class CoordinatorCore:
             out += self._record_ack(info.rank, a["seq"], a["step"], a["ok"], a["error"])
         return out
 
+    def _authenticate(self, body: dict[str, Any]) -> None:
+        """Raise _Unauthenticated unless the registration proves it holds the agent token."""
+        if self._agent_token is None:
+            return
+        expected = registration_proof(self._agent_token, body["rank"], body["instance"] or "")
+        if not isinstance(body["proof"], str) or not hmac.compare_digest(body["proof"], expected):
+            raise _Unauthenticated(
+                f"rank {body['rank']}: registration refused: it does not prove it holds this coordinator's "
+                f"agent token (give the worker the same WSD_AGENT_TOKEN or [security] agent_token_file)")
+
+    def _refuse(self, peer: bytes, body: dict[str, Any], code: ErrorCode, reason: str) -> list[Out]:
+        """Answer a refused registration; counted, and an event unless they come too fast."""
+        key = f"registration {code}"
+        self.refused_agent_frames[key] = self.refused_agent_frames.get(key, 0) + 1
+        self._event(("refused",), EventKind.REJECTED, rank=body["rank"], code=str(code), reason=reason,
+                    host=body["host"], pid=body["pid"])
+        return [(AGENT, (peer,), p.encode(Op.REJECTED, {"code": str(code), "message": reason}))]
+
+    def _event(self, source: tuple[Any, ...], kind: EventKind, **detail: Any) -> None:
+        """An event from a source a peer controls: rate-limited per source, the rest counted
+        and summed up in one ``suppressed`` event a heartbeat interval later."""
+        if self._event_rate.allow(source, self.clock()):
+            self.events.add(kind, self.wall(), **detail)
+        else:
+            self._suppressed[str(kind)] = self._suppressed.get(str(kind), 0) + 1
+
+    def _resend(self, rank: int, peer: bytes, missed: list[Command], now: float, *,
+                registering: bool = False) -> list[Out]:
+        """Send a rank the commands it lacks: a window of them, at most once a heartbeat
+        interval, and each only once it has been out for an interval (monotonic clock).
+
+        A command frame can be lost (a full queue, a peer reconnecting) and its
+        whole TP group would wait for it for ever, so a rank still lacking one is
+        sent it again; agents drop the sequence numbers they already hold, so a
+        resend is never applied twice. The window and the pace bound what any
+        claim costs: the rest follow at the rank's next heartbeats.
+        """
+        interval = self.config.heartbeat_interval
+        if now < self._resent_at.get(rank, -math.inf) + interval:
+            return []
+        # A registering rank lacks all of them; a heartbeat's rank may have the last
+        # ones on their way.
+        cutoff = math.inf if registering else now - interval
+        due = [c for c in missed[:RESEND_WINDOW] if self._sent_at.get(c.seq, -math.inf) <= cutoff]
+        if due:
+            self._resent_at[rank] = now
+        return [(AGENT, (peer,), p.encode(Op.COMMAND, c.to_wire())) for c in due]
+
+    def _believable(self, body: dict[str, Any], what: str) -> dict[str, Any]:
+        """A heartbeat's or goodbye's seqs, never beyond what this coordinator issued."""
+        issued = self.log.seq
+        claims = [body.get(k) for k in ("applied_seq", "held_seq")]
+        if not any(c is not None and c > issued for c in claims):
+            return body
+        key = f"{what} beyond the issued seq"
+        self.refused_agent_frames[key] = self.refused_agent_frames.get(key, 0) + 1
+        return {**body, **{k: min(c, issued) for k, c in zip(("applied_seq", "held_seq"), claims) if c is not None}}
+
     def _heartbeat(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
         self.heartbeats += 1
-        info = self.registry.heartbeat(peer, body, self.clock())
+        now = self.clock()
+        issued = self.log.seq
+        body = self._believable(body, "heartbeat")
+        info = self.registry.heartbeat(peer, body, now)
         if info is None:  # e.g. we restarted: ask the agent to register again
             return [(AGENT, (peer,), p.encode(Op.PULSE, {"epoch": self.epoch, "registered": False}))]
         self._check_group(info.tp_group)
-        if info.held_seq >= self.log.seq:
+        if info.held_seq >= issued:
             return []
-        # A command frame can be lost (a full queue, a peer reconnecting) and its
-        # whole TP group would wait for it for ever: a rank still lacking a command
-        # a heartbeat interval after it was sent is sent it again. Agents drop the
-        # sequence numbers they already hold, so a resend is never applied twice.
-        cutoff = self.wall() - self.config.heartbeat_interval
-        return [(AGENT, (peer,), p.encode(Op.COMMAND, c.to_wire()))
-                for c in self.log.since(info.held_seq) if c.time <= cutoff]
+        return self._resend(info.rank, peer, self.log.since(info.held_seq), now)
 
     def _check_group(self, group: int) -> None:
         members = self.registry.live(group)
@@ -338,12 +470,13 @@ class CoordinatorCore:
         # The event's own keys come from the coordinator; a clashing detail key
         # would be a duplicate keyword argument and lose the whole event.
         own = ("id", "time", "kind", "rank", "tp_group", "agent_kind")
-        detail = {k: v for k, v in body["detail"].items() if isinstance(k, str) and k not in own}
-        self.events.add(kind, self.wall(), rank=info.rank, tp_group=info.tp_group,
-                        agent_kind=body["kind"], **detail)
+        detail = bounded_detail(body["detail"], reserved=own)
+        self._event(("rank", info.rank), kind, rank=info.rank, tp_group=info.tp_group,
+                    agent_kind=body["kind"], **detail)
         return []
 
     def _goodbye(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
+        body = self._believable(body, "goodbye")
         info = self.registry.stop(peer, body)
         if info is None:  # not the connection that registered that rank (an impostor, a late frame)
             return []
@@ -405,6 +538,9 @@ class CoordinatorCore:
         args = {k: v for k, v in body.items() if k not in ("group", "wait", "timeout")}
         now = self.clock()
         command = self.log.append(action, args, group, self.wall())
+        self._sent_at[command.seq] = now
+        while len(self._sent_at) > self.config.log_capacity:  # older ones left the log
+            del self._sent_at[next(iter(self._sent_at))]
         self.events.add(EventKind.COMMAND, self.wall(), seq=command.seq, action=action, group=group, args=args)
         frame = p.encode(Op.COMMAND, command.to_wire())
         live = self.registry.live()
@@ -495,7 +631,8 @@ class CoordinatorCore:
     def _publish_core(self) -> None:
         """Give the metrics endpoint a fresh copy of the registry and counters (replaced whole)."""
         view = core_view(self.registry, seq=self.log.seq, heartbeats=self.heartbeats,
-                         inconsistent=self._inconsistent, commands=self.command_stats)
+                         inconsistent=self._inconsistent, commands=self.command_stats,
+                         refused=self.refused_agent_frames)
         self.published = replace(self.published, core=view)
 
     def _events(self, route: Route, message: p.Message) -> list[Out]:
@@ -522,5 +659,9 @@ class CoordinatorCore:
             "ranks": self.registry.counts(),
             "pending_commands": sorted(self._commands),
             "groups": groups,
+            # Agent frames and registrations refused, by reason: an impostor or a
+            # flood shows here (see the threat model in docs/security.md).
+            "agents_refused": dict(sorted(self.refused_agent_frames.items())),
+            "agents_authenticated": self._agent_token is not None,
         }
         return [(CLIENT, route, p.ok_reply(message.id, result))]

@@ -1,9 +1,16 @@
-"""The coordinator's bounded event log, with a cursor so that a client can follow it."""
+"""The coordinator's bounded event log, with a cursor so that a client can follow it.
+
+Bounded in count and in bytes: every event's size is measured as it is added,
+and what agents report in an event is cut to size first (``bounded_detail``),
+so that no peer can grow the coordinator's memory or the ``events`` answer.
+"""
 
 from __future__ import annotations
 
 from collections import deque
 from typing import Any
+
+import msgpack
 
 from wsd.protocol import StrEnum
 
@@ -13,6 +20,8 @@ __all__ = ["EventKind", "EventLog"]
 class EventKind(StrEnum):
     STARTED = "started"
     STATE_REPAIRED = "state_repaired"
+    RESUMED = "resumed"
+    """The operator's ``resume_seq`` moved numbering past a lost state file's."""
     JOINED = "joined"
     LOST = "lost"
     BACK = "back"
@@ -27,22 +36,75 @@ class EventKind(StrEnum):
     GROUP_CONSISTENT = "group_consistent"
     REPLAY_GAP = "replay_gap"
     AGENT_EVENT = "agent_event"
+    SUPPRESSED = "suppressed"
+    """Events of one source dropped for coming too fast, with their count."""
+
+
+_MAX_KEYS = 32
+_MAX_KEY = 64
+_MAX_TEXT = 1024
+_MAX_NESTED_TEXT = 256
+
+
+def _cut(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def bounded_detail(detail: dict[Any, Any], *, reserved: tuple[str, ...] = ()) -> dict[str, Any]:
+    """What a peer reported, cut to size: at most 32 keys of 64 characters, strings of
+    1,024 characters, lists and maps as short text; keys in ``reserved`` dropped."""
+    out: dict[str, Any] = {}
+    for key, value in detail.items():
+        if len(out) >= _MAX_KEYS:
+            out["truncated"] = f"{len(detail) - _MAX_KEYS} more keys"
+            break
+        if not isinstance(key, str) or key in reserved:
+            continue
+        key = key[:_MAX_KEY]
+        if value is None or isinstance(value, (bool, int, float)):
+            out[key] = value
+        elif isinstance(value, str):
+            out[key] = _cut(value, _MAX_TEXT)
+        elif isinstance(value, bytes):
+            out[key] = f"<{len(value)} bytes>"
+        else:
+            out[key] = _cut(repr(value), _MAX_NESTED_TEXT)
+    return out
 
 
 class EventLog:
-    """The last ``capacity`` events, each with an id that only grows."""
+    """The last ``capacity`` events, at most ``max_bytes`` of them in all, each with an id
+    that only grows."""
 
-    def __init__(self, capacity: int) -> None:
-        self._events: deque[dict[str, Any]] = deque(maxlen=capacity)
+    def __init__(self, capacity: int, max_bytes: int = 16 << 20) -> None:
+        self._events: deque[tuple[dict[str, Any], int]] = deque()
+        self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self.last_id = 0
 
     def add(self, kind: EventKind, time: float, **detail: Any) -> dict[str, Any]:
         self.last_id += 1
         event = {"id": self.last_id, "time": time, "kind": str(kind), **detail}
-        self._events.append(event)
+        size = len(msgpack.packb(event, use_bin_type=True, default=str))
+        self._events.append((event, size))
+        self.bytes += size
+        while len(self._events) > self.capacity or (self.bytes > self.max_bytes and len(self._events) > 1):
+            _, dropped = self._events.popleft()
+            self.bytes -= dropped
         return event
 
     def since(self, cursor: int, limit: int) -> tuple[list[dict[str, Any]], int]:
         """Events with id > cursor (at most ``limit``) and the cursor to ask with next."""
-        out = [e for e in self._events if e["id"] > cursor][:limit]
+        out = []
+        for event, _ in self._events:
+            if event["id"] > cursor:
+                out.append(event)
+                if len(out) >= limit:
+                    break
         return out, (out[-1]["id"] if out else cursor)
+
+    def __len__(self) -> int:
+        return len(self._events)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import secrets
 import select
 import signal
 import subprocess
@@ -28,7 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from wsd.config import WsdConfig, load_config
-from wsd.errors import LaunchError
+from wsd.errors import ConfigError, LaunchError
+from wsd.security import AGENT_TOKEN_ENV, load_agent_token
 
 __all__ = ["READY", "CoordinatorProcess", "serve_coordinator", "stop_process_group", "up"]
 
@@ -62,12 +64,28 @@ def stop_signals(on_signal: Callable[[int], None]) -> Iterator[None]:
 
 
 def serve_coordinator(config: WsdConfig, *, exit_with_parent: bool = False) -> int:
-    """Run a coordinator in the foreground until SIGTERM/SIGINT (or our parent's end)."""
+    """Run a coordinator in the foreground until SIGTERM/SIGINT (or our parent's end).
+
+    ConfigError unless the world is known: from ``[coordinator] world_size``
+    (``wsd up`` and the embedded mode set it), or, with an agent token, from the
+    first registration that proves it holds the token. Without either, the
+    first peer to reach the agent endpoint would fix the world for everyone.
+    """
     from wsd.server import Coordinator
 
+    token = load_agent_token(config.security)
+    if config.coordinator.world_size is None and token is None:
+        raise ConfigError(
+            "[coordinator] world_size is not set and agents are not authenticated: set world_size "
+            "(WSD_COORDINATOR_WORLD_SIZE), or an agent token (WSD_AGENT_TOKEN or [security] "
+            "agent_token_file), so that no stray registration can decide the world")
     parent = os.getppid()
     stop = threading.Event()
-    coordinator = Coordinator(config.coordinator, security=config.security)
+    coordinator = Coordinator(config.coordinator, security=config.security, agent_token=token)
+    if token is None:
+        logger.warning("agents are not authenticated (no WSD_AGENT_TOKEN or [security] agent_token_file): "
+                       "anyone who reaches %s may register as any rank that is not live",
+                       coordinator.agent_endpoint)
     with stop_signals(lambda signum: stop.set()):
         coordinator.start()
         try:
@@ -214,6 +232,9 @@ def up(nproc: int, config_path: str | None, *, out: Callable[[str], object] = _s
 
     env = dict(os.environ)
     env.setdefault("WSD_COORDINATOR_WORLD_SIZE", str(nproc))
+    # The coordinator admits only registrations that prove they hold this token,
+    # which only the workers started here are given (see docs/security.md).
+    env.setdefault(AGENT_TOKEN_ENV, secrets.token_hex(32))
     with stop_signals(on_signal):
         coordinator = CoordinatorProcess(config_path, env=env, new_session=True).start(timeout=30.0)
         torchrun = None

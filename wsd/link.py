@@ -14,12 +14,14 @@ import logging
 import os
 import socket
 import threading
+import uuid
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from wsd import protocol as p
 from wsd.protocol import Op
+from wsd.security import registration_proof
 
 __all__ = ["AgentLink", "Backend"]
 
@@ -84,6 +86,7 @@ class AgentLink:
         host: str | None = None,
         pid: int | None = None,
         now: float = 0.0,
+        token: bytes | None = None,
     ) -> None:
         self.backend = backend
         self.rank = rank
@@ -96,6 +99,10 @@ class AgentLink:
         self.extra = extra or {}
         self.host = host or socket.gethostname()
         self.pid = os.getpid() if pid is None else pid
+        # This agent process, the same across its reconnections: the coordinator
+        # passes a live rank to another connection only with the same instance.
+        self.instance = uuid.uuid4().hex
+        self._proof = None if token is None else registration_proof(token, rank, self.instance)
         self._lock = threading.Lock()
         self._received: dict[int, dict[str, Any]] = {}
         self.held = 0  # highest seq with every seq up to it received
@@ -186,6 +193,7 @@ class AgentLink:
             "applied_seq": None if self._fresh else max(self.applied, self.baseline),
             "acks": list(self._acks), "step": self.steps, "idle": self.idle,
             "state": self.backend.state(), "config": self.extra,
+            "instance": self.instance, "proof": self._proof,
         }
 
     # -- frames from the coordinator ------------------------------------------------

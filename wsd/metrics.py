@@ -69,6 +69,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "wsd_commands_total": ("counter", ("action", "result")),
     "wsd_ranks": ("gauge", ("state",)),
     "wsd_heartbeats_total": ("counter", ()),
+    "wsd_agent_refusals_total": ("counter", ("reason",)),
     "wsd_command_seq": ("gauge", ()),
     "wsd_stats_age_seconds": ("gauge", ()),
 }
@@ -94,6 +95,8 @@ _HELP = {
     "wsd_commands_total": "Commands finished, by action and result (complete, partial, failed).",
     "wsd_ranks": "Expected ranks by state (live, lost, stopped, never_registered).",
     "wsd_heartbeats_total": "Heartbeats received from agents.",
+    "wsd_agent_refusals_total": "Agent frames and registrations refused, by reason (an impostor, a flood, "
+                                "claims beyond the issued seq).",
     "wsd_command_seq": "The last command sequence number handed out.",
     "wsd_stats_age_seconds": "Seconds since the stats round the wsd_slot_* figures come from.",
 }
@@ -164,6 +167,7 @@ class CoreView:
     consistent: tuple[tuple[int, bool], ...]
     commands: tuple[tuple[tuple[str, str], int], ...]
     latency: tuple[tuple[str, tuple[int, ...], float], ...]
+    refused: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -185,7 +189,7 @@ class Published:
 
 
 def core_view(registry: Registry, *, seq: int, heartbeats: int, inconsistent: set[int],
-              commands: CommandStats) -> CoreView:
+              commands: CommandStats, refused: dict[str, int] | None = None) -> CoreView:
     """Copy what the metrics need of the registry and counters (on the loop thread)."""
     rows = [RankRow(i.rank, i.tp_group, i.host, i.state is RankState.LIVE, i.manager_state.get("locked"),
                     i.manager_state.get("num_ubatches"), i.step) for i in registry.ranks.values()]
@@ -195,7 +199,7 @@ def core_view(registry: Registry, *, seq: int, heartbeats: int, inconsistent: se
     counts, latency = commands.snapshot()
     return CoreView(seq=seq, heartbeats=heartbeats, ranks=tuple(sorted(rows + never)), states=states,
                     consistent=tuple((g, g not in inconsistent) for g in registry.groups()),
-                    commands=counts, latency=latency)
+                    commands=counts, latency=latency, refused=tuple(sorted((refused or {}).items())))
 
 
 def _family(name: str) -> Metric:
@@ -262,6 +266,8 @@ class Collector:
                 cumulative.append((bound, running))
             f["wsd_command_duration_seconds"].add_metric([action], cumulative, total)
         f["wsd_heartbeats_total"].add_metric([], view.heartbeats)
+        for reason, count in view.refused:
+            f["wsd_agent_refusals_total"].add_metric([reason], count)
         f["wsd_command_seq"].add_metric([], view.seq)
 
     def _stats(self, view: StatsView, hosts: dict[int, str], f: dict[str, Metric]) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from wsd.protocol import StrEnum
 
-__all__ = ["RankInfo", "RankState", "Registry", "RegistrationError"]
+__all__ = ["RankInfo", "RankState", "RankTaken", "Registry", "RegistrationError"]
 
 
 class RankState(StrEnum):
@@ -45,18 +45,27 @@ def _manager_state(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _note(info: RankInfo, body: dict[str, Any]) -> None:
-    """Where a heartbeat or goodbye says the rank stands (a goodbye may omit the seqs)."""
+    """Where a heartbeat or goodbye says the rank stands (a goodbye may omit the seqs).
+
+    An agent's sequence numbers only grow while it stays registered: a claim
+    below what it said before is not believed (it would ask for resends of
+    what it holds), nor one above what was issued (checked by the caller).
+    """
     info.step = body["step"]
     if body.get("applied_seq") is not None:
-        info.applied_seq = body["applied_seq"]
+        info.applied_seq = max(info.applied_seq, body["applied_seq"])
     if body.get("held_seq") is not None:
-        info.held_seq = body["held_seq"]
+        info.held_seq = max(info.held_seq, body["held_seq"])
     if body["state"]:
         info.manager_state = _manager_state(body["state"])
 
 
 class RegistrationError(Exception):
     """A registration that does not match the expected world; the message says how."""
+
+
+class RankTaken(RegistrationError):
+    """A registration for a rank that another agent process holds and is still live on."""
 
 
 @dataclass
@@ -68,6 +77,8 @@ class RankInfo:
     pid: int
     device: str
     idle: bool
+    instance: str | None = None
+    """The agent process's own value, the same across its reconnections (None: not given)."""
     state: RankState = RankState.LIVE
     registered_at: float = 0.0
     """Wall-clock time (``time.time()``) of the registration."""
@@ -160,10 +171,11 @@ class Registry:
             self.tp_size = body["tp_size"]
         old = self.ranks.get(body["rank"])
         if old is not None and old.peer != peer:
+            self._check_takeover(old, body, now)
             self._by_peer.pop(old.peer, None)
         info = RankInfo(
             rank=body["rank"], peer=peer, tp_group=body["tp_group"], host=body["host"],
-            pid=body["pid"], device=body["device"], idle=body["idle"],
+            pid=body["pid"], device=body["device"], idle=body["idle"], instance=body.get("instance"),
             registered_at=self.wall(), last_seen=now, step=body["step"],
             applied_seq=body["applied_seq"] or 0, held_seq=body["applied_seq"] or 0,
             manager_state=_manager_state(body["state"]), config=body["config"],
@@ -172,6 +184,21 @@ class Registry:
         self._by_peer[peer] = info.rank
         self._expiry_bound = min(self._expiry_bound, now + self.timeout)
         return info, old
+
+    def _check_takeover(self, old: RankInfo, body: dict[str, Any], now: float) -> None:
+        """A live rank passes to another connection only from the same agent process
+        (it reconnected), or once the old connection has been silent past the timeout."""
+        if old.state is not RankState.LIVE:
+            return
+        silent = now - old.last_seen
+        if old.instance is not None and body.get("instance") == old.instance:
+            return
+        if silent > self.timeout:
+            return
+        raise RankTaken(
+            f"rank {old.rank} is live on another connection (host {old.host}, pid {old.pid}, heard "
+            f"{silent:.1f} s ago): it passes to another process only once that one has been silent "
+            f"for heartbeat_timeout ({self.timeout:g} s)")
 
     def by_peer(self, peer: bytes) -> RankInfo | None:
         rank = self._by_peer.get(peer)

@@ -16,6 +16,8 @@ loads this section.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import stat
 from dataclasses import dataclass
@@ -25,7 +27,13 @@ import zmq.auth
 
 from wsd.errors import ConfigError
 
-__all__ = ["Role", "SecurityConfig", "load_folder", "load_public", "load_secret"]
+__all__ = ["AGENT_TOKEN_ENV", "Role", "SecurityConfig", "load_agent_token", "load_folder", "load_public",
+           "load_secret", "registration_proof"]
+
+AGENT_TOKEN_ENV = "WSD_AGENT_TOKEN"
+"""The environment variable by which launchers hand the agent token to a coordinator
+and its workers (``wsd up`` and the embedded mode make one up)."""
+_MIN_TOKEN = 16
 
 
 class Role(str, enum.Enum):
@@ -71,13 +79,17 @@ class SecurityConfig:
     """Folder of public certificates (*.key) of the agents admitted on the agent endpoint."""
     agent_secret_key: str | None = None
     """The agents' own certificate with its secret key (NAME.key_secret, mode 0600)."""
+    agent_token_file: str | None = None
+    """A file (mode 0600) holding the agent token: a registration is accepted only from
+    a process that proves it holds the same token. None: the ``WSD_AGENT_TOKEN``
+    environment variable, if set; else registrations are not authenticated."""
 
     def __post_init__(self) -> None:
         for name in ("curve_clients", "curve_agents"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("server_secret_key", "server_public_key", "viewer_keys", "admin_keys",
-                     "agent_keys", "agent_secret_key"):
+                     "agent_keys", "agent_secret_key", "agent_token_file"):
             _check_path(name, getattr(self, name))
         if self.curve_clients and self.viewer_keys is None and self.admin_keys is None:
             raise ValueError("curve_clients is true but neither viewer_keys nor admin_keys is set: "
@@ -139,3 +151,44 @@ def load_folder(folder: str, what: str) -> dict[bytes, str]:
     except OSError as e:
         raise ConfigError(f"{what}: cannot list key folder {folder}: {e}") from e
     return {load_public(os.path.join(folder, n), what): os.path.join(folder, n) for n in names}
+
+
+# -- the agent token ---------------------------------------------------------------------
+
+
+def load_agent_token(security: SecurityConfig, environ: dict[str, str] | None = None) -> bytes | None:
+    """The agent token: from ``agent_token_file``, else ``$WSD_AGENT_TOKEN``, else None.
+
+    ConfigError for a file others may read, or a token shorter than 16 characters.
+    """
+    environ = os.environ if environ is None else environ
+    if security.agent_token_file is not None:
+        path, what = security.agent_token_file, "[security] agent_token_file"
+        mode = _mode(path, what)
+        if mode & 0o077:
+            raise ConfigError(f"{what}: token file {path} has mode {stat.S_IMODE(mode):04o}: group and "
+                              f"others must have no access to it (chmod 600 {path})")
+        try:
+            with open(path, "rb") as f:
+                token = f.read(4096).strip()
+        except OSError as e:
+            raise ConfigError(f"{what}: cannot read token file {path}: {e}") from e
+    else:
+        what = f"${AGENT_TOKEN_ENV}"
+        value = environ.get(AGENT_TOKEN_ENV)
+        if not value:
+            return None
+        token = value.strip().encode()
+    if len(token) < _MIN_TOKEN:
+        raise ConfigError(f"{what}: an agent token has at least {_MIN_TOKEN} characters, got {len(token)} "
+                          f"(make one with: python -c 'import secrets; print(secrets.token_hex(32))')")
+    return token
+
+
+def registration_proof(token: bytes, rank: int, instance: str) -> str:
+    """What a registration carries to show that its sender holds ``token``.
+
+    An HMAC of the rank and the agent's instance: the token itself never
+    travels, and a proof seen on the wire is good for that rank and instance only.
+    """
+    return hmac.new(token, f"wsd-register:{rank}:{instance}".encode(), hashlib.sha256).hexdigest()

@@ -42,9 +42,9 @@ class Coordinator:
     """Binds the configured endpoints and serves until stopped."""
 
     def __init__(self, config: CoordinatorConfig, *, context: zmq.Context | None = None,
-                 security: SecurityConfig | None = None) -> None:
+                 security: SecurityConfig | None = None, agent_token: bytes | None = None) -> None:
         self.config = config
-        self.core = CoordinatorCore(config)
+        self.core = CoordinatorCore(config, agent_token=agent_token)
         self._own_context = context is None
         self._context = context or zmq.Context()
         try:  # keys checked and ZAP running before any socket exists
@@ -129,14 +129,24 @@ class Coordinator:
         poller.register(self._clients, zmq.POLLIN)
         core = self.core
         handle_agent = core.handle_agent
+        # Every agent frame that arrived before this (monotonic) time has been read:
+        # liveness is judged up to it, so that frames waiting unread behind a burst
+        # (hostile or not) never make a live rank look silent.
+        heard_until = time.monotonic()
         try:
             while not self._stop.is_set():
                 wait = min(max(core.next_deadline() - time.monotonic(), 0.0), _MAX_POLL)
                 ready = dict(poller.poll(wait * 1000))
+                polled = time.monotonic()
                 out: list[Out] = []
                 if self._agents in ready:
-                    for route, frame in self._drain(self._agents):
+                    frames = self._drain(self._agents)
+                    for route, frame in frames:
                         out += handle_agent(route, frame)
+                    if not self._agents.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        heard_until = polled  # the socket was empty when the drain ended
+                else:
+                    heard_until = polled
                 if self._clients in ready:
                     for route, frame, role in self._drain_clients():
                         out += self._client_frame(route, frame, role)
@@ -144,7 +154,7 @@ class Coordinator:
                 # passes have nothing for them, and a round is one pass per reply.
                 if time.monotonic() >= core.next_deadline():
                     try:
-                        out += core.tick()
+                        out += core.tick(heard_until)
                     except Exception:  # a bug: log it, keep serving what we have
                         logger.exception("coordinator timers failed; serving on")
                 self._send(out)

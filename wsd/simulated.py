@@ -28,8 +28,9 @@ import msgpack
 import zmq
 
 from wsd.config import MAX_UBATCHES
-from wsd.errors import WsdError
+from wsd.errors import ConfigError, WsdError
 from wsd.link import AgentLink
+from wsd.security import SecurityConfig, load_agent_token
 from wsd.stats import ManagerStats, PersistentStats, SlotStats
 from wsd.transport import Waker, answer_waiting, connect, make_socket, raise_fd_limit, send_nowait
 
@@ -153,6 +154,7 @@ class SimulatedRanks:
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 5.0,
         context: zmq.Context | None = None,
+        token: bytes | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.ranks = list(ranks)
@@ -165,7 +167,7 @@ class SimulatedRanks:
         self.links = [
             AgentLink(m, rank=r, world_size=world_size, tp_size=tp_size, idle=True,
                       heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
-                      extra={"simulated": True}, now=now)
+                      extra={"simulated": True}, now=now, token=token)
             for r, m in zip(self.ranks, self.managers)
         ]
         self._own_context = context is None
@@ -315,8 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sim = SimulatedRanks(args.endpoint, range(args.first_rank, args.first_rank + args.ranks),
                              world_size=world, tp_size=args.tp_size, num_ubatches=args.ubatches,
                              heartbeat_interval=args.heartbeat_interval,
-                             heartbeat_timeout=args.heartbeat_timeout)
-    except ValueError as e:
+                             heartbeat_timeout=args.heartbeat_timeout,
+                             token=load_agent_token(SecurityConfig()))  # $WSD_AGENT_TOKEN, if set
+    except (ValueError, ConfigError) as e:
         parser.error(str(e))
     with sim:
         print(f"{args.ranks} simulated ranks connecting to {args.endpoint}", flush=True)

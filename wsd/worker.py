@@ -14,6 +14,7 @@ import argparse
 import logging
 import os
 import re
+import secrets
 import socket
 import sys
 import threading
@@ -36,6 +37,7 @@ from wsd.distributed import (
 from wsd.errors import ConfigError, LaunchError
 from wsd.launch import CoordinatorProcess, stop_signals
 from wsd.manager import WorkspaceManager
+from wsd.security import AGENT_TOKEN_ENV, load_agent_token
 from wsd.workload import TensorParallelMlp, run_workload
 
 logger = logging.getLogger("wsd.worker")
@@ -61,34 +63,40 @@ def _setup_logging(env: TorchrunEnv) -> None:
     )
 
 
-def _agent_endpoint(config: WsdConfig, ctx: DistContext) -> tuple[str, CoordinatorProcess | None]:
-    """Where the agents connect; when embedded, rank 0 starts the coordinator first (collective)."""
+def _agent_endpoint(config: WsdConfig, ctx: DistContext,
+                    token: bytes | None) -> tuple[str, bytes | None, CoordinatorProcess | None]:
+    """Where the agents connect, and the agent token; when embedded, rank 0 starts the
+    coordinator first (collective) and, unless one was given, makes up the token."""
     coordinator = config.coordinator
     if coordinator.mode is CoordinatorMode.EXTERNAL:
-        return coordinator.connect_endpoint or coordinator.agent_endpoint, None
+        return coordinator.connect_endpoint or coordinator.agent_endpoint, token, None
     child = None
-    endpoint = None
+    found: tuple[str, bytes] | None = None
     if ctx.env.rank == 0:
+        token = token or secrets.token_hex(32).encode()
         try:
             child = CoordinatorProcess(
                 config.source if config.source != "<defaults>" else None,
-                env=_child_env(ctx), exit_with_parent=True,
+                env=_child_env(ctx, token), exit_with_parent=True,
             ).start(config.worker.coordinator_start_timeout)
             endpoint = coordinator.connect_endpoint or _reachable(child.agent_endpoint)
+            found = (endpoint, token)
             logger.info("embedded coordinator: clients on %s (agents on %s)", child.client_endpoint, endpoint)
         except LaunchError:
             logger.exception("rank 0 could not start the embedded coordinator")
     # Every rank joins the broadcast, also when rank 0 failed, so that none hangs in it.
-    endpoint = broadcast_from_rank0(endpoint, ctx.control_group)
-    if endpoint is None:
+    # The token travels on the job's own process group, as its tensors do.
+    found = broadcast_from_rank0(found, ctx.control_group)
+    if found is None:
         raise LaunchError("rank 0 could not start the embedded coordinator; its log says why")
-    return endpoint, child
+    return found[0], found[1], child
 
 
-def _child_env(ctx: DistContext) -> dict[str, str]:
-    # The coordinator knows the whole world from the start, so it can name ranks never seen.
+def _child_env(ctx: DistContext, token: bytes) -> dict[str, str]:
+    # The coordinator knows the whole world from the start, so it can name ranks never seen,
+    # and admits only the job's own agents.
     return {**os.environ, "WSD_COORDINATOR_WORLD_SIZE": str(ctx.env.world_size),
-            "WSD_COORDINATOR_TP_SIZE": str(ctx.tp_size)}
+            "WSD_COORDINATOR_TP_SIZE": str(ctx.tp_size), AGENT_TOKEN_ENV: token.decode()}
 
 
 def _reachable(bound: str) -> str:
@@ -103,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = read_torchrun_env()
         config = load_config(args.config)
         curve = agent_keys(config.security)  # key files checked before anything starts
+        token = load_agent_token(config.security)
     except ConfigError as e:
         print(f"wsd.worker: {e}", file=sys.stderr)
         return 2
@@ -114,14 +123,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             ctx = init_distributed(env, config.worker)
             manager = WorkspaceManager.from_config(ctx.device, config)
-            endpoint, child = _agent_endpoint(config, ctx)
+            endpoint, token, child = _agent_endpoint(config, ctx, token)
             agent = Agent(
                 manager, endpoint=endpoint, rank=env.rank, world_size=env.world_size,
                 tp_size=ctx.tp_size, tp_group=ctx.tp_side_group, idle=args.idle, config=config.agent,
                 heartbeat_interval=config.coordinator.heartbeat_interval,
                 heartbeat_timeout=config.coordinator.heartbeat_timeout,
                 extra={"backend": ctx.backend, "local_rank": env.local_rank, "idle": args.idle},
-                curve=curve,
+                curve=curve, token=token,
             ).start()
             logger.info("%r on %s, TP group %d of size %d, agent to %s", manager, ctx.backend,
                         ctx.tp_index, ctx.tp_size, endpoint)

@@ -77,6 +77,11 @@ def status(doc: dict[str, Any], endpoint: str) -> str:
         f"desired (default): {_desired(doc['desired'])}",
         f"pending commands: {_ints(doc['pending_commands'])}",
     ]
+    refused = doc.get("agents_refused") or {}
+    if "agents_authenticated" in doc:
+        lines.append("agents: " + ("authenticated by token" if doc["agents_authenticated"] else
+                                   "NOT authenticated (no agent token)")
+                     + (", refused: " + ", ".join(f"{why} {n}" for why, n in refused.items()) if refused else ""))
     rows = [
         [g["tp_group"], _ints(g["ranks"]), _ints(g["live"]), _missing(g["missing"]) or "-",
          _set(g["locked"]), _set(g["num_ubatches"]), _ints(g["applied_seq"]),

@@ -127,6 +127,7 @@ def _attach(worker: Any, config: WsdConfig) -> None:
     from wsd.integrations.vllm import workspace
     from wsd.integrations.vllm.patches import vllm_version
     from wsd.integrations.vllm.wake import WakeSender, wake_endpoint
+    from wsd.security import load_agent_token
 
     with _attach_lock:
         if _attachment is not None:
@@ -159,7 +160,7 @@ def _attach(worker: Any, config: WsdConfig) -> None:
             extra={"engine": "vllm", "vllm_version": vllm_version(),
                    "local_rank": getattr(worker, "local_rank", None),
                    "tp_rank": tp.rank_in_group, "dp_rank": parallel.data_parallel_rank},
-            curve=agent_keys(config.security), on_pending=wake,
+            curve=agent_keys(config.security), on_pending=wake, token=load_agent_token(config.security),
         ).start()
         _attachment = _Attachment(agent, wake)
         logger.info("wsd: rank %d (TP group %d of size %d) joined %s with %r", rank,

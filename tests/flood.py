@@ -1,0 +1,55 @@
+"""A hostile peer of the agent endpoint, as a process of its own: ``python tests/flood.py ENDPOINT SECONDS``.
+
+It never registers. It sends two frames of 15 MB made of nothing but empty lists
+(the most objects per byte msgpack can be made to build), then, for SECONDS, as
+many 4 KB frames of the same kind as the coordinator takes, from four
+connections; and prints ``sent N`` at the end. A process of its own, so that
+its sending competes with the coordinator and the real ranks for the CPU as an
+attacker's would, and not for one interpreter's lock.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import msgpack
+import zmq
+
+
+def nested(size: int) -> bytes:
+    return msgpack.packb({"v": 1, "op": "heartbeat", "id": 0,
+                          "body": {"rank": 0, "step": 0, "applied_seq": 0, "held_seq": 0,
+                                   "state": {"x": [[]] * (size - 80)}}})
+
+
+def main(endpoint: str, seconds: float) -> int:
+    ctx = zmq.Context()
+    socks = []
+    for _ in range(4):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, 100)
+        sock.connect(endpoint)
+        socks.append(sock)
+    big, small = nested(15 << 20), nested(4000)
+    for sock in socks[:2]:
+        sock.send(big)
+    sent = 2
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for sock in socks:
+            try:
+                sock.send(small)
+                sent += 1
+            except zmq.Again:  # the coordinator's queue for us is full: it reads at its pace
+                pass
+    print(f"sent {sent}", flush=True)
+    for sock in socks:
+        sock.close(linger=0)
+    ctx.term()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], float(sys.argv[2])))

@@ -1,7 +1,8 @@
 """A hostile peer of the agent endpoint, as a process of its own: ``python tests/flood.py ENDPOINT SECONDS``.
 
-It never registers. It sends two frames of 15 MB made of nothing but empty lists
-(the most objects per byte msgpack can be made to build), then, for SECONDS, as
+It never registers. It sends two frames of 3.5 MB (just under the agent
+endpoint's default max_agent_message_bytes, 4 MiB) made of nothing but empty
+lists (the most objects per byte msgpack can be made to build), then, for SECONDS, as
 many 4 KB frames of the same kind as the coordinator takes, from four
 connections; and prints ``sent N`` at the end. A process of its own, so that
 its sending competes with the coordinator and the real ranks for the CPU as an
@@ -32,7 +33,7 @@ def main(endpoint: str, seconds: float) -> int:
         sock.setsockopt(zmq.SNDTIMEO, 100)
         sock.connect(endpoint)
         socks.append(sock)
-    big, small = nested(15 << 20), nested(4000)
+    big, small = nested(7 << 19), nested(4000)
     for sock in socks[:2]:
         sock.send(big)
     sent = 2

@@ -255,9 +255,11 @@ class CoordinatorConfig:
     """Tensor-parallel group size expected; None: from the first registration."""
     max_message_bytes: int = _size_field(1 << 20)
     """Largest message accepted from a client (ZeroMQ MAXMSGSIZE)."""
-    max_agent_message_bytes: int = _size_field(16 << 20)
+    max_agent_message_bytes: int = _size_field(4 << 20)
     """Largest frame accepted from an agent; a larger one drops that agent's connection
-    (ZeroMQ MAXMSGSIZE). A stats reply of 64 x 64 slots is about 30 KB (340 KB at worst)."""
+    (ZeroMQ MAXMSGSIZE). A stats reply of 64 x 64 slots is about 30 KB (340 KB at worst):
+    the default leaves ten times that for persistent buffers. Each message type has its
+    own smaller bound besides (wsd.protocol.LIMITS)."""
     high_water_mark: int = 10_000
     """Messages queued per peer before sends to it are dropped."""
     event_capacity: int = 10_000

@@ -647,6 +647,20 @@ def test_slurm_script_gives_both_steps_a_token_made_for_the_job_and_the_world_si
     assert "at least 16 characters" in output
 
 
+def test_security_doc_cites_tests_that_exist_and_the_recipes_it_names():
+    """docs/security.md answers each attack with the test that tries it: a renamed or
+    deleted test would leave the threat model pointing at nothing."""
+    doc = (DEPLOY.parent / "docs" / "security.md").read_text()
+    tests = DEPLOY.parent / "tests"
+    cited_files = set(re.findall(r"`(tests/test_\w+\.py)`", doc))
+    assert cited_files and all((DEPLOY.parent / f).is_file() for f in cited_files), cited_files
+    source = "".join(p.read_text() for p in tests.glob("test_*.py"))
+    cited = set(re.findall(r"`(test_\w+)`", doc))
+    assert len(cited) >= 15
+    assert not [name for name in cited if not re.search(rf"^def {name}\(", source, re.M)]
+    assert all((DEPLOY.parent / path).exists() for path in re.findall(r"`(deploy/[\w./-]+)`", doc))
+
+
 # -- deploy/local/run.sh, for real -------------------------------------------------------------------
 
 _SMALL_WORKLOAD = {"WSD_WORKLOAD_HIDDEN_SIZE": "32", "WSD_WORKLOAD_FFN_SIZE": "64",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
 
 import pytest
 from conftest import wait_until
@@ -63,7 +65,7 @@ def test_wsd_coordinator_runs_without_torch_and_stops_on_sigterm(tmp_path, spawn
     with Client(endpoint, timeout=5) as client:
         assert client.ping() is not None
         status = client.status()
-        assert status["ranks"] == {"live": 0, "lost": 0, "stopped": 0, "never_registered": 0}
+        assert status["ranks"] == {"live": 0, "lost": 0, "stopped": 0, "never_registered": 1}
     proc.send(signal.SIGTERM)
     assert proc.wait(15) == 0, proc.output()
     assert proc.count("coordinator stopped") == 1 and proc.count("Traceback") == 0
@@ -76,3 +78,19 @@ def test_wsd_coordinator_stops_on_ctrl_c(tmp_path, spawn):  # noqa: F811
     proc.send(signal.SIGINT, group=True)
     assert proc.wait(15) == 0, proc.output()
     assert proc.count("Traceback") == 0
+
+
+def test_wsd_up_exits_2_when_its_coordinator_cannot_bind(tmp_path, spawn):  # noqa: F811
+    """A port already taken is the configuration's fault: wsd up says so and exits 2 (it
+    used to wait for the coordinator's ready line, then exit 1), starting no worker."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = spawn(["wsd", "up", "--nproc", "1"], name="wsd up", env={
+            **os.environ, "WSD_COORDINATOR_CLIENT_ENDPOINT": f"tcp://127.0.0.1:{port}",
+            "WSD_COORDINATOR_AGENT_ENDPOINT": "tcp://127.0.0.1:0",
+            "WSD_COORDINATOR_STATE_FILE": str(tmp_path / "state")})
+        assert proc.wait(60) == 2, proc.output()
+    assert f"cannot bind tcp://127.0.0.1:{port}" in proc.output()
+    assert "torchrun" not in proc.output() and "Traceback" not in proc.output()

@@ -154,7 +154,8 @@ class CoordinatorProcess:
         self.metrics_url: str | None = None
 
     def start(self, timeout: float) -> CoordinatorProcess:
-        """Start it and wait for its ready line; LaunchError with what it printed otherwise."""
+        """Start it and wait for its ready line; ConfigError if it refused its configuration
+        (exit code 2), LaunchError otherwise, its own log saying why."""
         command = [sys.executable, "-m", "wsd.cli", "coordinator"]
         if self.config_path is not None:
             command += ["--config", str(self.config_path)]
@@ -168,6 +169,9 @@ class CoordinatorProcess:
         match = _await_line(self.proc, self.proc.stdout, _READY_LINE, timeout)
         if match is None:
             code = self.stop()
+            if code == 2:  # its configuration: a bad file, an endpoint it cannot bind, its state file
+                raise ConfigError("the coordinator refused its configuration (exit code 2); "
+                                  "its log above says why")
             raise LaunchError(f"the coordinator did not become ready within {timeout:g} s "
                               f"(exit code {code}); its log above says why")
         self.agent_endpoint, self.client_endpoint, self.metrics_url = match.groups()

@@ -72,6 +72,7 @@ def _agent_endpoint(config: WsdConfig, ctx: DistContext,
         return coordinator.connect_endpoint or coordinator.agent_endpoint, token, None
     child = None
     found: tuple[str, bytes] | None = None
+    refused: str | None = None  # rank 0's coordinator refused its configuration: why
     if ctx.env.rank == 0:
         token = token or secrets.token_hex(32).encode()
         try:
@@ -82,11 +83,16 @@ def _agent_endpoint(config: WsdConfig, ctx: DistContext,
             endpoint = coordinator.connect_endpoint or _reachable(child.agent_endpoint)
             found = (endpoint, token)
             logger.info("embedded coordinator: clients on %s (agents on %s)", child.client_endpoint, endpoint)
+        except ConfigError as e:
+            refused = str(e)
+            logger.error("rank 0 could not start the embedded coordinator: %s", e)
         except LaunchError:
             logger.exception("rank 0 could not start the embedded coordinator")
     # Every rank joins the broadcast, also when rank 0 failed, so that none hangs in it.
     # The token travels on the job's own process group, as its tensors do.
-    found = broadcast_from_rank0(found, ctx.control_group)
+    found = broadcast_from_rank0(found if found is not None else refused, ctx.control_group)
+    if isinstance(found, str):  # the configuration, on every rank: exit 2 everywhere
+        raise ConfigError(f"the embedded coordinator refused its configuration: {found}")
     if found is None:
         raise LaunchError("rank 0 could not start the embedded coordinator; its log says why")
     return found[0], found[1], child

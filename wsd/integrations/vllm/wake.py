@@ -12,8 +12,10 @@ engine is never woken for nothing: vLLM's shared-memory queue busy-spins for a
 second after each message, and a blind periodic tick cost 21% of a core per
 worker. (The agents' heartbeats still cost an idle worker about 1% of a core.)
 
-The engine core binds an IPC socket named after its pid; its workers, which it
-spawned, find it by their parent pid.
+The engine core binds an IPC socket named after its pid, in a folder of the
+user's own (``<tmp>/wsd-<uid>``, mode 0700, checked): no other local user can
+send to it, squat its name or leave a file there that stops it. Its workers,
+which it spawned, find it by their parent pid.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import stat
 import tempfile
 import threading
 from typing import Any
 
 import zmq
 
-__all__ = ["WSD_STEP", "WakeListener", "WakeSender", "wake_endpoint"]
+__all__ = ["WSD_STEP", "WakeListener", "WakeSender", "wake_endpoint", "wake_folder"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,16 +41,34 @@ WSD_STEP = "wsd_step"
 _POLL_MS = 500
 
 
+def wake_folder() -> str:
+    """This user's folder of wake sockets, ``<tmp>/wsd-<uid>``; made with mode 0700.
+
+    OSError unless it is a real folder (not a link) of this user that no one else
+    may enter: in a shared temp folder, another user could have made it first.
+    """
+    folder = os.path.join(tempfile.gettempdir(), f"wsd-{os.getuid()}")
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(f"{folder} is not a folder of this user's that only it may enter "
+                              f"(owner uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o}): "
+                              f"remove it, or point TMPDIR elsewhere")
+    return folder
+
+
 def wake_endpoint(engine_pid: int) -> str:
     """Where the engine core of process ``engine_pid`` listens for wake-ups."""
-    return f"ipc://{tempfile.gettempdir()}/wsd-vllm-wake-{engine_pid}"
+    return f"ipc://{os.path.join(tempfile.gettempdir(), f'wsd-{os.getuid()}')}/wsd-vllm-wake-{engine_pid}"
 
 
-def _remove_stale() -> None:
+def _remove_stale(folder: str) -> None:
     """Remove the sockets of engine cores that are gone: one killed (vLLM's default
     shutdown SIGKILLs its engine core) never removed its own."""
     prefix = "wsd-vllm-wake-"
-    folder = tempfile.gettempdir()
     for name in os.listdir(folder):
         pid = name[len(prefix):]
         if not (name.startswith(prefix) and pid.isdigit()):
@@ -57,8 +78,8 @@ def _remove_stale() -> None:
         except ProcessLookupError:
             try:
                 os.unlink(os.path.join(folder, name))
-            except FileNotFoundError:
-                pass
+            except OSError:
+                pass  # gone already, or not ours to remove: binding says if it matters
         except PermissionError:
             pass  # alive, someone else's
 
@@ -77,8 +98,12 @@ class WakeListener:
         self._sock = self._context.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 64)  # a wake-up is one empty frame
-        _remove_stale()
-        self._sock.bind(self.endpoint)
+        try:
+            _remove_stale(wake_folder())
+            self._sock.bind(self.endpoint)
+        except (OSError, zmq.ZMQError):
+            self._sock.close(linger=0)
+            raise
         self._thread = threading.Thread(target=self._run, name="wsd-vllm-wake", daemon=True)
         self._thread.start()
 

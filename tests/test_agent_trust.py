@@ -15,17 +15,17 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
+from conftest import coordinator_config, wait_until
 from procs import python, spawn  # noqa: F401  (spawn is a fixture)
 from test_coordinator_core import Harness, make, ops, peer_of, to_agents
+from wsd_client.client import Client
 
-from conftest import coordinator_config, wait_until
 from wsd import protocol as p
 from wsd.coordinator import RESEND_WINDOW
 from wsd.protocol import ErrorCode, Op
 from wsd.security import registration_proof
 from wsd.server import Coordinator
 from wsd.simulated import SimulatedRanks
-from wsd_client.client import Client
 
 TOKEN = b"0123456789abcdef0123456789abcdef"
 
@@ -259,11 +259,12 @@ def served(tmp_path):
         coordinator.stop(timeout=10)
 
 
-def test_decode_heavy_frames_neither_stall_the_loop_nor_make_a_live_rank_lost(served, spawn):
+def test_decode_heavy_frames_neither_stall_the_loop_nor_make_a_live_rank_lost(served, spawn):  # noqa: F811
     """Two 15 MB frames of millions of empty lists kept the loop decoding for 30 s and
-    every real rank was marked lost (two of 3.5 MB, under today's frame limit, for 5 s). Now: big frames from a connection that has not
-    registered are dropped unread, small ones are metered per connection, and a rank
-    is judged silent only up to the time every frame waiting for the loop was read.
+    every real rank was marked lost (two of 3.5 MB, under today's frame limit, for 5 s).
+    Now: big frames from a connection that has not registered are dropped unread,
+    small ones are metered per connection, and a rank is judged silent only up to the
+    time every frame waiting for the loop was read.
     The attacker and the real ranks are processes of their own, as they would be."""
     coordinator = served(world_size=4, tp_size=2, heartbeat_interval=0.2, heartbeat_timeout=1.0)
     sim = spawn(python("-m", "wsd.simulated", "--endpoint", coordinator.agent_endpoint, "--ranks", "4",

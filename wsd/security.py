@@ -16,12 +16,12 @@ loads this section.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import os
 import stat
 from dataclasses import dataclass
-import enum
 
 import zmq.auth
 

@@ -123,6 +123,15 @@ def test_a_live_rank_is_not_superseded_by_another_process_until_it_falls_silent(
     assert ops(sent)[0] is Op.REGISTERED
 
 
+def test_one_connection_holds_one_rank(h):
+    """A connection registered as one rank and then as another left the first live and
+    unheard, to be marked lost a timeout later."""
+    h.register(0)
+    sent = h.agent(peer_of(0), Op.REGISTER, registration(1, "agent-0"))
+    assert to_agents(sent, Op.REJECTED)[peer_of(0)]["code"] == "conflict"
+    assert [i.rank for i in h.core.registry.live()] == [0] and h.core.registry.by_peer(peer_of(0)).rank == 0
+
+
 def test_with_an_agent_token_only_a_registration_that_proves_it_is_accepted(tmp_path):
     from wsd.coordinator import CoordinatorCore
 

@@ -223,3 +223,20 @@ def test_goodbye_only_once_registered_and_names_the_rank_and_step():
     assert message.op is Op.GOODBYE
     assert message.body == {"rank": 3, "step": 17, "applied_seq": link.applied,
                             "held_seq": link.held, "state": Backend().state()}
+
+
+class FailingLoudly(Backend):
+    def apply(self, action: str, args: dict[str, Any]) -> None:
+        raise RuntimeError("é" * 10_000)  # an exception with a very long, multi-byte message
+
+
+def test_an_ack_of_a_command_failing_with_a_long_message_is_one_the_coordinator_accepts():
+    """Found by the hostile barrage: an error of any length went into the ack, past the
+    ack's size bound, so the coordinator refused it and the command stayed pending."""
+    link = AgentLink(FailingLoudly(), rank=0, world_size=1)
+    link.on_frame(registered(), 0.0)
+    link.on_frame(command(1, "equalize"), 0.1)
+    [(seq, frame)] = link.apply_up_to(1)
+    ack = p.decode(frame, p.AGENT_OPS)  # as the coordinator decodes it: within every bound
+    assert ack.op is Op.ACK and ack.body["ok"] is False and ack.body["error"].startswith("RuntimeError: éé")
+    assert len(ack.body["error"]) < 1100 and ack.body["error"].endswith("more characters)")

@@ -348,7 +348,9 @@ class CoordinatorCore:
         if self._agent_token is None:
             return
         expected = registration_proof(self._agent_token, body["rank"], body["instance"] or "")
-        if not isinstance(body["proof"], str) or not hmac.compare_digest(body["proof"], expected):
+        proof = body["proof"]
+        # As bytes: compare_digest refuses a str that is not ASCII (a TypeError, not a refusal).
+        if not isinstance(proof, str) or not hmac.compare_digest(proof.encode(), expected.encode()):
             raise _Unauthenticated(
                 f"rank {body['rank']}: registration refused: it does not prove it holds this coordinator's "
                 f"agent token (give the worker the same WSD_AGENT_TOKEN or [security] agent_token_file)")

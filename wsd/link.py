@@ -62,6 +62,12 @@ class Backend(Protocol):
         ...
 
 
+def _cut(error: str) -> str:
+    """An error as an ack carries it: at most 1,000 characters (the protocol allows 4,096,
+    and an ack that is refused for its size would leave the command pending)."""
+    return error if len(error) <= 1000 else f"{error[:1000]}... ({len(error) - 1000} more characters)"
+
+
 class AgentLink:
     """One rank's registration, timers and command bookkeeping.
 
@@ -290,7 +296,7 @@ class AgentLink:
                 try:
                     self.backend.apply(command["action"], command["args"])
                 except Exception as e:  # reported to the coordinator, never raised into the engine
-                    error = f"{type(e).__name__}: {e}"
+                    error = _cut(f"{type(e).__name__}: {e}")
                     logger.warning("rank %d: command %d (%s) failed: %s", self.rank, seq, command["action"], error)
                 self._acks.append([seq, self.steps, error is None, error])
                 acks.append((seq, p.encode(Op.ACK, {"rank": self.rank, "seq": seq, "step": self.steps,
@@ -315,7 +321,7 @@ class AgentLink:
             try:
                 self.backend.apply(action, args.get(action, {}))
             except Exception as e:  # reported, never raised into the engine
-                error = f"{type(e).__name__}: {e}"
+                error = _cut(f"{type(e).__name__}: {e}")
                 logger.warning("rank %d: taking on the desired state at seq %d: %s failed: %s",
                                self.rank, self.baseline, action, error)
                 self._reports.append(p.encode(Op.EVENT, {"rank": self.rank, "kind": "start_failed", "detail": {

@@ -294,6 +294,7 @@ LIMITS: dict[Op, Limits] = {
     **{op: _SMALL for op in Op},
     **{op: _CLIENT for op in CLIENT_OPS},
     Op.REGISTER: Limits(64 << 10, array_len=ACK_MEMORY),
+    Op.ACK: Limits(8 << 10),  # an error of up to 4,096 characters, some of them multi-byte
     Op.EVENT: Limits(16 << 10, str_len=16 << 10),
     Op.STATS_REPLY: Limits(16 << 20, str_len=1 << 16, bin_len=16 << 20, array_len=1 << 16, map_len=1 << 16),
     # Coordinator to agent, which trusts its coordinator's sizes.

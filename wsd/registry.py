@@ -169,6 +169,10 @@ class Registry:
             self.world_size = body["world_size"]
         if self.tp_size is None:
             self.tp_size = body["tp_size"]
+        held = self.by_peer(peer)
+        if held is not None and held.rank != body["rank"] and held.state is RankState.LIVE:
+            # One connection, one rank: the first would be left live and unheard until lost.
+            raise RankTaken(f"rank {body['rank']}: this connection already holds rank {held.rank}")
         old = self.ranks.get(body["rank"])
         if old is not None and old.peer != peer:
             self._check_takeover(old, body, now)

@@ -201,6 +201,8 @@ def test_slurm_script_runs_a_coordinator_and_one_torchrun_per_node(tmp_path, spa
         assert {r: info["tp_group"] for r, info in ranks.items()} == {0: 0, 1: 0, 2: 1, 3: 1}
         status = client.status()
         assert status["world_size"] == WORLD  # the script told the coordinator NNODES x NPROC_PER_NODE
+        # and made the job a token, which every worker on every node proved it holds
+        assert status["agents_authenticated"] is True and status["agents_refused"] == {}
         result = client.set_ubatches(3, timeout=15)
         assert result.complete and result.same_step == {"0": True, "1": True}, result
     # The coordinator's state went where the script put it, beside the job's logs.

@@ -30,6 +30,10 @@ from wsd.simulated import SimulatedRanks
 TOKEN = b"0123456789abcdef0123456789abcdef"
 
 
+def decode_sent(out: list) -> list[p.Message]:
+    return [p.decode(frame, p.COORDINATOR_OPS) for _, _, frame in out]
+
+
 @pytest.fixture
 def h(tmp_path) -> Harness:
     return make(tmp_path)
@@ -231,22 +235,66 @@ def test_a_rank_is_judged_silent_only_up_to_when_every_waiting_frame_was_read(h)
     """Frames queued unread behind a burst are the coordinator's delay, not the rank's
     silence: the loop passes the time up to which it has read everything."""
     h.register_all()
-    h.mono.now += h.config.heartbeat_timeout * 3
-    h.core.tick(heard_until=h.mono.now - h.config.heartbeat_timeout * 3)
+    h.mono.now += h.config.heartbeat_timeout * 1.5
+    h.core.tick(heard_until=h.mono.now - h.config.heartbeat_timeout * 1.5)
     assert len(h.core.registry.live()) == 4 and h.events("lost") == []
     h.core.tick(heard_until=h.mono.now)  # now everything was read, and they said nothing
     assert h.core.registry.live() == [] and len(h.events("lost")) == 4
 
 
+def test_a_flood_that_keeps_frames_waiting_delays_finding_a_dead_rank_by_one_timeout_at_most(h):
+    """Judged only up to when every waiting frame was read, a dead rank was never found
+    while a flood kept frames waiting: the lag is capped at one heartbeat timeout."""
+    h.register_all()
+    flood_began = h.mono.now
+    timeout = h.config.heartbeat_timeout
+    for _ in range(40):  # the loop never finds the socket empty again; ranks 0-2 are heard
+        h.advance(timeout / 10)
+        h.core.note_heard(flood_began)
+        for rank in range(3):
+            h.heartbeat(rank)
+        h.tick()
+        if h.events("lost"):
+            break
+    lost = h.events("lost")
+    assert [e["rank"] for e in lost] == [3] and h.mono.now - flood_began <= 2 * timeout + timeout / 10
+    # and while frames waited, a live rank was not handed to another process either
+    h.register_all([0, 1, 2])
+    h.core.note_heard(h.mono.now - timeout * 0.9)
+    h.mono.now += timeout * 0.5
+    sent = h.agent(b"other", Op.REGISTER, registration(0, "another-process"))
+    assert to_agents(sent, Op.REJECTED)[b"other"]["code"] == "conflict"
+
+
+def test_a_stats_reply_not_asked_for_is_dropped_before_it_is_decoded(h):
+    """A registered peer's 3.9 MB reply of empty lists took the loop 2 s to decode;
+    one that no stats round waits for is not decoded at all, and one that is asked
+    for is decoded without the garbage collector (a fifth of the time)."""
+    h.register_all()
+    hostile = p.encode(Op.STATS_REPLY, {"rank": 0, "request": 1, "step": 0,
+                                        "stats": {"x": [[]] * ((39 << 20) // 10)}})
+    started = time.perf_counter()
+    assert h.core.handle_agent((peer_of(0),), hostile) == []
+    assert time.perf_counter() - started < 0.1
+    assert h.ok(Op.STATUS)["agents_refused"] == {"stats reply not asked for": 1}
+
+
+def test_an_unregistered_frame_too_large_is_answered_once_with_why(h):
+    """A registration too large was dropped without a word, and its agent retried for ever."""
+    big = p.encode(Op.REGISTER, {**registration(0, "x"), "config": {"k": "x" * p.REGISTER_BYTES}})
+    sent = decode_sent(h.core.handle_agent((b"big",), big))
+    assert [m.op for m in sent] == [Op.REJECTED] and sent[0].body["code"] == "too_large"
+
+
 def test_frames_are_metered_per_connection_before_they_are_decoded(h):
     h.register_all()
-    big = b"\x00" * ((64 << 10) + 1)  # not even msgpack: never decoded, so never answered
-    assert h.core.handle_agent((b"stranger",), big) == []
+    big = b"\x00" * (p.REGISTER_BYTES + 1)  # not even msgpack: never decoded, only refused for its size
+    assert [m.body["code"] for m in decode_sent(h.core.handle_agent((b"stranger",), big))] == ["too_large"]
     assert h.core.dropped_bad_agent_frames == 0
     small = p.encode(Op.HEARTBEAT, {"rank": 9, "step": 0, "applied_seq": 0, "held_seq": 0})
-    answered = sum(1 for _ in range(2_000) if h.core.handle_agent((b"stranger",), small))
-    assert 0 < answered < 1_000  # the first ones are answered; then the connection's rate runs out
-    assert h.ok(Op.STATUS)["agents_refused"] == {"rate": 2_000 - answered, "too large before registering": 1}
+    answered = sum(1 for _ in range(5_000) if h.core.handle_agent((b"stranger",), small))
+    assert 0 < answered < 2_000  # the first ones are answered; then the connection's rate runs out
+    assert h.ok(Op.STATUS)["agents_refused"] == {"rate": 5_000 - answered, "too large before registering": 1}
     assert len(h.core.registry.live()) == 4  # the registered ranks are metered apart
 
 

@@ -240,3 +240,30 @@ def test_an_ack_of_a_command_failing_with_a_long_message_is_one_the_coordinator_
     ack = p.decode(frame, p.AGENT_OPS)  # as the coordinator decodes it: within every bound
     assert ack.op is Op.ACK and ack.body["ok"] is False and ack.body["error"].startswith("RuntimeError: éé")
     assert len(ack.body["error"]) < 1100 and ack.body["error"].endswith("more characters)")
+
+
+def test_a_registration_resending_64_acks_of_long_failures_fits_its_bounds():
+    """With 64 remembered acks of 1,000-character errors a registration outgrew its own
+    bound: after any reconnect the coordinator dropped it unread, and the rank never
+    registered again."""
+    link = AgentLink(FailingLoudly(), rank=0, world_size=1)
+    link.on_frame(registered(), 0.0)
+    for seq in range(1, p.ACK_MEMORY + 1):
+        link.on_frame(command(seq, "equalize"), 0.1)
+    link.apply_up_to(p.ACK_MEMORY)
+    frame = p.encode(Op.REGISTER, link.registration())
+    assert len(frame) <= p.REGISTER_BYTES
+    message = p.decode(frame, p.AGENT_OPS)
+    assert len(message.body["acks"]) == p.ACK_MEMORY
+    assert all(len(a[3]) == p.ACK_MEMORY_ERROR for a in message.body["acks"])
+
+
+def test_a_rank_still_live_on_an_older_connection_is_asked_for_again_each_interval():
+    """A restarted worker whose old process the coordinator has not missed yet is refused
+    (conflict) until then: it asks again each heartbeat interval, not each timeout."""
+    link = AgentLink(Backend(), rank=0, world_size=1, heartbeat_interval=1.0, heartbeat_timeout=5.0)
+    assert sent_ops(link.on_time(0.0)) == [Op.REGISTER]
+    link.on_frame(p.encode(Op.REJECTED, {"code": "conflict", "message": "rank 0 is live elsewhere"}), 0.5)
+    assert link.due() == 1.5
+    link.on_frame(p.encode(Op.REJECTED, {"code": "mismatch", "message": "another world"}), 2.0)
+    assert link.due() == 7.0

@@ -13,6 +13,7 @@ import logging
 import math
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -40,12 +41,13 @@ Out = tuple[str, Route, bytes]
 
 # What one agent connection may cost before its frames are dropped unread. A
 # connection that has not registered may send registrations only: small, and few.
-_UNREGISTERED_FRAME = 64 << 10
-_UNREGISTERED_RATE = (64 << 10, 128 << 10)  # bytes a second, burst
+_UNREGISTERED_FRAME = p.REGISTER_BYTES
+_UNREGISTERED_RATE = (p.REGISTER_BYTES, 2 * p.REGISTER_BYTES)  # bytes a second, burst
 # A registered agent: heartbeats, acknowledgements and events of a few hundred
 # bytes, and stats replies when asked (up to max_agent_message_bytes).
 _REGISTERED_RATE = (1 << 20, 4 << 20)
 _FRAME_COST = 256  # the least a frame counts for: a flood of tiny frames is metered too
+_TOO_LARGE = "too large before registering"
 # Commands sent to a rank per registration or heartbeat that finds it behind:
 # the rest follow at its next heartbeats, so no claim makes one message cost many.
 RESEND_WINDOW = 64
@@ -122,8 +124,11 @@ class CoordinatorCore:
         self._unregistered_rate = RateLimit(*_UNREGISTERED_RATE)
         self._registered_rate = RateLimit(*_REGISTERED_RATE)
         self._event_rate = RateLimit(*_EVENT_RATE)
-        self._suppressed: dict[str, int] = {}
-        self.refused_agent_frames: dict[str, int] = {}
+        self._suppressed: Counter[str] = Counter()
+        self.refused_agent_frames: Counter[str] = Counter()
+        # Every agent frame that arrived before this (monotonic) time has been read
+        # (the socket loop says; see _heard).
+        self._heard_until: float | None = None
         # When each command in the log was last sent to agents (monotonic): a rank
         # still lacking one a heartbeat interval later is sent it again.
         self._sent_at: dict[int, float] = {}
@@ -199,16 +204,25 @@ class CoordinatorCore:
     def handle_agent(self, route: Route, frame: bytes) -> list[Out]:
         peer = route[0]
         refused = self._meter(peer, len(frame))
-        if refused is not None:  # dropped unread: answering would cost as much again
-            self.refused_agent_frames[refused] = self.refused_agent_frames.get(refused, 0) + 1
+        if refused is not None:  # dropped unread
+            self.refused_agent_frames[refused] += 1
+            if refused == _TOO_LARGE and self._event_rate.allow(("too large", peer), self.clock()):
+                # A real agent would otherwise retry for ever without a word of why.
+                return [(AGENT, (peer,), p.encode(Op.REJECTED, {"code": str(ErrorCode.TOO_LARGE), "message": (
+                    f"a frame of {len(frame)} bytes from a connection that has not registered: "
+                    f"at most {_UNREGISTERED_FRAME}")}))]
+            return []
+        if len(frame) > p.SMALL_FRAME and p.peek_op(frame) == Op.STATS_REPLY and not self._asked(peer):
+            self.refused_agent_frames["stats reply not asked for"] += 1  # never decoded
             return []
         try:
             message = p.decode(frame, p.AGENT_OPS)
             return self._agent_ops[message.op](peer, message.body)
         except ProtocolError as e:
             self.dropped_bad_agent_frames += 1
-            if self._event_rate.allow(("bad", peer), self.clock()):
-                logger.warning("bad message from agent %s: %s", peer.hex(), e)
+            if self._event_rate.allow(("bad message",), self.clock()):  # one log, however many peers
+                logger.warning("bad message from agent %s: %s (%d bad frames in all)", peer.hex(), e,
+                               self.dropped_bad_agent_frames)
             return [(AGENT, (peer,), p.encode(Op.REJECTED, {"code": str(e.code), "message": str(e)}))]
         except StateFileError as e:
             logger.error("%s", e)
@@ -222,23 +236,44 @@ class CoordinatorCore:
         now = self.clock()
         if self.registry.by_peer(peer) is None:
             if size > _UNREGISTERED_FRAME:
-                return "too large before registering"
+                return _TOO_LARGE
             limit = self._unregistered_rate
         else:
             limit = self._registered_rate
         return None if limit.allow(peer, now, max(size, _FRAME_COST)) else "rate"
 
+    def _asked(self, peer: bytes) -> bool:
+        """Whether a stats round waits for this connection's rank."""
+        info = self.registry.by_peer(peer)
+        return info is not None and any(info.rank in s.owed for s in self._stats.values())
+
+    def note_heard(self, until: float) -> None:
+        """The socket loop: every agent frame that arrived before ``until`` has been read."""
+        self._heard_until = until
+
+    def _heard(self, now: float) -> float:
+        """The time up to which ranks are judged silent.
+
+        Frames waiting unread behind a burst are the coordinator's delay, not the
+        ranks' silence: up to when every waiting frame was read. But never more than
+        a heartbeat timeout behind, so that a flood that keeps frames waiting delays
+        finding a dead rank by one timeout at most, and does not stop it.
+        """
+        if self._heard_until is None:
+            return now
+        return max(min(now, self._heard_until), now - self.config.heartbeat_timeout)
+
     def tick(self, heard_until: float | None = None) -> list[Out]:
         """Time-driven work: lost ranks, timeouts, pulses to agents.
 
-        ``heard_until``: the (monotonic) time up to which every agent frame has
-        been read. A rank is lost only if it was silent for the timeout before
-        then: frames waiting unread behind a burst are the coordinator's delay,
-        not the rank's silence.
+        ``heard_until``: as ``note_heard``; a rank is lost only if it was silent for
+        the timeout before then (see ``_heard``).
         """
+        if heard_until is not None:
+            self.note_heard(heard_until)
         now = self.clock()
         out: list[Out] = []
-        heard = now if heard_until is None else min(now, heard_until)
+        heard = self._heard(now)
         for info in self.registry.expire(heard):
             self.events.add(EventKind.LOST, self.wall(), rank=info.rank, tp_group=info.tp_group,
                             last_step=info.step, silent_for=round(heard - info.last_seen, 3))
@@ -252,8 +287,8 @@ class CoordinatorCore:
         if now >= self._next_pulse:
             self._next_pulse = now + self.config.heartbeat_interval
             if self._suppressed:  # one line for a flood, at most once an interval
-                self.events.add(EventKind.SUPPRESSED, self.wall(), counts=self._suppressed)
-                self._suppressed = {}
+                self.events.add(EventKind.SUPPRESSED, self.wall(), counts=dict(self._suppressed))
+                self._suppressed = Counter()
             pulse = p.encode(Op.PULSE, {"epoch": self.epoch})
             out += [(AGENT, (i.peer,), pulse) for i in self.registry.live()]
             if self._metrics:
@@ -284,7 +319,7 @@ class CoordinatorCore:
                     f"rank {body['rank']} reports applied_seq {claimed}, but this coordinator has issued "
                     f"only up to {self.log.seq}: its state file was lost or replaced. If so, set "
                     f"[coordinator] resume_seq = {claimed} (the highest such report) and restart it")
-            info, old = self.registry.register(peer, body, now)
+            info, old = self.registry.register(peer, body, now, heard=self._heard(now))
         except _Unauthenticated as e:
             return self._refuse(peer, body, ErrorCode.FORBIDDEN, str(e))
         except RankTaken as e:
@@ -357,8 +392,7 @@ class CoordinatorCore:
 
     def _refuse(self, peer: bytes, body: dict[str, Any], code: ErrorCode, reason: str) -> list[Out]:
         """Answer a refused registration; counted, and an event unless they come too fast."""
-        key = f"registration {code}"
-        self.refused_agent_frames[key] = self.refused_agent_frames.get(key, 0) + 1
+        self.refused_agent_frames[f"registration {code}"] += 1
         self._event(("refused",), EventKind.REJECTED, rank=body["rank"], code=str(code), reason=reason,
                     host=body["host"], pid=body["pid"])
         return [(AGENT, (peer,), p.encode(Op.REJECTED, {"code": str(code), "message": reason}))]
@@ -369,7 +403,7 @@ class CoordinatorCore:
         if self._event_rate.allow(source, self.clock()):
             self.events.add(kind, self.wall(), **detail)
         else:
-            self._suppressed[str(kind)] = self._suppressed.get(str(kind), 0) + 1
+            self._suppressed[str(kind)] += 1
 
     def _resend(self, rank: int, peer: bytes, missed: list[Command], now: float, *,
                 registering: bool = False) -> list[Out]:
@@ -399,8 +433,7 @@ class CoordinatorCore:
         claims = [body.get(k) for k in ("applied_seq", "held_seq")]
         if not any(c is not None and c > issued for c in claims):
             return body
-        key = f"{what} beyond the issued seq"
-        self.refused_agent_frames[key] = self.refused_agent_frames.get(key, 0) + 1
+        self.refused_agent_frames[f"{what} beyond the issued seq"] += 1
         return {**body, **{k: min(c, issued) for k, c in zip(("applied_seq", "held_seq"), claims) if c is not None}}
 
     def _heartbeat(self, peer: bytes, body: dict[str, Any]) -> list[Out]:

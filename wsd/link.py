@@ -264,11 +264,20 @@ class AgentLink:
         return [p.encode(Op.STATS_REPLY, {**reply, "stats": stats})]
 
     def _on_rejected(self, body: dict[str, Any], now: float) -> list[bytes]:
-        if self.rejected != body["message"]:
-            logger.error("rank %d: the coordinator refused us: %s", self.rank, body["message"])
-        self.rejected = body["message"]
         self.registered.clear()
-        self.next_register = now + self.timeout
+        if body["code"] == "conflict":
+            # Our rank is still live on an older connection (a restarted worker whose old
+            # process the coordinator has not yet missed): it passes to us once that one
+            # has been silent for the heartbeat timeout. Ask again each interval.
+            if self.rejected != body["message"]:
+                logger.warning("rank %d: %s; asking again every %.1f s", self.rank, body["message"],
+                               self.interval)
+            self.next_register = now + self.interval
+        else:
+            if self.rejected != body["message"]:
+                logger.error("rank %d: the coordinator refused us: %s", self.rank, body["message"])
+            self.next_register = now + self.timeout
+        self.rejected = body["message"]
         return []
 
     # -- applying ---------------------------------------------------------------------
@@ -298,7 +307,9 @@ class AgentLink:
                 except Exception as e:  # reported to the coordinator, never raised into the engine
                     error = _cut(f"{type(e).__name__}: {e}")
                     logger.warning("rank %d: command %d (%s) failed: %s", self.rank, seq, command["action"], error)
-                self._acks.append([seq, self.steps, error is None, error])
+                # Remembered for a registration to resend, shorter: 64 of them must fit in one.
+                self._acks.append([seq, self.steps, error is None,
+                                   None if error is None else error[:p.ACK_MEMORY_ERROR]])
                 acks.append((seq, p.encode(Op.ACK, {"rank": self.rank, "seq": seq, "step": self.steps,
                                                     "ok": error is None, "error": error})))
             self.applied = seq

@@ -15,6 +15,7 @@ never lets another exception out. No pickle anywhere.
 from __future__ import annotations
 
 import enum
+import gc
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -220,6 +221,11 @@ _HOST = _str("host", 255)
 _STATE = _opt(_map("state", 16), {})
 ACK_MEMORY = 64
 """Acknowledgements an agent keeps to resend when it registers again."""
+ACK_MEMORY_ERROR = 200
+"""Characters of each remembered acknowledgement's error that a registration resends."""
+REGISTER_BYTES = 128 << 10
+"""The largest registration: ACK_MEMORY acks whose errors are ACK_MEMORY_ERROR characters
+of up to 4 bytes each (about 52 KB), its state and config, with room to spare."""
 
 SCHEMAS: dict[Op, tuple[Field, ...]] = {
     Op.PING: (),
@@ -293,7 +299,7 @@ _CLIENT = Limits(1 << 24, str_len=1 << 24, bin_len=1 << 24, array_len=1 << 24, m
 LIMITS: dict[Op, Limits] = {
     **{op: _SMALL for op in Op},
     **{op: _CLIENT for op in CLIENT_OPS},
-    Op.REGISTER: Limits(64 << 10, array_len=ACK_MEMORY),
+    Op.REGISTER: Limits(REGISTER_BYTES, array_len=ACK_MEMORY),
     Op.ACK: Limits(8 << 10),  # an error of up to 4,096 characters, some of them multi-byte
     Op.EVENT: Limits(16 << 10, str_len=16 << 10),
     Op.STATS_REPLY: Limits(16 << 20, str_len=1 << 16, bin_len=16 << 20, array_len=1 << 16, map_len=1 << 16),
@@ -304,7 +310,7 @@ LIMITS: dict[Op, Limits] = {
 }
 # A frame this small is decoded whole at once: whatever it holds, it holds at
 # most this many objects (a few hundred microseconds at worst).
-_SMALL_FRAME = 4096
+SMALL_FRAME = 4096
 # The envelope's own values ("v", "op", "id") are tiny.
 _ENVELOPE = {"max_str_len": 64, "max_bin_len": 64, "max_array_len": 8, "max_map_len": 8}
 _ENVELOPE_KEYS = 8
@@ -446,7 +452,14 @@ def _split(frame: bytes) -> tuple[dict[Any, Any], tuple[int, int] | None]:
 
 
 def _loads(raw: bytes, limits: Limits) -> Any:
-    """One msgpack object, each string, list and map in it within ``limits``."""
+    """One msgpack object, each string, list and map in it within ``limits``.
+
+    Without the cyclic garbage collector while it builds: msgpack's objects hold
+    no cycles, and a collection every few hundred containers made a body of
+    millions of empty lists five times as costly to decode.
+    """
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         return msgpack.unpackb(raw, raw=False, strict_map_key=True, max_str_len=limits.str_len,
                                max_bin_len=limits.bin_len, max_array_len=limits.array_len,
@@ -457,6 +470,23 @@ def _loads(raw: bytes, limits: Limits) -> Any:
         raise ProtocolError(ErrorCode.BAD_MESSAGE, f"not a msgpack message ({type(e).__name__}: {e})") from e
     except Exception as e:  # msgpack raises a zoo of types for hostile bytes
         raise ProtocolError(ErrorCode.BAD_MESSAGE, f"not a msgpack message ({type(e).__name__}: {e})") from e
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def peek_op(frame: bytes) -> str | None:
+    """The operation a frame names, without decoding its body (None if it names none).
+
+    Costs a walk over the frame's bytes, building nothing: for deciding whether a
+    large frame is wanted at all before ``decode`` builds its body.
+    """
+    try:
+        envelope, _ = _split(frame)
+    except ProtocolError:
+        return None
+    op = envelope.get("op")
+    return op if type(op) is str else None
 
 
 def decode(frame: bytes, allowed: frozenset[Op] | None = None) -> Message:
@@ -465,7 +495,7 @@ def decode(frame: bytes, allowed: frozenset[Op] | None = None) -> Message:
     Its cost is bounded by the operation's ``LIMITS``: the body is decoded only
     once the operation is known and the body's size is within its limit.
     """
-    if len(frame) <= _SMALL_FRAME:  # costs little whatever it holds: decoded in one call
+    if len(frame) <= SMALL_FRAME:  # costs little whatever it holds: decoded in one call
         data, span = _unpack(frame), None
     else:
         data, span = _split(frame)

@@ -162,8 +162,13 @@ class Registry:
                 f"group {rank // tp}"
             )
 
-    def register(self, peer: bytes, body: dict[str, Any], now: float) -> tuple[RankInfo, RankInfo | None]:
-        """Record a (re-)registration; returns it and the record it superseded, if any."""
+    def register(self, peer: bytes, body: dict[str, Any], now: float, *,
+                 heard: float | None = None) -> tuple[RankInfo, RankInfo | None]:
+        """Record a (re-)registration; returns it and the record it superseded, if any.
+
+        ``heard``: the time up to which every frame has been read (default ``now``):
+        a live rank is judged silent only up to then, as ``expire`` judges it.
+        """
         self.check(body)
         if self.world_size is None:
             self.world_size = body["world_size"]
@@ -175,7 +180,7 @@ class Registry:
             raise RankTaken(f"rank {body['rank']}: this connection already holds rank {held.rank}")
         old = self.ranks.get(body["rank"])
         if old is not None and old.peer != peer:
-            self._check_takeover(old, body, now)
+            self._check_takeover(old, body, now if heard is None else heard)
             self._by_peer.pop(old.peer, None)
         info = RankInfo(
             rank=body["rank"], peer=peer, tp_group=body["tp_group"], host=body["host"],

@@ -19,7 +19,7 @@ from wsd.coordinator import AGENT, CoordinatorCore, Out
 from wsd.errors import WsdError
 from wsd.metrics import MetricsServer
 from wsd.protocol import ErrorCode, error_reply
-from wsd.security import Role, SecurityConfig
+from wsd.security import Role, SecurityConfig, load_agent_token
 from wsd.transport import bind, make_socket, raise_fd_limit, send_nowait
 
 __all__ = ["Coordinator"]
@@ -43,7 +43,11 @@ class Coordinator:
 
     def __init__(self, config: CoordinatorConfig, *, context: zmq.Context | None = None,
                  security: SecurityConfig | None = None, agent_token: bytes | None = None) -> None:
+        """``agent_token`` None: ``[security] agent_token_file``, else ``$WSD_AGENT_TOKEN``,
+        else registrations are not authenticated (ConfigError for a bad token file)."""
         self.config = config
+        if agent_token is None:
+            agent_token = load_agent_token(security or SecurityConfig())
         self.core = CoordinatorCore(config, agent_token=agent_token)
         self._own_context = context is None
         self._context = context or zmq.Context()
@@ -152,9 +156,10 @@ class Coordinator:
                         out += self._client_frame(route, frame, role)
                 # Timers run only once one is due: while replies stream in, most
                 # passes have nothing for them, and a round is one pass per reply.
+                core.note_heard(heard_until)
                 if time.monotonic() >= core.next_deadline():
                     try:
-                        out += core.tick(heard_until)
+                        out += core.tick()
                     except Exception:  # a bug: log it, keep serving what we have
                         logger.exception("coordinator timers failed; serving on")
                 self._send(out)

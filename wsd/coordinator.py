@@ -3,22 +3,23 @@
 ``CoordinatorCore`` makes every decision as plain methods with no I/O:
 ``handle_agent(route, frame)``, ``handle_client(route, frame)`` and ``tick()``
 each return the frames to send as ``(AGENT | CLIENT, route, frame)``. The
-socket loop that drives it is ``wsd.server.Coordinator``. Imports no torch.
+socket loop that drives it is ``wsd.server.Coordinator``. What an agent
+connection may send and cost, and whether a registration proves its identity,
+is ``wsd.admission.AgentGate``'s. Imports no torch.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import math
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from wsd import protocol as p
+from wsd.admission import TOO_LARGE, UNREGISTERED_FRAME, AgentGate, Unauthenticated
 from wsd.aggregate import StatsRound, read_snapshot
 from wsd.commandlog import Command, CommandLog
 from wsd.config import CoordinatorConfig
@@ -26,9 +27,7 @@ from wsd.errors import StateFileError
 from wsd.events import EventKind, EventLog, bounded_detail
 from wsd.metrics import CommandOutcome, CommandStats, Published, StatsView, core_view
 from wsd.protocol import ErrorCode, Op, ProtocolError
-from wsd.ratelimit import RateLimit
 from wsd.registry import RankState, RankTaken, RegistrationError, Registry
-from wsd.security import registration_proof
 
 __all__ = ["AGENT", "CLIENT", "CoordinatorCore", "Out"]
 
@@ -39,24 +38,9 @@ CLIENT = "client"
 Route = tuple[bytes, ...]
 Out = tuple[str, Route, bytes]
 
-# What one agent connection may cost before its frames are dropped unread. A
-# connection that has not registered may send registrations only: small, and few.
-_UNREGISTERED_FRAME = p.REGISTER_BYTES
-_UNREGISTERED_RATE = (p.REGISTER_BYTES, 2 * p.REGISTER_BYTES)  # bytes a second, burst
-# A registered agent: heartbeats, acknowledgements and events of a few hundred
-# bytes, and stats replies when asked (up to max_agent_message_bytes).
-_REGISTERED_RATE = (1 << 20, 4 << 20)
-_FRAME_COST = 256  # the least a frame counts for: a flood of tiny frames is metered too
-_TOO_LARGE = "too large before registering"
 # Commands sent to a rank per registration or heartbeat that finds it behind:
 # the rest follow at its next heartbeats, so no claim makes one message cost many.
 RESEND_WINDOW = 64
-# Events a source (a rank, or a connection refused) may add: a second, burst.
-_EVENT_RATE = (10.0, 50.0)
-
-
-class _Unauthenticated(RegistrationError):
-    """A registration without a valid proof of the agent token."""
 
 
 @dataclass
@@ -112,23 +96,13 @@ class CoordinatorCore:
         self.clock = clock
         self.wall = wall
         self.epoch = uuid.uuid4().hex
-        # Registrations must prove they hold this (wsd.security.registration_proof);
-        # None: they are not authenticated (a warning at start-up says so).
-        self._agent_token = agent_token
+        # What agents may send and cost, and whether a registration proves it holds
+        # the agent token (None: not authenticated; a warning at start-up says so).
+        self.gate = AgentGate(agent_token, config.heartbeat_timeout, clock)
         self.registry = Registry(config.world_size, config.tp_size, config.heartbeat_timeout, wall=wall)
         self.log = CommandLog(config.state_file, config.log_capacity)
         self.recovered = self.log.load()
         self.events = EventLog(config.event_capacity)
-        # What agent connections may cost, metered before their frames are decoded,
-        # and how many events each source may add; what was refused, by reason.
-        self._unregistered_rate = RateLimit(*_UNREGISTERED_RATE)
-        self._registered_rate = RateLimit(*_REGISTERED_RATE)
-        self._event_rate = RateLimit(*_EVENT_RATE)
-        self._suppressed: Counter[str] = Counter()
-        self.refused_agent_frames: Counter[str] = Counter()
-        # Every agent frame that arrived before this (monotonic) time has been read
-        # (the socket loop says; see _heard).
-        self._heard_until: float | None = None
         # When each command in the log was last sent to agents (monotonic): a rank
         # still lacking one a heartbeat interval later is sent it again.
         self._sent_at: dict[int, float] = {}
@@ -203,24 +177,23 @@ class CoordinatorCore:
 
     def handle_agent(self, route: Route, frame: bytes) -> list[Out]:
         peer = route[0]
-        refused = self._meter(peer, len(frame))
+        refused = self.gate.meter(peer, len(frame), registered=self.registry.by_peer(peer) is not None)
         if refused is not None:  # dropped unread
-            self.refused_agent_frames[refused] += 1
-            if refused == _TOO_LARGE and self._event_rate.allow(("too large", peer), self.clock()):
+            if refused == TOO_LARGE and self.gate.allow(("too large", peer)):
                 # A real agent would otherwise retry for ever without a word of why.
                 return [(AGENT, (peer,), p.encode(Op.REJECTED, {"code": str(ErrorCode.TOO_LARGE), "message": (
                     f"a frame of {len(frame)} bytes from a connection that has not registered: "
-                    f"at most {_UNREGISTERED_FRAME}")}))]
+                    f"at most {UNREGISTERED_FRAME}")}))]
             return []
         if len(frame) > p.SMALL_FRAME and p.peek_op(frame) == Op.STATS_REPLY and not self._asked(peer):
-            self.refused_agent_frames["stats reply not asked for"] += 1  # never decoded
+            self.gate.refused["stats reply not asked for"] += 1  # never decoded
             return []
         try:
             message = p.decode(frame, p.AGENT_OPS)
             return self._agent_ops[message.op](peer, message.body)
         except ProtocolError as e:
             self.dropped_bad_agent_frames += 1
-            if self._event_rate.allow(("bad message",), self.clock()):  # one log, however many peers
+            if self.gate.allow(("bad message",)):  # one log line, however many peers
                 logger.warning("bad message from agent %s: %s (%d bad frames in all)", peer.hex(), e,
                                self.dropped_bad_agent_frames)
             return [(AGENT, (peer,), p.encode(Op.REJECTED, {"code": str(e.code), "message": str(e)}))]
@@ -231,17 +204,6 @@ class CoordinatorCore:
             logger.exception("coordinator failed on an agent message")
             return []
 
-    def _meter(self, peer: bytes, size: int) -> str | None:
-        """Why this connection's frame is dropped unread (its size or its rate), or None."""
-        now = self.clock()
-        if self.registry.by_peer(peer) is None:
-            if size > _UNREGISTERED_FRAME:
-                return _TOO_LARGE
-            limit = self._unregistered_rate
-        else:
-            limit = self._registered_rate
-        return None if limit.allow(peer, now, max(size, _FRAME_COST)) else "rate"
-
     def _asked(self, peer: bytes) -> bool:
         """Whether a stats round waits for this connection's rank."""
         info = self.registry.by_peer(peer)
@@ -249,31 +211,19 @@ class CoordinatorCore:
 
     def note_heard(self, until: float) -> None:
         """The socket loop: every agent frame that arrived before ``until`` has been read."""
-        self._heard_until = until
-
-    def _heard(self, now: float) -> float:
-        """The time up to which ranks are judged silent.
-
-        Frames waiting unread behind a burst are the coordinator's delay, not the
-        ranks' silence: up to when every waiting frame was read. But never more than
-        a heartbeat timeout behind, so that a flood that keeps frames waiting delays
-        finding a dead rank by one timeout at most, and does not stop it.
-        """
-        if self._heard_until is None:
-            return now
-        return max(min(now, self._heard_until), now - self.config.heartbeat_timeout)
+        self.gate.note_heard(until)
 
     def tick(self, heard_until: float | None = None) -> list[Out]:
         """Time-driven work: lost ranks, timeouts, pulses to agents.
 
         ``heard_until``: as ``note_heard``; a rank is lost only if it was silent for
-        the timeout before then (see ``_heard``).
+        the timeout before then (see ``AgentGate.heard``).
         """
         if heard_until is not None:
             self.note_heard(heard_until)
         now = self.clock()
         out: list[Out] = []
-        heard = self._heard(now)
+        heard = self.gate.heard(now)
         for info in self.registry.expire(heard):
             self.events.add(EventKind.LOST, self.wall(), rank=info.rank, tp_group=info.tp_group,
                             last_step=info.step, silent_for=round(heard - info.last_seen, 3))
@@ -286,9 +236,9 @@ class CoordinatorCore:
                 out += self._finish_stats(request)
         if now >= self._next_pulse:
             self._next_pulse = now + self.config.heartbeat_interval
-            if self._suppressed:  # one line for a flood, at most once an interval
-                self.events.add(EventKind.SUPPRESSED, self.wall(), counts=dict(self._suppressed))
-                self._suppressed = Counter()
+            suppressed = self.gate.take_suppressed()
+            if suppressed:  # one line for a flood, at most once an interval
+                self.events.add(EventKind.SUPPRESSED, self.wall(), counts=suppressed)
             pulse = p.encode(Op.PULSE, {"epoch": self.epoch})
             out += [(AGENT, (i.peer,), pulse) for i in self.registry.live()]
             if self._metrics:
@@ -312,15 +262,15 @@ class CoordinatorCore:
     def _register(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
         now = self.clock()
         try:
-            self._authenticate(body)
+            self.gate.authenticate(body)
             claimed = body["applied_seq"]
             if claimed is not None and claimed > self.log.seq:
                 raise RegistrationError(
                     f"rank {body['rank']} reports applied_seq {claimed}, but this coordinator has issued "
                     f"only up to {self.log.seq}: its state file was lost or replaced. If so, set "
                     f"[coordinator] resume_seq = {claimed} (the highest such report) and restart it")
-            info, old = self.registry.register(peer, body, now, heard=self._heard(now))
-        except _Unauthenticated as e:
+            info, old = self.registry.register(peer, body, now, heard=self.gate.heard(now))
+        except Unauthenticated as e:
             return self._refuse(peer, body, ErrorCode.FORBIDDEN, str(e))
         except RankTaken as e:
             return self._refuse(peer, body, ErrorCode.CONFLICT, str(e))
@@ -378,21 +328,9 @@ class CoordinatorCore:
             out += self._record_ack(info.rank, a["seq"], a["step"], a["ok"], a["error"])
         return out
 
-    def _authenticate(self, body: dict[str, Any]) -> None:
-        """Raise _Unauthenticated unless the registration proves it holds the agent token."""
-        if self._agent_token is None:
-            return
-        expected = registration_proof(self._agent_token, body["rank"], body["instance"] or "")
-        proof = body["proof"]
-        # As bytes: compare_digest refuses a str that is not ASCII (a TypeError, not a refusal).
-        if not isinstance(proof, str) or not hmac.compare_digest(proof.encode(), expected.encode()):
-            raise _Unauthenticated(
-                f"rank {body['rank']}: registration refused: it does not prove it holds this coordinator's "
-                f"agent token (give the worker the same WSD_AGENT_TOKEN or [security] agent_token_file)")
-
     def _refuse(self, peer: bytes, body: dict[str, Any], code: ErrorCode, reason: str) -> list[Out]:
         """Answer a refused registration; counted, and an event unless they come too fast."""
-        self.refused_agent_frames[f"registration {code}"] += 1
+        self.gate.refused[f"registration {code}"] += 1
         self._event(("refused",), EventKind.REJECTED, rank=body["rank"], code=str(code), reason=reason,
                     host=body["host"], pid=body["pid"])
         return [(AGENT, (peer,), p.encode(Op.REJECTED, {"code": str(code), "message": reason}))]
@@ -400,10 +338,8 @@ class CoordinatorCore:
     def _event(self, source: tuple[Any, ...], kind: EventKind, **detail: Any) -> None:
         """An event from a source a peer controls: rate-limited per source, the rest counted
         and summed up in one ``suppressed`` event a heartbeat interval later."""
-        if self._event_rate.allow(source, self.clock()):
+        if self.gate.event_allowed(source, str(kind)):
             self.events.add(kind, self.wall(), **detail)
-        else:
-            self._suppressed[str(kind)] += 1
 
     def _resend(self, rank: int, peer: bytes, missed: list[Command], now: float, *,
                 registering: bool = False) -> list[Out]:
@@ -427,20 +363,11 @@ class CoordinatorCore:
             self._resent_at[rank] = now
         return [(AGENT, (peer,), p.encode(Op.COMMAND, c.to_wire())) for c in due]
 
-    def _believable(self, body: dict[str, Any], what: str) -> dict[str, Any]:
-        """A heartbeat's or goodbye's seqs, never beyond what this coordinator issued."""
-        issued = self.log.seq
-        claims = [body.get(k) for k in ("applied_seq", "held_seq")]
-        if not any(c is not None and c > issued for c in claims):
-            return body
-        self.refused_agent_frames[f"{what} beyond the issued seq"] += 1
-        return {**body, **{k: min(c, issued) for k, c in zip(("applied_seq", "held_seq"), claims) if c is not None}}
-
     def _heartbeat(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
         self.heartbeats += 1
         now = self.clock()
         issued = self.log.seq
-        body = self._believable(body, "heartbeat")
+        body = self.gate.believable(body, "heartbeat", issued)
         info = self.registry.heartbeat(peer, body, now)
         if info is None:  # e.g. we restarted: ask the agent to register again
             return [(AGENT, (peer,), p.encode(Op.PULSE, {"epoch": self.epoch, "registered": False}))]
@@ -511,7 +438,7 @@ class CoordinatorCore:
         return []
 
     def _goodbye(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
-        body = self._believable(body, "goodbye")
+        body = self.gate.believable(body, "goodbye", self.log.seq)
         info = self.registry.stop(peer, body)
         if info is None:  # not the connection that registered that rank (an impostor, a late frame)
             return []
@@ -667,7 +594,7 @@ class CoordinatorCore:
         """Give the metrics endpoint a fresh copy of the registry and counters (replaced whole)."""
         view = core_view(self.registry, seq=self.log.seq, heartbeats=self.heartbeats,
                          inconsistent=self._inconsistent, commands=self.command_stats,
-                         refused=self.refused_agent_frames)
+                         refused=self.gate.refused)
         self.published = replace(self.published, core=view)
 
     def _events(self, route: Route, message: p.Message) -> list[Out]:
@@ -696,7 +623,7 @@ class CoordinatorCore:
             "groups": groups,
             # Agent frames and registrations refused, by reason: an impostor or a
             # flood shows here (see the threat model in docs/security.md).
-            "agents_refused": dict(sorted(self.refused_agent_frames.items())),
-            "agents_authenticated": self._agent_token is not None,
+            "agents_refused": dict(sorted(self.gate.refused.items())),
+            "agents_authenticated": self.gate.token is not None,
         }
         return [(CLIENT, route, p.ok_reply(message.id, result))]

@@ -1,0 +1,142 @@
+"""What the coordinator lets in from its agent endpoint, and what it costs: ``AgentGate``.
+
+Nothing a peer of the agent endpoint sends is believed until it passes here:
+
+- **metering**, before a frame is decoded: a connection that has not registered
+  may send registrations only (small and few), a registered one a bounded rate
+  of bytes; the rest is dropped unread and counted;
+- **identity**: with an agent token, a registration must prove it holds it
+  (``wsd.security.registration_proof``: an HMAC of its rank and instance);
+- **claims**: sequence numbers beyond what the coordinator issued are capped;
+- **events** from a source a peer controls are rate-limited, the rest summed up;
+- **liveness** is judged only up to when every waiting frame was read (at most
+  one heartbeat timeout behind), so that a flood can make no live rank look silent.
+
+Plain logic with the coordinator's clock; no I/O. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections import Counter
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from wsd import protocol as p
+from wsd.ratelimit import RateLimit
+from wsd.registry import RegistrationError
+from wsd.security import registration_proof
+
+__all__ = ["TOO_LARGE", "UNREGISTERED_FRAME", "AgentGate", "Unauthenticated"]
+
+UNREGISTERED_FRAME = p.REGISTER_BYTES
+"""The largest frame a connection that has not registered may send (a registration)."""
+TOO_LARGE = "too large before registering"
+"""The reason counted for a frame over UNREGISTERED_FRAME."""
+_UNREGISTERED_RATE = (p.REGISTER_BYTES, 2 * p.REGISTER_BYTES)  # bytes a second, burst
+# A registered agent: heartbeats, acknowledgements and events of a few hundred
+# bytes, and stats replies when asked (up to max_agent_message_bytes).
+_REGISTERED_RATE = (1 << 20, 4 << 20)
+_FRAME_COST = 256  # the least a frame counts for: a flood of tiny frames is metered too
+_EVENT_RATE = (10.0, 50.0)  # events a source may add: a second, burst
+
+
+class Unauthenticated(RegistrationError):
+    """A registration without a valid proof of the agent token."""
+
+
+class AgentGate:
+    """The agent endpoint's admission: meters, the token check, claims, event budgets.
+
+    ``refused`` counts what was refused or capped, by reason (``status`` shows it
+    as ``agents_refused``, the metrics as ``wsd_agent_refusals_total``).
+    """
+
+    def __init__(self, token: bytes | None, heartbeat_timeout: float, clock: Callable[[], float]) -> None:
+        self.token = token
+        """Registrations must prove they hold it; None: they are not authenticated."""
+        self._timeout = heartbeat_timeout
+        self._clock = clock
+        self._unregistered = RateLimit(*_UNREGISTERED_RATE)
+        self._registered = RateLimit(*_REGISTERED_RATE)
+        self._events = RateLimit(*_EVENT_RATE)
+        self.refused: Counter[str] = Counter()
+        self._suppressed: Counter[str] = Counter()
+        self._heard_until: float | None = None
+
+    # -- frames ---------------------------------------------------------------------
+
+    def meter(self, peer: bytes, size: int, *, registered: bool) -> str | None:
+        """Why this connection's frame is dropped unread (its size or its rate), or None."""
+        if not registered:
+            if size > UNREGISTERED_FRAME:
+                reason = TOO_LARGE
+            elif self._unregistered.allow(peer, self._clock(), max(size, _FRAME_COST)):
+                return None
+            else:
+                reason = "rate"
+        elif self._registered.allow(peer, self._clock(), max(size, _FRAME_COST)):
+            return None
+        else:
+            reason = "rate"
+        self.refused[reason] += 1
+        return reason
+
+    def allow(self, source: Hashable) -> bool:
+        """Whether ``source`` may have one more answer or log line now (the event budget)."""
+        return self._events.allow(source, self._clock())
+
+    # -- registrations and claims ------------------------------------------------------
+
+    def authenticate(self, body: dict[str, Any]) -> None:
+        """Raise Unauthenticated unless the registration proves it holds the agent token."""
+        if self.token is None:
+            return
+        expected = registration_proof(self.token, body["rank"], body["instance"] or "")
+        proof = body["proof"]
+        # As bytes: compare_digest refuses a str that is not ASCII (a TypeError, not a refusal).
+        if not isinstance(proof, str) or not hmac.compare_digest(proof.encode(), expected.encode()):
+            raise Unauthenticated(
+                f"rank {body['rank']}: registration refused: it does not prove it holds this coordinator's "
+                f"agent token (give the worker the same WSD_AGENT_TOKEN or [security] agent_token_file)")
+
+    def believable(self, body: dict[str, Any], what: str, issued: int) -> dict[str, Any]:
+        """A heartbeat's or goodbye's seqs, never beyond ``issued`` (counted when capped)."""
+        claims = [body.get(k) for k in ("applied_seq", "held_seq")]
+        if not any(c is not None and c > issued for c in claims):
+            return body
+        self.refused[f"{what} beyond the issued seq"] += 1
+        return {**body, **{k: min(c, issued) for k, c in zip(("applied_seq", "held_seq"), claims) if c is not None}}
+
+    # -- events --------------------------------------------------------------------------
+
+    def event_allowed(self, source: Hashable, kind: str) -> bool:
+        """Whether an event from ``source`` (a rank, refused registrations) is kept; those
+        that are not are counted by kind, for ``take_suppressed``."""
+        if self.allow(source):
+            return True
+        self._suppressed[kind] += 1
+        return False
+
+    def take_suppressed(self) -> dict[str, int]:
+        """Events dropped since the last call, by kind (empty if none)."""
+        taken, self._suppressed = dict(self._suppressed), Counter()
+        return taken
+
+    # -- liveness ---------------------------------------------------------------------------
+
+    def note_heard(self, until: float) -> None:
+        """The socket loop: every agent frame that arrived before ``until`` has been read."""
+        self._heard_until = until
+
+    def heard(self, now: float) -> float:
+        """The time up to which ranks are judged silent.
+
+        Frames waiting unread behind a burst are the coordinator's delay, not the
+        ranks' silence: up to when every waiting frame was read. But never more than
+        a heartbeat timeout behind, so that a flood that keeps frames waiting delays
+        finding a dead rank by one timeout at most, and does not stop it.
+        """
+        if self._heard_until is None:
+            return now
+        return max(min(now, self._heard_until), now - self._timeout)

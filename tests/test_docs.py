@@ -1,0 +1,192 @@
+"""The reference in docs/ checked against the code it describes, so neither drifts alone.
+
+docs/configuration.md against the configuration classes (every key, both ways,
+and its default), docs/protocol.md against ``wsd.protocol`` (every operation
+with its fields, every error code), docs/metrics.md against
+``wsd.metrics.FAMILIES`` (every family with its type and labels), docs/wsctl.md
+against ``wsctl``'s commands and the event kinds, and every relative link in
+README.md and docs/ against the files and headings it points at. No sockets,
+no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from wsd.config import WsdConfig, parse_size
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+# A table row whose first cell is one name in backticks: (name, the other cells).
+_ROW = re.compile(r"^\| `([\w-]+)[^|]*\|(.*)\|\s*$")
+
+
+def _rows(text: str) -> dict[str, list[str]]:
+    return {m.group(1): [c.strip() for c in m.group(2).split("|")]
+            for m in map(_ROW.match, text.splitlines()) if m}
+
+
+def _between(text: str, start: str, end: str | None = None) -> str:
+    """The part of ``text`` from the heading ``start`` to the heading ``end`` (or the end)."""
+    begin = text.index(f"\n{start}\n")
+    return text[begin:text.index(f"\n{end}\n", begin)] if end else text[begin:]
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+def _sections() -> dict[str, type]:
+    """{section name: its dataclass}, read from WsdConfig's fields."""
+    hints = typing.get_type_hints(WsdConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(WsdConfig)
+            if dataclasses.is_dataclass(hints[f.name])}
+
+
+def _documented_keys() -> dict[str, dict[str, list[str]]]:
+    """{section: {key: its cells}} from the tables under each ``## `[section]` `` heading."""
+    text = (DOCS / "configuration.md").read_text()
+    out: dict[str, dict[str, list[str]]] = {}
+    for part in re.split(r"^## ", text, flags=re.M)[1:]:
+        heading, _, body = part.partition("\n")
+        match = re.fullmatch(r"`\[(\w+)\]`", heading.strip())
+        if match:
+            out[match.group(1)] = _rows(body)
+    return out
+
+
+def test_every_configuration_key_is_documented_and_every_documented_key_exists():
+    """A key added to a configuration class, or renamed, would otherwise be missing from
+    docs/configuration.md, or the page would document a key the loader refuses."""
+    documented = _documented_keys()
+    sections = _sections()
+    assert sorted(documented) == sorted(sections), "sections documented vs in WsdConfig"
+    for name, cls in sections.items():
+        fields = {f.name for f in dataclasses.fields(cls)}
+        assert not fields - set(documented[name]), f"[{name}] keys not in docs/configuration.md"
+        assert not set(documented[name]) - fields, f"[{name}] keys documented that do not exist"
+    # WsdConfig's other fields (where the configuration came from) are named too.
+    text = (DOCS / "configuration.md").read_text()
+    others = [f.name for f in dataclasses.fields(WsdConfig) if f.name not in sections]
+    assert all(f"`{name}`" in text for name in others), others
+
+
+def _documented_default(cell: str, field: dataclasses.Field[Any]) -> Any:
+    """The value a default cell gives: ``none...``, ``true``, ``"text"``, or a number."""
+    if cell.startswith("none"):
+        return None
+    if cell in ("true", "false"):
+        return cell == "true"
+    quoted = re.fullmatch(r'`"(.*)"`', cell)
+    if quoted:
+        return parse_size(quoted.group(1)) if field.metadata.get("size") else quoted.group(1)
+    return float(cell) if "." in cell else int(cell)
+
+
+def test_every_documented_default_is_the_one_in_the_code():
+    """A default changed in a configuration class would leave the page telling operators
+    another value than the one they get."""
+    documented = _documented_keys()
+    wrong = []
+    for name, cls in _sections().items():
+        for f in dataclasses.fields(cls):
+            default = f.default.value if isinstance(f.default, enum.Enum) else f.default
+            cell = documented[name][f.name][0]
+            if _documented_default(cell, f) != default or (
+                    isinstance(default, float) and "." not in cell):
+                wrong.append(f"[{name}] {f.name}: documented {cell}, code {default!r}")
+    assert not wrong, wrong
+
+
+# -- protocol -----------------------------------------------------------------------------------
+
+
+def test_every_operation_with_its_fields_and_every_error_code_is_in_the_protocol_doc():
+    """An operation, a field or an error code added to wsd.protocol would otherwise be
+    undocumented, and one removed would stay on the page."""
+    from wsd.protocol import SCHEMAS, ErrorCode, Op
+
+    text = (DOCS / "protocol.md").read_text()
+    ops = _rows(_between(text, "## Operations", "## Error codes"))
+    assert sorted(ops) == sorted(op.value for op in Op)
+    missing = [f"{op}.{f.name}" for op in Op for f in SCHEMAS[op] if f"`{f.name}`" not in ops[op.value][0]]
+    assert not missing, f"fields not in their operation's row: {missing}"
+    codes = _rows(_between(text, "## Error codes", "## Limits"))
+    assert sorted(codes) == sorted(code.value for code in ErrorCode)
+
+
+# -- metrics ------------------------------------------------------------------------------------
+
+
+def test_every_metric_family_is_documented_with_its_type_and_labels():
+    """A family the coordinator starts exporting (or a label it adds) would otherwise be
+    missing from docs/metrics.md, and a removed one would stay there."""
+    from wsd.metrics import FAMILIES
+
+    rows = {name: cells for name, cells in _rows((DOCS / "metrics.md").read_text()).items()
+            if name.startswith("wsd_")}
+    assert sorted(rows) == sorted(FAMILIES)
+    for name, (kind, labels) in FAMILIES.items():
+        documented = tuple(label.strip() for label in rows[name][1].split(",") if label.strip())
+        assert (rows[name][0], documented) == (kind, labels), name
+
+
+# -- wsctl --------------------------------------------------------------------------------------
+
+
+def test_every_wsctl_command_and_event_kind_is_documented():
+    """A wsctl command or an event kind added to the code would otherwise be missing from
+    docs/wsctl.md, and a removed one would stay there."""
+    from wsd.events import EventKind
+    from wsd_client.wsctl import COMMANDS
+
+    text = (DOCS / "wsctl.md").read_text()
+    commands = _rows(_between(text, "## Commands", "## Exit codes"))
+    assert sorted(commands) == sorted(COMMANDS)
+    kinds = _rows(_between(text, "### Event kinds", "## Examples"))
+    assert sorted(kinds) == sorted(kind.value for kind in EventKind)
+
+
+# -- links --------------------------------------------------------------------------------------
+
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+_PAGES = sorted([ROOT / "README.md", *DOCS.glob("*.md")])
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+    headings = re.findall(r"^#+ (.+)$", text, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize("page", _PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(page: Path):
+    """A page renamed or moved, or a heading reworded, would leave links pointing at nothing."""
+    broken = []
+    for target in _LINK.findall(page.read_text()):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:: not this checkout's
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        if not resolved.exists():
+            broken.append(target)
+        elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+            broken.append(target)
+    assert not broken, f"{page.relative_to(ROOT)}: {broken}"
+
+
+def test_the_readme_stays_a_front_door_that_links_every_doc():
+    """The README is what it is, the quick start, a walk-through and links; the reference
+    lives in docs/, and a page nobody links to is a page nobody finds."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300
+    linked = {Path(t.partition("#")[0]).name for t in _LINK.findall(readme) if t.startswith("docs/")}
+    assert not {p.name for p in DOCS.glob("*.md")} - linked

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from wsd import commands
 from wsd import protocol as p
 from wsd.auth import ClientKeys
 from wsd.collectives import all_gather_values
@@ -87,21 +88,7 @@ class _ManagerBackend:
         return self.manager.stats().to_wire()
 
     def apply(self, action: str, args: dict[str, Any]) -> None:
-        manager = self.manager
-        if action == "lock":
-            manager.operator_lock()
-        elif action == "unlock":
-            manager.operator_unlock()  # refused while the engine's own lock pins the buffers
-        elif action == "set_ubatches":
-            manager.set_num_ubatches(args["n"])
-        elif action == "reserve":
-            manager.reserve_bytes(args["bytes"])
-        elif action == "equalize":
-            manager.equalize()
-        elif action == "trim":
-            manager.trim()
-        else:
-            raise ValueError(f"unknown action {action!r}")
+        commands.call(self.manager, action, args)  # the manager method of the command's row
 
 
 class Agent:

@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
+from wsd.commands import COMMANDS, DESIRED_FIELDS
 from wsd.errors import StateFileError
 
 __all__ = ["Command", "CommandLog"]
@@ -95,25 +96,20 @@ class Command:
 
 
 def _apply_desired(state: dict[str, Any], action: str, args: dict[str, Any]) -> None:
-    if action == "lock":
-        state["locked"] = True
-    elif action == "unlock":
-        state["locked"] = False
-    elif action == "set_ubatches":
-        state["num_ubatches"] = args["n"]
-    elif action == "reserve":
-        state["reserve_bytes"] = max(state.get("reserve_bytes") or 0, args["bytes"])
-    elif action == "trim":
-        state["reserve_bytes"] = None
+    """``action``'s change to a desired state, by its row of the command table (an action
+    the table does not know, from another version, changes nothing)."""
+    spec = COMMANDS.get(action)
+    if spec is not None and spec.desired is not None:
+        spec.desired(state, args)
 
 
-# The desired-state fields each action changes (see _apply_desired).
-_TOUCHES = {"lock": ("locked",), "unlock": ("locked",), "set_ubatches": ("num_ubatches",),
-            "reserve": ("reserve_bytes",), "trim": ("reserve_bytes",)}
+def _touches(action: str) -> tuple[str, ...]:
+    spec = COMMANDS.get(action)
+    return () if spec is None else spec.touches
 
 
 def _blank() -> dict[str, Any]:
-    return {"locked": None, "num_ubatches": None, "reserve_bytes": None}
+    return dict.fromkeys(DESIRED_FIELDS)
 
 
 def _frame(payload: bytes) -> bytes:
@@ -265,8 +261,8 @@ class CommandLog:
 
         A field no command after ``seq`` touched is as it is now. A field one
         did is rebuilt from the kept commands up to ``seq``: lock, unlock,
-        set_ubatches and trim set it outright; reserve only raises it, so it
-        needs a trim before it in the log, or the log from seq 1.
+        set_ubatches and trim set it outright; a relative change (reserve only
+        raises it) needs a command that sets it before, or the log from seq 1.
         """
         if seq >= self.seq:
             return self.desired(group)
@@ -276,13 +272,14 @@ class CommandLog:
         past: dict[str, Any] = _blank() if self.oldest() == 1 else dict.fromkeys(_blank(), unknown)
         for c in self.entries:
             if c.seq <= seq and c.targets(group):
-                if c.action == "reserve" and past["reserve_bytes"] is unknown:
-                    continue  # a raise of an unknown value stays unknown
+                spec = COMMANDS.get(c.action)
+                if spec is not None and spec.relative and any(past[k] is unknown for k in spec.touches):
+                    continue  # a change relative to an unknown value stays unknown
                 _apply_desired(past, c.action, c.args)
         state = self.desired(group)
         for c in self.entries:
             if c.seq > seq and c.targets(group):
-                for key in _TOUCHES.get(c.action, ()):
+                for key in _touches(c.action):
                     if past[key] is unknown:
                         return None
                     state[key] = past[key]

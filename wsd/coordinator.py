@@ -22,6 +22,7 @@ from wsd import protocol as p
 from wsd.admission import TOO_LARGE, UNREGISTERED_FRAME, AgentGate, Unauthenticated
 from wsd.aggregate import StatsRound, read_snapshot
 from wsd.commandlog import Command, CommandLog
+from wsd.commands import COMMANDS, CommandResult
 from wsd.config import CoordinatorConfig
 from wsd.errors import StateFileError
 from wsd.events import EventKind, EventLog, bounded_detail
@@ -491,7 +492,7 @@ class CoordinatorCore:
         group = body["group"]
         self._check_group_arg(group)
         action = str(message.op)
-        if message.op in (Op.RESERVE, Op.TRIM):
+        if COMMANDS[action].refused_while_locked:
             # The manager refuses these while locked; say so before numbering one.
             scope = self.registry.groups() if group is None else [group]
             locked = [g for g in scope if self.log.desired(g)["locked"]]
@@ -515,8 +516,8 @@ class CoordinatorCore:
         )
         self._commands[command.seq] = pending
         if not body["wait"]:
-            out.append((CLIENT, route, p.ok_reply(message.id, {"seq": command.seq, "action": action,
-                                                                "group": group, "waited": False})))
+            numbered = CommandResult(command.seq, action, group, waited=False)
+            out.append((CLIENT, route, p.ok_reply(message.id, numbered.to_dict())))
         if not targets:
             out += self._finish_command(command.seq)
         return out
@@ -528,29 +529,24 @@ class CoordinatorCore:
         steps_by_group: dict[int, set[int]] = {}
         for ack in acks:
             steps_by_group.setdefault(self.registry.ranks[ack["rank"]].tp_group, set()).add(ack["step"])
-        waiting = sorted(pending.owed)
-        result = {
-            "seq": seq,
-            "action": command.action,
-            "group": command.group,
-            "waited": pending.route is not None,
-            "complete": not waiting and not pending.lost and not pending.missing,
-            "acked": acks,
-            "failed": [a["rank"] for a in acks if not a["ok"]],
-            "same_step": {str(g): len(s) == 1 for g, s in sorted(steps_by_group.items())},
-            "pending": waiting,
-            "lost": sorted(pending.lost),
-            "missing": [{"rank": r, "reason": why} for r, why in sorted(pending.missing.items())],
-        }
+        waiting = tuple(sorted(pending.owed))
+        result = CommandResult(
+            seq=seq, action=command.action, group=command.group, waited=pending.route is not None,
+            complete=not waiting and not pending.lost and not pending.missing,
+            acked=tuple(acks), failed=tuple(a["rank"] for a in acks if not a["ok"]),
+            same_step={str(g): len(s) == 1 for g, s in sorted(steps_by_group.items())},
+            pending=waiting, lost=tuple(sorted(pending.lost)),
+            missing=tuple({"rank": r, "reason": why} for r, why in sorted(pending.missing.items())),
+        )
         self.events.add(EventKind.COMMAND_APPLIED, self.wall(), seq=seq, action=command.action,
                         group=command.group, steps={str(a["rank"]): a["step"] for a in acks},
-                        pending=waiting, complete=result["complete"])
-        outcome = (CommandOutcome.FAILED if result["failed"] else
-                   CommandOutcome.COMPLETE if result["complete"] else CommandOutcome.PARTIAL)
+                        pending=list(waiting), complete=result.complete)
+        outcome = (CommandOutcome.FAILED if result.failed else
+                   CommandOutcome.COMPLETE if result.complete else CommandOutcome.PARTIAL)
         self.command_stats.record(command.action, outcome, self.clock() - pending.numbered)
         if pending.route is None:
             return []
-        return [(CLIENT, pending.route, p.ok_reply(pending.request_id, result))]
+        return [(CLIENT, pending.route, p.ok_reply(pending.request_id, result.to_dict()))]
 
     def _stats_request(self, route: Route, message: p.Message) -> list[Out]:
         group = message.body["group"]

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from wsd import protocol as p
+from wsd.commands import start_actions
 from wsd.protocol import Op
 from wsd.security import registration_proof
 
@@ -30,11 +31,6 @@ logger = logging.getLogger(__name__)
 # (seq, step, ok, error) of the last commands applied, resent on re-registration
 # so that acknowledgements lost with a connection still reach the coordinator.
 _ACK_MEMORY = p.ACK_MEMORY
-# The order in which a fresh process takes on its group's desired state: an
-# unlock first (so that a reserve can apply if the engine locked itself), then
-# the slot count, the reservation (which sizes every slot, the new ones too),
-# and a lock last, once the buffers are as big as they are meant to be.
-_START_ORDER = ("unlock", "set_ubatches", "reserve", "lock")
 # A registration that could not be sent is retried this soon: an agent's DEALER
 # (with IMMEDIATE) refuses to send before its connection is up, so the very first
 # registration usually is, and waiting a whole interval for the next one delays
@@ -322,15 +318,9 @@ class AgentLink:
         never raised into the engine; the other actions still apply.
         """
         desired, self._desired = self._desired or {}, None
-        wanted = {"unlock": desired.get("locked") is False, "lock": desired.get("locked") is True,
-                  "set_ubatches": desired.get("num_ubatches") is not None,
-                  "reserve": bool(desired.get("reserve_bytes"))}
-        args = {"set_ubatches": {"n": desired.get("num_ubatches")}, "reserve": {"bytes": desired.get("reserve_bytes")}}
-        for action in _START_ORDER:
-            if not wanted[action]:
-                continue
+        for action, args in start_actions(desired):  # in the command table's start order
             try:
-                self.backend.apply(action, args.get(action, {}))
+                self.backend.apply(action, args)
             except Exception as e:  # reported, never raised into the engine
                 error = _cut(f"{type(e).__name__}: {e}")
                 logger.warning("rank %d: taking on the desired state at seq %d: %s failed: %s",

@@ -22,7 +22,7 @@ from typing import Any
 
 import msgpack
 
-from wsd.config import MAX_UBATCHES
+from wsd.commands import COMMANDS
 from wsd.errors import WsdError
 
 __all__ = [
@@ -118,7 +118,9 @@ class ProtocolError(WsdError):
         self.request_id = request_id
 
 
-COMMAND_OPS = frozenset({Op.LOCK, Op.UNLOCK, Op.SET_UBATCHES, Op.RESERVE, Op.EQUALIZE, Op.TRIM})
+# Every row of the command table is an operation of the same name (ValueError here, at
+# import, for a row without its Op member).
+COMMAND_OPS = frozenset(Op(name) for name in COMMANDS)
 READ_ONLY_OPS = frozenset({Op.PING, Op.STATUS, Op.RANKS, Op.STATS, Op.EVENTS})
 CLIENT_OPS = COMMAND_OPS | READ_ONLY_OPS
 AGENT_OPS = frozenset({Op.REGISTER, Op.HEARTBEAT, Op.ACK, Op.STATS_REPLY, Op.EVENT, Op.GOODBYE})
@@ -233,12 +235,7 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
     Op.RANKS: (),
     Op.STATS: (_opt(_int("group", 0, 65535)), _opt(Field("timeout", (float,), low=0.0, high=3600.0))),
     Op.EVENTS: (_opt(_int("cursor"), 0), _opt(_int("limit", 1, 10_000), 100)),
-    Op.LOCK: _TARGET,
-    Op.UNLOCK: _TARGET,
-    Op.SET_UBATCHES: (_int("n", 1, MAX_UBATCHES), *_TARGET),
-    Op.RESERVE: (_int("bytes", 0, 2**50), *_TARGET),
-    Op.EQUALIZE: _TARGET,
-    Op.TRIM: _TARGET,
+    **{Op(spec.name): (*(_int(a.name, a.low, a.high) for a in spec.args), *_TARGET) for spec in COMMANDS.values()},
     Op.REGISTER: (
         _RANK,
         _int("world_size", 1, 1 << 20),

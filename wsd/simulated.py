@@ -27,6 +27,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from wsd import commands
 from wsd.config import MAX_UBATCHES
 from wsd.errors import ConfigError, WsdError
 from wsd.link import AgentLink
@@ -79,12 +80,6 @@ class SimulatedManager:
     def num_ubatches(self) -> int:
         return len(self._capacity) // self.num_lanes
 
-    def _set_slots(self, num_ubatches: int) -> None:
-        wanted = num_ubatches * self.num_lanes
-        kept = self._capacity[:wanted]
-        fill = max(self._capacity, default=0) if self.locked else 0  # locked: pre-sized, as the manager does
-        self._capacity = kept + [fill] * (wanted - len(kept))
-
     def state(self) -> dict[str, Any]:
         return {"locked": self.locked, "num_ubatches": self.num_ubatches}
 
@@ -117,25 +112,35 @@ class SimulatedManager:
 
     def apply(self, action: str, args: dict[str, Any]) -> None:
         self._snapshot = None
-        if action == "lock":
-            self.locked = True
-        elif action == "unlock":
-            self.locked = False
-        elif action == "set_ubatches":
-            self._set_slots(args["n"])
-        elif action == "reserve":
-            self._refuse_if_locked(action)
-            self._capacity = [max(c, args["bytes"]) for c in self._capacity]
-        elif action == "equalize":
-            largest = max(self._capacity, default=0)
-            if any(c < largest for c in self._capacity):
-                self._refuse_if_locked(action)
-            self._capacity = [largest] * len(self._capacity)
-        elif action == "trim":
-            self._refuse_if_locked(action)
-            self._capacity = [0] * len(self._capacity)
-        else:
-            raise ValueError(f"unknown action {action!r}")
+        commands.call(self, action, args)  # the manager method of the command's row, below
+
+    # -- the manager's command methods, on simulated numbers -----------------------------------
+
+    def operator_lock(self) -> None:
+        self.locked = True
+
+    def operator_unlock(self) -> None:
+        self.locked = False
+
+    def set_num_ubatches(self, num_ubatches: int) -> None:
+        wanted = num_ubatches * self.num_lanes
+        kept = self._capacity[:wanted]
+        fill = max(self._capacity, default=0) if self.locked else 0  # locked: pre-sized, as the manager does
+        self._capacity = kept + [fill] * (wanted - len(kept))
+
+    def reserve_bytes(self, nbytes: int) -> None:
+        self._refuse_if_locked("reserve")
+        self._capacity = [max(c, nbytes) for c in self._capacity]
+
+    def equalize(self) -> None:
+        largest = max(self._capacity, default=0)
+        if any(c < largest for c in self._capacity):
+            self._refuse_if_locked("equalize")
+        self._capacity = [largest] * len(self._capacity)
+
+    def trim(self) -> None:
+        self._refuse_if_locked("trim")
+        self._capacity = [0] * len(self._capacity)
 
 
 class SimulatedRanks:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from wsd import protocol as p
 from wsd.auth import ClientKeys
+from wsd.commands import COMMANDS, CommandResult
 from wsd.errors import ConfigError, WsdError
 from wsd.protocol import ErrorCode, Op
 
@@ -40,39 +40,6 @@ class ClientError(WsdError):
 
 class Unavailable(ClientError):
     """No reply in time: check the coordinator runs and the endpoint (WSD_ENDPOINT)."""
-
-
-@dataclass(frozen=True)
-class CommandResult:
-    """The outcome of a state-changing command."""
-
-    seq: int
-    action: str
-    group: int | None
-    waited: bool
-    complete: bool
-    """Every expected rank acknowledged."""
-    acked: tuple[dict[str, Any], ...] = ()
-    """``{rank, step, ok, error}`` per acknowledging rank."""
-    failed: tuple[int, ...] = ()
-    same_step: dict[str, bool] | None = None
-    """Per TP group: did all its ranks apply it at the same step."""
-    pending: tuple[int, ...] = ()
-    lost: tuple[int, ...] = ()
-    missing: tuple[dict[str, Any], ...] = ()
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> CommandResult:
-        return cls(
-            seq=d["seq"], action=d["action"], group=d.get("group"), waited=d.get("waited", True),
-            complete=d.get("complete", False), acked=tuple(d.get("acked", ())),
-            failed=tuple(d.get("failed", ())), same_step=d.get("same_step"),
-            pending=tuple(d.get("pending", ())), lost=tuple(d.get("lost", ())),
-            missing=tuple(d.get("missing", ())),
-        )
-
-    def steps(self) -> dict[int, int]:
-        return {a["rank"]: a["step"] for a in self.acked}
 
 
 class Client:
@@ -203,6 +170,13 @@ class Client:
         timeout = self.timeout if timeout is None else timeout
         body = {**extra, "group": group, "wait": wait, "timeout": timeout * _SERVER_SHARE}
         return CommandResult.from_dict(self.call(op, body, timeout=timeout))
+
+    def command(self, action: str, group: int | None = None, *, wait: bool = True, timeout: float | None = None,
+                **args: Any) -> CommandResult:
+        """Any command of the table (``wsd.commands.COMMANDS``) by its name, with its arguments."""
+        if action not in COMMANDS:
+            raise ValueError(f"unknown command {action!r} (commands: {', '.join(COMMANDS)})")
+        return self._command(Op(action), args, group, wait, timeout)
 
     def lock(self, group: int | None = None, *, wait: bool = True, timeout: float | None = None) -> CommandResult:
         return self._command(Op.LOCK, {}, group, wait, timeout)

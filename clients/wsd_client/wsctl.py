@@ -82,6 +82,8 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from wsd.auth import keygen
+from wsd.commands import COMMANDS as COMMAND_TABLE
+from wsd.commands import CommandSpec
 from wsd.config import MAX_EVENT_CAPACITY, flag_number, parse_size
 from wsd.errors import ConfigError
 from wsd.protocol import SCHEMAS, Op
@@ -284,15 +286,17 @@ def _wire(op: Op, name: str) -> tuple[Any, Any]:
     return field.low, field.high
 
 
-def _size(text: str) -> int:
-    low, high = _wire(Op.RESERVE, "bytes")
-    try:
-        value = parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if not low <= value <= high:
-        raise argparse.ArgumentTypeError(f"must be between {low} and {high} bytes, got {text}")
-    return value
+def _size(low: int, high: int) -> Callable[[str], int]:
+    """A size on the command line (4096, 512KiB, 64MiB) within ``low..high`` bytes."""
+    def parse(text: str) -> int:
+        try:
+            value = parse_size(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low} and {high} bytes, got {text}")
+        return value
+    return parse
 
 
 def _endpoint(text: str) -> str:
@@ -342,15 +346,19 @@ def _events_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
 
 
-def _ubatches(p: argparse.ArgumentParser) -> None:
-    low, high = _wire(Op.SET_UBATCHES, "n")
-    p.add_argument("n", metavar="N", type=flag_number(int, low, high, what="an integer"),
-                   help=f"ubatch slots per lane, {low}..{high}")
+def _arguments(spec: CommandSpec) -> Callable[[argparse.ArgumentParser], None]:
+    """A command's arguments, as its row of the command table declares them."""
+    def add(p: argparse.ArgumentParser) -> None:
+        for arg in spec.args:
+            kind = _size(arg.low, arg.high) if arg.size else flag_number(int, arg.low, arg.high,
+                                                                         what="an integer")
+            p.add_argument(arg.name, metavar=arg.metavar, type=kind, help=arg.help)
+    return add
 
 
-def _reserve_size(p: argparse.ArgumentParser) -> None:
-    p.add_argument("size", metavar="SIZE", type=_size,
-                   help="bytes per slot: 4096, 512KiB, 64MiB, ...")
+def _send(spec: CommandSpec) -> Handler:
+    return _command(lambda c, a: c.command(spec.name, a.group, wait=a.wait,
+                                           **{arg.name: getattr(a, arg.name) for arg in spec.args}))
 
 
 @dataclass(frozen=True)
@@ -371,20 +379,8 @@ COMMANDS: dict[str, Spec] = {
                    (_events_options, _count_interval(0.5, "events"))),
     "watch": Spec("live per-rank, per-slot capacity and peak", _watch,
                   (_group, _count_interval(1.0, "rounds"))),
-    "lock": Spec("lock the workspaces: no slot may grow",
-                 _command(lambda c, a: c.lock(a.group, wait=a.wait)), (_target,)),
-    "unlock": Spec("unlock the workspaces",
-                   _command(lambda c, a: c.unlock(a.group, wait=a.wait)), (_target,)),
-    "set-ubatches": Spec("set the number of ubatch slots per lane",
-                         _command(lambda c, a: c.set_ubatches(a.n, a.group, wait=a.wait)),
-                         (_ubatches, _target)),
-    "reserve": Spec("size every slot to at least SIZE bytes (unlocked only)",
-                    _command(lambda c, a: c.reserve(a.size, a.group, wait=a.wait)),
-                    (_reserve_size, _target)),
-    "equalize": Spec("grow every slot to the largest one",
-                     _command(lambda c, a: c.equalize(a.group, wait=a.wait)), (_target,)),
-    "trim": Spec("drop unused capacity (unlocked only)",
-                 _command(lambda c, a: c.trim(a.group, wait=a.wait)), (_target,)),
+    # The state-changing commands, from the command table.
+    **{spec.cli: Spec(spec.help, _send(spec), (_arguments(spec), _target)) for spec in COMMAND_TABLE.values()},
     "keygen": Spec("write a CURVE key pair (NAME.key, NAME.key_secret)", _keygen,
                    (_keygen_options,), client=False),
 }
@@ -407,7 +403,7 @@ def _common(p: argparse.ArgumentParser, top: bool) -> None:
                    help=f"seconds to wait for each reply, at most {_wire(Op.STATS, 'timeout')[1]:g} "
                         f"(default: {DEFAULT_TIMEOUT:g})")
     p.add_argument("--json", action="store_true", default=default(False),
-                   help="one JSON document per result per line on stdout (stable keys, see README)")
+                   help="one JSON document per result per line on stdout (stable keys, see docs/wsctl.md)")
     p.add_argument("--curve-server-key", metavar="FILE", default=default(None),
                    help="the coordinator's public certificate, to connect with CURVE "
                         "(default: $WSD_CURVE_SERVER_KEY)")

@@ -1,0 +1,201 @@
+"""Every state-changing command, declared once: ``COMMANDS``.
+
+A command's row says everything the rest of wsd needs to know about it:
+
+- its name (the wire's operation and the command log's action), its ``wsctl``
+  subcommand and help, and its arguments with their bounds (``Argument``);
+- how it changes the desired state the coordinator keeps per TP group, and
+  which of the state's fields it touches;
+- its place when a fresh rank takes on its group's desired state, and the
+  arguments it is applied with then;
+- whether the coordinator refuses it while the target is meant to be locked;
+- the manager method an agent calls for it, and with what.
+
+The protocol (schemas), the command log (desired state), the agent and the
+simulated ranks (``call``), the coordinator (refusals), the client (``Client.command``)
+and ``wsctl`` (its subcommands) read this table. A new command is a row here, an
+``Op`` member of the same name (``wsd.protocol``: the wire's vocabulary), and
+its manager method. ``CommandResult`` is the reply every command gets, built by
+the coordinator and read by the client.
+
+No I/O; imports neither torch nor the protocol.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from wsd.config import MAX_UBATCHES
+
+__all__ = ["COMMANDS", "DESIRED_FIELDS", "Argument", "CommandResult", "CommandSpec", "call", "start_actions"]
+
+DESIRED_FIELDS = ("locked", "num_ubatches", "reserve_bytes")
+"""The desired state of a TP group, each field None until a command sets it."""
+
+
+@dataclass(frozen=True)
+class Argument:
+    """One argument of a command: an integer within bounds (the only kind so far)."""
+
+    name: str
+    """Its field on the wire and in the command log."""
+    low: int
+    high: int
+    metavar: str
+    help: str
+    size: bool = False
+    """Given on the command line as a size (4096, 512KiB, 64MiB)."""
+
+
+Desired = dict[str, Any]
+Args = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class CommandSpec:
+    name: str
+    """The operation on the wire and the action in the command log: ``set_ubatches``."""
+    cli: str
+    """wsctl's subcommand: ``set-ubatches``."""
+    help: str
+    method: str
+    """The ``WorkspaceManager`` method an agent calls (a simulated rank has the same)."""
+    args: tuple[Argument, ...] = ()
+    call_args: Callable[[Args], tuple[Any, ...]] = lambda args: ()
+    """The method's positional arguments, from the command's arguments."""
+    desired: Callable[[Desired, Args], None] | None = None
+    """How it changes a group's desired state (None: it does not)."""
+    touches: tuple[str, ...] = ()
+    """The desired-state fields ``desired`` changes."""
+    relative: bool = False
+    """Its change depends on the field's value before it (reserve only raises it)."""
+    start: int | None = None
+    """Its place when a fresh rank takes on its group's desired state (None: not part of it)."""
+    start_args: Callable[[Desired], Args | None] = lambda desired: None
+    """The arguments it is applied with then, from the desired state (None: not applied)."""
+    refused_while_locked: bool = False
+    """Refused by the coordinator (``conflict``) while a target group is meant to be locked."""
+
+
+def _set(field: str, value: Any) -> Callable[[Desired, Args], None]:
+    def change(state: Desired, args: Args) -> None:
+        state[field] = value
+    return change
+
+
+def _set_arg(field: str, arg: str) -> Callable[[Desired, Args], None]:
+    def change(state: Desired, args: Args) -> None:
+        state[field] = args[arg]
+    return change
+
+
+def _raise_reserve(state: Desired, args: Args) -> None:
+    state["reserve_bytes"] = max(state.get("reserve_bytes") or 0, args["bytes"])
+
+
+COMMANDS: dict[str, CommandSpec] = {spec.name: spec for spec in (
+    CommandSpec(
+        "lock", "lock", "lock the workspaces: no slot may grow", "operator_lock",
+        desired=_set("locked", True), touches=("locked",),
+        start=3, start_args=lambda d: {} if d.get("locked") is True else None,
+    ),
+    CommandSpec(
+        # refused by the manager while the engine's own lock pins the buffers
+        "unlock", "unlock", "unlock the workspaces", "operator_unlock",
+        desired=_set("locked", False), touches=("locked",),
+        start=0, start_args=lambda d: {} if d.get("locked") is False else None,
+    ),
+    CommandSpec(
+        "set_ubatches", "set-ubatches", "set the number of ubatch slots per lane", "set_num_ubatches",
+        args=(Argument("n", 1, MAX_UBATCHES, "N", f"ubatch slots per lane, 1..{MAX_UBATCHES}"),),
+        call_args=lambda a: (a["n"],),
+        desired=_set_arg("num_ubatches", "n"), touches=("num_ubatches",),
+        start=1, start_args=lambda d: None if d.get("num_ubatches") is None else {"n": d["num_ubatches"]},
+    ),
+    CommandSpec(
+        "reserve", "reserve", "size every slot to at least SIZE bytes (unlocked only)", "reserve_bytes",
+        args=(Argument("bytes", 0, 2**50, "SIZE", "bytes per slot: 4096, 512KiB, 64MiB, ...", size=True),),
+        call_args=lambda a: (a["bytes"],),
+        desired=_raise_reserve, touches=("reserve_bytes",), relative=True,
+        start=2, start_args=lambda d: {"bytes": d["reserve_bytes"]} if d.get("reserve_bytes") else None,
+        refused_while_locked=True,
+    ),
+    CommandSpec("equalize", "equalize", "grow every slot to the largest one", "equalize"),
+    CommandSpec(
+        "trim", "trim", "release every slot's scratch buffer; the next request regrows it (unlocked only)", "trim",
+        desired=_set("reserve_bytes", None), touches=("reserve_bytes",), refused_while_locked=True,
+    ),
+)}
+
+
+def start_actions(desired: Desired) -> list[tuple[str, Args]]:
+    """What a fresh rank applies, in order, to take on its group's desired state.
+
+    The rows' ``start`` give the order: an unlock first (so that a reserve can
+    apply if the engine locked itself), then the slot count, the reservation
+    (which sizes every slot, the new ones too), and a lock last, once the
+    buffers are as big as they are meant to be.
+    """
+    order = sorted((s for s in COMMANDS.values() if s.start is not None), key=lambda s: s.start or 0)
+    actions = []
+    for spec in order:
+        args = spec.start_args(desired)
+        if args is not None:
+            actions.append((spec.name, args))
+    return actions
+
+
+def call(target: Any, action: str, args: Args) -> None:
+    """Apply ``action`` to ``target`` (a manager, or a simulated one) by its table row.
+
+    ValueError for an action not in the table (a newer coordinator's): reported in
+    the acknowledgement, never raised into the engine by the agent.
+    """
+    spec = COMMANDS.get(action)
+    if spec is None:
+        raise ValueError(f"unknown action {action!r}")
+    getattr(target, spec.method)(*spec.call_args(args))
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """The outcome of a state-changing command: built by the coordinator, read by the client."""
+
+    seq: int
+    action: str
+    group: int | None
+    waited: bool
+    """False: answered once numbered (``wait: false``); the rest is then empty."""
+    complete: bool = False
+    """Every expected rank acknowledged."""
+    acked: tuple[dict[str, Any], ...] = ()
+    """``{rank, step, ok, error}`` per acknowledging rank."""
+    failed: tuple[int, ...] = ()
+    same_step: dict[str, bool] | None = None
+    """Per TP group: did all its ranks apply it at the same step."""
+    pending: tuple[int, ...] = ()
+    lost: tuple[int, ...] = ()
+    missing: tuple[dict[str, Any], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The reply's result on the wire: only what was numbered when it did not wait."""
+        whole = dataclasses.asdict(self)
+        if not self.waited:
+            return {k: whole[k] for k in ("seq", "action", "group", "waited")}
+        return whole
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CommandResult:
+        """Every field by name, sequences as tuples; a key this version does not know is ignored."""
+        values = {}
+        for f in dataclasses.fields(cls):
+            if f.name in d:
+                value = d[f.name]
+                values[f.name] = tuple(value) if isinstance(value, list) else value
+        return cls(**values)
+
+    def steps(self) -> dict[int, int]:
+        return {a["rank"]: a["step"] for a in self.acked}

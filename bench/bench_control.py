@@ -39,7 +39,6 @@ from typing import Any
 
 import msgpack
 import zmq
-from wsd_client.client import Client
 
 from bench.helpers import START_TIMEOUT, Helper, Row, run_coordinator, timed_us
 from wsd import protocol as p
@@ -49,6 +48,7 @@ from wsd.link import AgentLink
 from wsd.protocol import Op
 from wsd.simulated import SimulatedManager, SimulatedRanks
 from wsd.transport import bind, connect, make_socket, send_nowait
+from wsd_client.client import Client
 
 SLOTS = 8
 TARGETS = {"stats": 1.5, "command": 2.0, "agreement": 1.2}
@@ -244,7 +244,7 @@ def bench_fan_out(n: int, rounds: int, state_dir: str) -> dict[str, Any]:
             # The order turns every round, so that no candidate always follows the same one.
             turn = i % len(candidates)
             for name, fn in candidates[turn:] + candidates[:turn]:
-                samples[name].append(timed_us(lambda: fn(i)))
+                samples[name].append(timed_us(lambda fn=fn, i=i: fn(i)))
         client.close()
         med = {k: statistics.median(v) for k, v in samples.items()}
         return {"stats": (med["stats"], med["bare stats"]), "command": (med["command"], med["bare command"]),

@@ -62,7 +62,7 @@ class VllmWorkspaceManager:
         actual_bytes = [prod(s) * d.itemsize for s, d in shapes_and_dtypes]
         aligned_bytes = [_round_up(actual, 256) for actual in actual_bytes]
         total_bytes = sum(aligned_bytes)
-        offsets = list(accumulate([0] + aligned_bytes[:-1]))
+        offsets = list(accumulate([0] + aligned_bytes[:-1]))  # noqa: RUF005 (vLLM's own expression: the timed baseline)
         current_workspace = self._ensure_workspace_size(total_bytes)
         return [
             current_workspace[offsets[i] : offsets[i] + actual_bytes[i]]
@@ -130,8 +130,8 @@ def bench_steady_state(rounds: int, calls: int) -> list[tuple[int, float, float,
             raise SystemExit(f"layout differs from vLLM's for {n} tensors")
         bare = bare_views(theirs._current_workspaces[0], request)
         candidates = {
-            "wsd": lambda: ours.get_simultaneous(*request),
-            "vllm": lambda: theirs.get_simultaneous(*request),
+            "wsd": lambda ours=ours, request=request: ours.get_simultaneous(*request),
+            "vllm": lambda theirs=theirs, request=request: theirs.get_simultaneous(*request),
             "bare": bare,
         }
         samples: dict[str, list[float]] = {k: [] for k in candidates}
@@ -148,7 +148,7 @@ def bench_steady_state(rounds: int, calls: int) -> list[tuple[int, float, float,
 
 def warmup_trace(hidden: int = 4096) -> list[tuple]:
     """Requests of rising size, as warm-up over rising batch sizes produces."""
-    tokens = [1, 2, 4, 8] + list(range(16, 513, 16)) + list(range(768, 8193, 256))
+    tokens = [1, 2, 4, 8, *range(16, 513, 16), *range(768, 8193, 256)]
     return [(((t, hidden), torch.bfloat16), ((t, 8), torch.float32)) for t in tokens]
 
 

@@ -41,10 +41,10 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from wsd_client.client import Client
 
 from bench.helpers import Helper, Row, run_coordinator, timed_us
 from wsd.simulated import SimulatedRanks
+from wsd_client.client import Client
 
 SIZES = (32, 128, 256, 512, 1024)
 SLOTS = 8

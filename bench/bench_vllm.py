@@ -40,10 +40,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from wsd_client.client import Client
-
 from bench.helpers import Helper, Row, run_coordinator
 from wsd.launch import descendants
+from wsd_client.client import Client
 
 DRIVER = str(Path(__file__).resolve().parents[1] / "tests" / "vllm_driver.py")
 TARGETS = {"throughput": 0.97, "idle lock": 2.0}
@@ -87,7 +86,7 @@ class Engine:
             if line.startswith("RESULT "):
                 self._answers.put(json.loads(line[len("RESULT "):]))
             else:
-                self._tail = (self._tail + [line.rstrip("\n")])[-40:]
+                self._tail = [*self._tail, line.rstrip("\n")][-40:]
         self._answers.put(None)  # the driver ended
 
     def call(self, op: str, timeout: float = CALL_TIMEOUT, **args: Any) -> dict[str, Any]:

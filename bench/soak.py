@@ -54,7 +54,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from wsd_client.client import Client, ClientError, Unavailable
 
 from bench.soak_check import ALL, desired_mismatches, read_records, verify
 from bench.soak_worker import RECORD_ENV
@@ -69,6 +68,7 @@ from tests.procs import (
     write_config,
 )
 from wsd.protocol import ErrorCode
+from wsd_client.client import Client, ClientError, Unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULTS = ("kill_worker", "kill_coordinator", "stop_worker", "stop_coordinator")
@@ -321,7 +321,8 @@ class Traffic:
                 key = "expected_unavailable"
             else:
                 with self.ledger.lock:
-                    self.ledger.lost_requests.append(f"{op} unanswered (sent at monotonic {started:.1f} s) with the coordinator up")
+                    self.ledger.lost_requests.append(
+                        f"{op} unanswered (sent at monotonic {started:.1f} s) with the coordinator up")
         with self.ledger.lock:
             self.ledger.outcomes[key] += 1
         if key == "answered" and op in COMMAND_OPS:
@@ -410,7 +411,8 @@ def run(args: argparse.Namespace) -> int:
             left = cluster.close()
             if args.verbose:
                 for proc in cluster.started:
-                    print(f"--- {proc.name} (pid {proc.pid}) output ends:\n" + "\n".join(proc.lines[-args.verbose_lines:]))
+                    tail = "\n".join(proc.lines[-args.verbose_lines:])
+                    print(f"--- {proc.name} (pid {proc.pid}) output ends:\n{tail}")
     behind = [r for r, seq in coordinator_view.items() if seq != final_seq]
     lost = (len(verdict.lost) + len(ledger.lost_requests) + len(ledger.lost_state) + len(behind))
     print(f"wsd soak: {soaked:.0f} s, {args.workers} torchrun workers (TP size {args.tp_size}, "

@@ -88,7 +88,7 @@ def read_records(directory: str) -> list[Incarnation]:
 
 
 def _targets(seq_group: Any, group: int) -> bool:
-    return seq_group == ALL or seq_group == group
+    return seq_group in (ALL, group)
 
 
 def verify(incarnations: list[Incarnation], final_seq: int, told: dict[int, Any],

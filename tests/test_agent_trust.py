@@ -18,7 +18,6 @@ import zmq
 from conftest import coordinator_config, wait_until
 from procs import python, spawn  # noqa: F401  (spawn is a fixture)
 from test_coordinator_core import Harness, make, ops, peer_of, to_agents
-from wsd_client.client import Client
 
 from wsd import protocol as p
 from wsd.coordinator import RESEND_WINDOW
@@ -26,6 +25,7 @@ from wsd.protocol import ErrorCode, Op
 from wsd.security import registration_proof
 from wsd.server import Coordinator
 from wsd.simulated import SimulatedRanks
+from wsd_client.client import Client
 
 TOKEN = b"0123456789abcdef0123456789abcdef"
 

@@ -182,7 +182,7 @@ def test_failed_append_can_leave_only_a_tail_that_is_dropped(made, monkeypatch):
         real_pwrite(fd, bytes(data[: len(data) // 2]), offset)
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(os, "pwrite", half_then_full)
-    with pytest.raises(StateFileError, match="state.journal: storage unavailable"):
+    with pytest.raises(StateFileError, match=r"state.journal: storage unavailable"):
         log.append("lock", {}, None, 1.0)
     monkeypatch.undo()
     assert log.seq == 4

@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from wsd_client import wsctl
 
 from wsd import commands, protocol
 from wsd.commands import COMMANDS, CommandResult, start_actions
 from wsd.manager import WorkspaceManager
 from wsd.simulated import SimulatedManager
+from wsd_client import wsctl
 
 
 @pytest.mark.parametrize("name", list(COMMANDS))

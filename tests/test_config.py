@@ -83,7 +83,7 @@ def test_a_file_that_is_not_utf8_is_named(tmp_path):
 
 
 def test_missing_file_is_named(tmp_path):
-    with pytest.raises(ConfigError, match="nope.toml: configuration file not found"):
+    with pytest.raises(ConfigError, match=r"nope.toml: configuration file not found"):
         load_config(tmp_path / "nope.toml", env={})
 
 
@@ -203,7 +203,7 @@ def test_bad_worker_and_workload_keys_name_file_key_and_allowed(tmp_path, text, 
 
 
 def test_bad_workload_environment_is_named():
-    with pytest.raises(ConfigError, match="environment variable WSD_WORKLOAD_OVERSIZE_CHANCE: .*must be a number"):
+    with pytest.raises(ConfigError, match=r"environment variable WSD_WORKLOAD_OVERSIZE_CHANCE: .*must be a number"):
         load_config(None, env={"WSD_WORKLOAD_OVERSIZE_CHANCE": "often"})
 
 

@@ -243,7 +243,6 @@ def test_bad_client_frames_get_error_replies_and_service_goes_on(start_coordinat
 
 def test_client_error_carries_code(start_coordinator):
     coordinator = start_coordinator(world_size=2, tp_size=1)
-    with Client(coordinator.client_endpoint, timeout=5) as client:
-        with pytest.raises(ClientError) as info:
-            client.lock(group=7)
+    with Client(coordinator.client_endpoint, timeout=5) as client, pytest.raises(ClientError) as info:
+        client.lock(group=7)
     assert info.value.code == ErrorCode.BAD_FIELD and "group" in info.value.message

@@ -24,8 +24,15 @@ from wsd.coordinator import AGENT, CLIENT, CoordinatorCore
 from wsd.errors import StateFileError
 from wsd.protocol import ErrorCode, Op
 from wsd.registry import RankState
-from wsd.stats import (PERSISTENT_COLUMNS, SLOT_COLUMNS, VIOLATION_COLUMNS, LockViolation, ManagerStats,
-                       PersistentStats, SlotStats)
+from wsd.stats import (
+    PERSISTENT_COLUMNS,
+    SLOT_COLUMNS,
+    VIOLATION_COLUMNS,
+    LockViolation,
+    ManagerStats,
+    PersistentStats,
+    SlotStats,
+)
 
 WALL0 = 1_700_000_000.0
 MONO0 = 500.0
@@ -1090,7 +1097,7 @@ def test_damaged_state_file_refuses_to_start(tmp_path, damage):
         "wrong_shape": msgpack.packb({"format": 1, "seq": 3, "default": {}, "groups": [], "log": []}),
     }[damage]
     path.write_bytes(damaged)
-    with pytest.raises(StateFileError, match="coordinator.state"):
+    with pytest.raises(StateFileError, match=r"coordinator.state"):
         make(tmp_path)
     assert path.read_bytes() == damaged  # left for the operator to repair
 

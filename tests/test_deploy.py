@@ -33,9 +33,9 @@ from typing import Any
 
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 from conftest import wait_until
 from procs import COORDINATOR_READY, cmdline, python, spawn, wait_gone, worker_env, write_config  # noqa: F401  (spawn is a fixture)
+from prometheus_client.parser import text_string_to_metric_families
 
 from wsd import WorkspaceManager
 from wsd.agent import Agent
@@ -854,7 +854,7 @@ def _install_pod_keys(kind: str, root: Path, secrets: dict[str, dict[str, bytes]
     """Mount the pod's Secret volumes under ``root`` as the kubelet would and run the pod's
     install-keys initContainer over them, with its own environment; the keys folder."""
     spec = _spec(kind)
-    init, secrets_dir, keys = _install_keys(spec)
+    init, _secrets_dir, keys = _install_keys(spec)
     volumes = {v["name"]: v for v in spec["volumes"]}
     for mount in init["volumeMounts"]:
         if _secret_sources(volumes[mount["name"]]):

@@ -176,9 +176,7 @@ def test_every_relative_link_resolves(page: Path):
             continue
         path, _, anchor = target.partition("#")
         resolved = (page.parent / path).resolve() if path else page
-        if not resolved.exists():
-            broken.append(target)
-        elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+        if not resolved.exists() or (anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved)):
             broken.append(target)
     assert not broken, f"{page.relative_to(ROOT)}: {broken}"
 

@@ -27,7 +27,13 @@ from typing import Any
 import pytest
 from conftest import wait_until
 from procs import (
-    COORDINATOR_READY, Proc, coordinator_section, processes, torchrun, wait_gone, worker_env,
+    COORDINATOR_READY,
+    Proc,
+    coordinator_section,
+    processes,
+    torchrun,
+    wait_gone,
+    worker_env,
     write_config,
 )
 

@@ -138,7 +138,7 @@ def test_coordinator_killed_mid_command_restarts_from_its_state_file(tmp_path, s
         first.send(signal.SIGKILL)
         assert first.wait(10) == -signal.SIGKILL
 
-        second, _, _ = run_coordinator(spawn, coordinator_file(
+        _second, _, _ = run_coordinator(spawn, coordinator_file(
             tmp_path, "restart.toml", agent_endpoint=agents, client_endpoint=clients))
         restarted = time.monotonic()
         after = client.status()

@@ -37,7 +37,6 @@ from conftest import coordinator_config, wait_until
 from hostile_kit import hostile_inputs_counted, seeded, tried  # noqa: F401 (a fixture)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from wsd_client.client import Client
 
 import wsd.config as config_module
 from wsd import protocol as p
@@ -45,6 +44,7 @@ from wsd.errors import ConfigError
 from wsd.protocol import AGENT_OPS, CLIENT_OPS, SCHEMAS, ErrorCode, Field, Op
 from wsd.server import Coordinator
 from wsd.simulated import SimulatedRanks
+from wsd_client.client import Client
 
 MAX_MESSAGE = 64 * 1024
 # The server drops (rather than reads) a client frame beyond this: see wsd.server.

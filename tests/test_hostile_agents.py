@@ -37,13 +37,13 @@ import pytest
 import zmq
 from conftest import coordinator_config, wait_until
 from hostile_kit import hostile_inputs_counted, rng, tried  # noqa: F401 (a fixture)
-from wsd_client.client import Client
 
 from wsd import protocol as p
 from wsd.protocol import AGENT_OPS, COORDINATOR_OPS, ErrorCode, Op
 from wsd.security import registration_proof
 from wsd.server import Coordinator
 from wsd.simulated import SimulatedRanks
+from wsd_client.client import Client
 
 TRIED = tried(__file__)
 
@@ -197,7 +197,7 @@ class LogCapture(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
 
-    def __enter__(self) -> LogCapture:  # noqa: PYI034 (typing.Self is 3.11; wsd runs on 3.10)
+    def __enter__(self) -> LogCapture:
         self._logger.addHandler(self)
         if self._logger.getEffectiveLevel() > logging.WARNING:
             self._logger.setLevel(logging.WARNING)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from wsd import protocol as p
@@ -56,7 +57,7 @@ def register_times(link: AgentLink, count: int, *, unsent: int = 0) -> list[floa
 
 
 def gaps(times: list[float]) -> list[float]:
-    return [round(b - a, 6) for a, b in zip(times, times[1:])]
+    return [round(b - a, 6) for a, b in itertools.pairwise(times)]
 
 
 def test_an_unsent_registration_is_retried_soon():
@@ -236,7 +237,7 @@ def test_an_ack_of_a_command_failing_with_a_long_message_is_one_the_coordinator_
     link = AgentLink(FailingLoudly(), rank=0, world_size=1)
     link.on_frame(registered(), 0.0)
     link.on_frame(command(1, "equalize"), 0.1)
-    [(seq, frame)] = link.apply_up_to(1)
+    [(_seq, frame)] = link.apply_up_to(1)
     ack = p.decode(frame, p.AGENT_OPS)  # as the coordinator decodes it: within every bound
     assert ack.op is Op.ACK and ack.body["ok"] is False and ack.body["error"].startswith("RuntimeError: éé")
     assert len(ack.body["error"]) < 1100 and ack.body["error"].endswith("more characters)")

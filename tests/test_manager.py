@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import pytest
@@ -156,7 +157,7 @@ def test_views_of_one_call_never_overlap():
     shapes = [((n,), dt) for n, dt in [(1, torch.int8), (63, F32), (300, torch.float16), (7, torch.float64)]]
     views = manager.get_simultaneous(*shapes)
     spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * v.element_size()) for v in views)
-    for (_, end), (start, _) in zip(spans, spans[1:]):
+    for (_, end), (start, _) in itertools.pairwise(spans):
         assert end <= start
     for i, v in enumerate(views):
         v.fill_(i + 1)
@@ -264,7 +265,7 @@ def test_shape_given_as_list_works_like_tuple():
 
 def test_bad_request_is_a_clear_error():
     manager = WorkspaceManager("cpu", 1)
-    with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
+    with pytest.raises(TypeError, match=r"dtype must be a torch.dtype"):
         manager.get_simultaneous(((2,), "float32"))
     with pytest.raises(ValueError, match="negative"):
         manager.get_simultaneous(((-2,), F32))

@@ -301,9 +301,12 @@ def test_growth_during_cuda_graph_capture_is_refused():  # pragma: no cover - GP
     manager.get_simultaneous(((16,), F32))
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream), pytest.raises(WorkspaceCaptureError, match="warm up first"):
-        with torch.cuda.graph(graph):
-            manager.get_simultaneous(((1 << 20,), F32))
+    with (
+        torch.cuda.stream(stream),
+        pytest.raises(WorkspaceCaptureError, match="warm up first"),
+        torch.cuda.graph(graph),
+    ):
+        manager.get_simultaneous(((1 << 20,), F32))
 
 
 # -- vLLM's contracts: alloc_context, exception types, the engine's lock, fallback ----

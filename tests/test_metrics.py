@@ -30,8 +30,16 @@ from wsd.aggregate import StatsRound, read_snapshot
 from wsd.config import CoordinatorConfig, load_config
 from wsd.coordinator import CLIENT, CoordinatorCore
 from wsd.errors import ConfigError, WsdError
-from wsd.metrics import (COMMAND_BUCKETS, FAMILIES, Collector, CommandOutcome, CommandStats, Published,
-                         StatsView, core_view)
+from wsd.metrics import (
+    COMMAND_BUCKETS,
+    FAMILIES,
+    Collector,
+    CommandOutcome,
+    CommandStats,
+    Published,
+    StatsView,
+    core_view,
+)
 from wsd.protocol import Op
 from wsd.registry import Registry
 from wsd.server import Coordinator
@@ -176,7 +184,8 @@ def test_labels_gone_from_the_published_views_are_gone_from_the_next_scrape():
         registry.register(b"p%d" % rank, registration(rank), 0.0)
     views = [Published(core=core_view(registry, seq=0, heartbeats=0, inconsistent=set(), commands=CommandStats()),
                        stats=StatsView(0.0, stats_result({r: manager([64, 64]) for r in range(4)}, 2, 4)))]
-    views.append(Published(core=views[0].core, stats=StatsView(0.0, stats_result({0: manager([64]), 1: manager([64])}, 2, 4))))
+    smaller = stats_result({0: manager([64]), 1: manager([64])}, 2, 4)
+    views.append(Published(core=views[0].core, stats=StatsView(0.0, smaller)))
     current = iter(views)
     published = next(current)
     collector = Collector(lambda: published)
@@ -241,7 +250,7 @@ def stats_requests(out) -> dict[bytes, int]:
     """{peer: request id} of the stats requests among ``out``; fails on any client frame."""
     assert not [o for o in out if o[0] == CLIENT], "the metrics' round answered a client"
     found = {}
-    for kind, route, frame in out:
+    for _kind, route, frame in out:
         message = p.decode(frame, {Op.STATS_REQUEST, Op.PULSE, Op.COMMAND, Op.REGISTERED})
         if message.op is Op.STATS_REQUEST:
             found[route[0]] = message.body["request"]

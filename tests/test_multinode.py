@@ -21,7 +21,13 @@ from pathlib import Path
 import pytest
 from conftest import wait_until
 from procs import (  # noqa: F401  (spawn is a fixture)
-    COORDINATOR_READY, coordinator_section, python, spawn, wait_gone, worker_env, write_config,
+    COORDINATOR_READY,
+    coordinator_section,
+    python,
+    spawn,
+    wait_gone,
+    worker_env,
+    write_config,
 )
 
 from wsd_client.client import Client

@@ -476,7 +476,7 @@ def test_worker_traceback_fails_the_test_and_no_process_is_left(tmp_path):
     workers = Workers(tmp_path, 2, _fail_on_rank_1).start()
     try:
         workers.expect(0, "ready", 60)
-        with pytest.raises(WorkerFailed, match="(?s)rank 1 failed:.*ValueError: rank 1 gives up"):
+        with pytest.raises(WorkerFailed, match=r"(?s)rank 1 failed:.*ValueError: rank 1 gives up"):
             workers.expect(1, "never sent", 30)
     finally:
         with pytest.raises(WorkerFailed, match="rank 1 failed"):

@@ -10,7 +10,8 @@ import wsd
 
 # Importing these must not need torch: the coordinator and clients run without it.
 TORCH_FREE = ["wsd", "wsd.config", "wsd.errors", "wsd.stats", "wsd.fmt", "wsd.cli", "wsd.link", "wsd.simulated",
-              "wsd.protocol", "wsd.commands", "wsd.coordinator", "wsd.admission", "wsd.ratelimit", "wsd.server", "wsd.launch",
+              "wsd.protocol", "wsd.commands", "wsd.coordinator", "wsd.admission", "wsd.ratelimit", "wsd.server",
+              "wsd.launch",
               "wsd_client.client",
               "wsd_client", "wsd_client.wsctl"]
 

@@ -19,6 +19,7 @@ from procs import (  # noqa: F401  (spawn is a fixture)
     spawn,
     write_config,
 )
+
 from wsd_client.client import Client
 
 RANKS = 256

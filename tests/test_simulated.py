@@ -85,7 +85,7 @@ def test_manager_stand_in_follows_commands():
 
 
 def test_bad_arguments_are_named():
-    with pytest.raises(ValueError, match="ranks must lie in 0..3"):
+    with pytest.raises(ValueError, match=r"ranks must lie in 0..3"):
         SimulatedRanks("tcp://127.0.0.1:1", range(5), world_size=4)
     with pytest.raises(ValueError, match="num_ubatches"):
         SimulatedManager(0)

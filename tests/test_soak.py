@@ -11,7 +11,7 @@ from procs import python, spawn  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # bench/ is not an installed package: import it from the checkout
-from bench.soak_check import Incarnation, verify
+from bench.soak_check import Incarnation, verify  # noqa: E402 (needs the sys.path entry above)
 
 
 @pytest.mark.timeout(120)

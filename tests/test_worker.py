@@ -7,6 +7,7 @@ workers on gloo with a coordinator, observed only through the Python client.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import signal
@@ -19,7 +20,13 @@ import torch
 import torch.distributed as dist
 from conftest import coordinator_config, wait_until
 from procs import (  # noqa: F401  (spawn is a fixture)
-    Proc, python, spawn, torchrun, wait_gone, worker_env, write_config,
+    Proc,
+    python,
+    spawn,
+    torchrun,
+    wait_gone,
+    worker_env,
+    write_config,
 )
 
 from wsd.config import WorkloadConfig
@@ -91,7 +98,7 @@ def test_warmup_token_counts_rise_to_the_maximum():
     config = WorkloadConfig(max_tokens=100, warmup_steps=7)
     tokens = warmup_tokens(config)
     assert len(tokens) == 7 and tokens[-1] == 100
-    assert all(a < b for a, b in zip(tokens, tokens[1:]))
+    assert all(a < b for a, b in itertools.pairwise(tokens))
 
 
 def test_steady_tokens_exceed_warmup_only_while_locked_and_agree_across_ranks():
@@ -186,7 +193,7 @@ def cluster(tmp_path_factory):
 
 
 def test_both_ranks_register(cluster):
-    proc, client, _ = cluster
+    _proc, client, _ = cluster
     ranks = wait_until(lambda: [r for r in client.ranks()["ranks"] if r["state"] == "live"], 30, "live ranks")
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     assert {r["tp_group"] for r in ranks} == {0}  # tp_size defaults to the node's 2 ranks
@@ -196,7 +203,7 @@ def test_both_ranks_register(cluster):
 def test_capacity_grows_during_warmup_and_peak_never_exceeds_it(cluster):
     """Sampled while warm-up runs: each slot grows step by step, and no sample ever shows a
     peak request above the capacity that served it."""
-    proc, client, samples = cluster
+    proc, _client, samples = cluster
     assert samples and all(r["locked"] for r in samples[-1]["ranks"]), proc.output()
     history: dict[tuple[int, int], list[int]] = {}
     for stats in samples:

@@ -97,7 +97,7 @@ def test_common_options_anywhere_and_endpoint_from_the_environment(cluster, caps
 
 def test_status_and_ranks(cluster, capsys):
     """Fails if status/ranks misreport the live ranks, or their tables lose a rank."""
-    coordinator, agents = cluster(2)
+    coordinator, _agents = cluster(2)
     ep = coordinator.client_endpoint
     code, doc = run_json(capsys, ep, "status")
     assert code == 0
@@ -222,7 +222,7 @@ def test_exit_3_when_a_rank_is_missing(cluster, capsys):
 def test_a_stopped_rank_is_shown_stopped_and_missing(cluster, capsys):
     """Fails if a rank whose worker stopped cleanly is not shown ``stopped`` by status and
     ranks, or does not make them exit 3 as a lost or never registered rank does."""
-    coordinator, (a0, a1) = cluster(2)
+    coordinator, (_a0, a1) = cluster(2)
     ep = coordinator.client_endpoint
     a1.stop()
     code, doc = wait_until(lambda: (r := run_json(capsys, ep, "status"))[1]["ranks"]["stopped"] == 1 and r,
@@ -333,7 +333,7 @@ def test_the_largest_allowed_numbers_are_accepted(capsys):
         endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
         for argv in (["ping", "--timeout", "0.05"], ["stats", "--group", "65535", "--timeout", "0.05"],
                      ["events", "--since", str(2**63 - 1), "--last", "10000000", "--timeout", "0.05"]):
-            code, out, err = run(capsys, endpoint, *argv)
+            code, _out, err = run(capsys, endpoint, *argv)
             assert code == 1 and err.startswith("wsctl: unavailable: no reply"), (argv, err)
 
 

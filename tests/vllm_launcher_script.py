@@ -22,7 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_driver import LLM_ARGS, prompts, write_model  # noqa: E402
+from vllm_driver import LLM_ARGS, prompts, write_model
 
 GO_TIMEOUT = 120.0
 """Seconds to wait for GOFILE before giving up (the test creates it within seconds)."""

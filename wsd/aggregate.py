@@ -86,7 +86,7 @@ class Snapshot:
     is the rank's entry of the ``stats`` answer, already msgpack-encoded.
     """
 
-    __slots__ = ("rank", "tp_group", "columns", "total_bytes", "locked", "num_ubatches", "packed")
+    __slots__ = ("columns", "locked", "num_ubatches", "packed", "rank", "total_bytes", "tp_group")
 
     def __init__(self, rank: int, tp_group: int, step: int, stats: dict[str, Any],
                  columns: list[list[int]]) -> None:

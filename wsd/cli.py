@@ -2,9 +2,9 @@
 
 ``wsd up`` starts a whole local cluster (a coordinator and ``torchrun``
 workers) until Ctrl-C. ``wsd coordinator`` runs the coordinator alone, in the
-foreground, as a sidecar; it imports no torch. ``wsd demo`` runs a manager sized from configuration through a short engine
-life (warm-up, equalize, lock, steady state, one over-size request) and prints
-its per-slot statistics.
+foreground, as a sidecar; it imports no torch. ``wsd demo`` runs a manager
+sized from configuration through a short engine life (warm-up, equalize, lock,
+steady state, one over-size request) and prints its per-slot statistics.
 """
 
 from __future__ import annotations

@@ -480,7 +480,8 @@ class CoordinatorCore:
     # -- clients ----------------------------------------------------------
 
     def _ping(self, route: Route, message: p.Message) -> list[Out]:
-        return [(CLIENT, route, p.ok_reply(message.id, {"epoch": self.epoch, "time": self.wall(), "seq": self.log.seq}))]
+        answer = {"epoch": self.epoch, "time": self.wall(), "seq": self.log.seq}
+        return [(CLIENT, route, p.ok_reply(message.id, answer))]
 
     def _check_group_arg(self, group: int | None) -> None:
         groups = self.registry.groups()

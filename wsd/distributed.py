@@ -118,7 +118,8 @@ def resolve_backend(backend: Backend) -> str:
     if backend is Backend.AUTO:
         return "nccl" if cuda else "gloo"
     if backend is Backend.NCCL and not cuda:
-        raise ConfigError("[worker] backend = 'nccl' needs CUDA, which this machine does not have; use 'gloo' or 'auto'")
+        raise ConfigError(
+            "[worker] backend = 'nccl' needs CUDA, which this machine does not have; use 'gloo' or 'auto'")
     return backend.value
 
 

@@ -171,12 +171,12 @@ class Field:
             )
         if isinstance(value, float) and not math.isfinite(value):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"{where}{self.name}: must be finite")
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if (self.low is not None and value < self.low) or (self.high is not None and value > self.high):
-                raise ProtocolError(
-                    ErrorCode.BAD_FIELD,
-                    f"{where}{self.name}: must be between {self.low:g} and {self.high:g}, got {value}",
-                )
+        if (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and ((self.low is not None and value < self.low) or (self.high is not None and value > self.high))):
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"{where}{self.name}: must be between {self.low:g} and {self.high:g}, got {value}",
+            )
         if isinstance(value, (str, bytes, list, dict)) and self.max_len is not None and len(value) > self.max_len:
             unit = "characters" if isinstance(value, str) else "bytes" if isinstance(value, bytes) else "entries"
             raise ProtocolError(ErrorCode.BAD_FIELD,
@@ -262,7 +262,8 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
     Op.EVENT: (_RANK, _str("kind", 64), _opt(_map("detail", 32), {})),
     # A worker shutting down cleanly: its rank is stopped, not lost. No answer.
     Op.GOODBYE: (_RANK, _opt(_int("step"), 0), _opt(_int("applied_seq")), _opt(_int("held_seq")), _STATE),
-    Op.REGISTERED: (_f("epoch", str), _int("baseline_seq"), Field("heartbeat_interval", (float,), low=0.001, high=3600.0),
+    Op.REGISTERED: (_f("epoch", str), _int("baseline_seq"),
+                    Field("heartbeat_interval", (float,), low=0.001, high=3600.0),
                     Field("heartbeat_timeout", (float,), low=0.001, high=3600.0),
                     # To a fresh process: its TP group's desired state at baseline_seq
                     # ({locked, num_ubatches, reserve_bytes}, each nil if never set).

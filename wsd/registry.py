@@ -13,7 +13,7 @@ from typing import Any
 
 from wsd.protocol import StrEnum
 
-__all__ = ["RankInfo", "RankState", "RankTaken", "Registry", "RegistrationError"]
+__all__ = ["RankInfo", "RankState", "RankTaken", "RegistrationError", "Registry"]
 
 
 class RankState(StrEnum):

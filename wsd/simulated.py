@@ -21,7 +21,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgpack
@@ -230,10 +230,7 @@ class SimulatedRanks:
     def wait_registered(self, timeout: float) -> bool:
         """True once every rank is registered (False after ``timeout`` s)."""
         deadline = time.monotonic() + timeout
-        for link in self.links:
-            if not link.registered.wait(max(0.0, deadline - time.monotonic())):
-                return False
-        return True
+        return all(link.registered.wait(max(0.0, deadline - time.monotonic())) for link in self.links)
 
     # -- the loop -------------------------------------------------------------
 
@@ -293,11 +290,20 @@ class SimulatedRanks:
                     self._waker.drain()
                     continue
                 link = links[i]
-                answer_waiting(sock, lambda frame: link.on_frame(frame, time.monotonic()))
+                answer_waiting(sock, _receiver(link))
                 due = link.due()
                 if due < scheduled[i]:  # e.g. just registered: heartbeat now
                     scheduled[i] = due
                     heapq.heappush(timers, (due, i))
+
+
+def _receiver(link: AgentLink) -> Callable[[bytes], list[bytes]]:
+    """``link``'s frame handler, each frame stamped with the time it is read.
+
+    A function rather than a lambda in the loop, so that the handler binds this
+    link and not the loop's variable (which would rebind before a late call).
+    """
+    return lambda frame: link.on_frame(frame, time.monotonic())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

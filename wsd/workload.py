@@ -126,10 +126,7 @@ def run_workload(
     step = violations = 0
     while total is None or step < total:
         started = time.monotonic()
-        if step < len(warmup):
-            tokens = warmup[step]
-        else:
-            tokens = steady_tokens(rng, config, manager.is_locked())
+        tokens = warmup[step] if step < len(warmup) else steady_tokens(rng, config, manager.is_locked())
         # Read the ubatch count at every step: set_ubatches changes it at a step boundary.
         for ubatch in range(manager.num_ubatches):
             with use_ubatch(ubatch), use_lane(step % manager.num_lanes):

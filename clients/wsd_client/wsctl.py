@@ -72,6 +72,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import functools
 import json
 import os
 import sys
@@ -179,8 +180,7 @@ def _watch(client: Client, args: argparse.Namespace, out: Output) -> Exit:
                       f"round {rounds}{of} every {args.interval:g} s")
             if rounds > 1 and not redraw and not out.as_json:
                 print(file=out.stream)  # frames one after the other when not on a terminal
-            last = previous
-            out.emit(doc, lambda: render.watch(doc, last, header))
+            out.emit(doc, functools.partial(render.watch, doc, previous, header))
             previous = doc
             if args.count and rounds >= args.count:
                 break
@@ -229,7 +229,7 @@ def _events(client: Client, args: argparse.Namespace, out: Output) -> Exit:
                         time.sleep(args.interval)  # the polling pace
                     continue
             event = queue.popleft()
-            out.emit(event, lambda: render.event_line(event))
+            out.emit(event, functools.partial(render.event_line, event))
             shown += 1
     except KeyboardInterrupt:
         pass

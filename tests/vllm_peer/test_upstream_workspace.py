@@ -57,11 +57,12 @@ pytest.importorskip("vllm", reason="vLLM is not installed: no peer to test again
 
 # Before the swap, so that gpu_worker (whose _num_workspace_lanes the upstream
 # file tests) binds vLLM's own workspace names, as it does in a real engine.
-import vllm.v1.worker
-import vllm.v1.worker.gpu_worker
-import vllm.v1.worker.workspace
+# (E402: after the pin check and the skip, on purpose.)
+import vllm.v1.worker  # noqa: E402
+import vllm.v1.worker.gpu_worker  # noqa: E402
+import vllm.v1.worker.workspace  # noqa: E402
 
-import wsd.integrations.vllm.workspace as wsd_workspace
+import wsd.integrations.vllm.workspace as wsd_workspace  # noqa: E402
 
 VLLM_WORKSPACE = vllm.v1.worker.workspace
 

@@ -145,10 +145,9 @@ def install(*, manager_class: type, attach: Callable[[Any], None], detach: Calla
     core asks for.
     """
     import vllm.v1.worker.workspace as vllm_workspace
+    import zmq
     from vllm.v1.engine.core import EngineCoreProc
     from vllm.v1.worker.gpu_worker import Worker
-
-    import zmq
 
     from wsd.integrations.vllm.wake import WSD_STEP, WakeListener
 

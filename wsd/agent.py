@@ -226,7 +226,7 @@ class Agent:
             # fill_/item rather than [0] indexing: a few microseconds less per step.
             self._seq_tensor.fill_(agreed)
             dist.all_reduce(self._seq_tensor, op=dist.ReduceOp.MIN, group=self._group)
-            agreed = self._seq_tensor.item()
+            agreed = int(self._seq_tensor.item())  # an int64 tensor: item() is an int already
         if agreed <= link.applied:
             return []
         done = link.apply_up_to(agreed)
@@ -316,7 +316,7 @@ class Agent:
             while not self._stop.is_set():
                 wait = max(0.0, min(link.due(), self._wake_due()) - time.monotonic())
                 wait = min(wait, _MAX_POLL)
-                ready = dict(poller.poll(wait * 1000))
+                ready = dict(poller.poll(int(wait * 1000)))  # int(): as pyzmq does with a float
                 if sock in ready:
                     answer_waiting(sock, lambda frame: link.on_frame(frame, time.monotonic()))
                 if self._waker.fd in ready:

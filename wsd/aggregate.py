@@ -218,9 +218,10 @@ def _group_slots(members: list[Snapshot]) -> dict[str, list[Any]]:
             entry[1].append(row)
     out: dict[str, list[Any]] = {c: [] for c in _GROUP_SLOT_COLUMNS}
     for (ubatch, lane), (ranks, rows) in sorted(by_slot.items()):
-        _, _, capacity, peak, requests, resizes, violations = zip(*rows)
-        values = (ubatch, lane, ranks, min(capacity), max(capacity), sum(capacity),
-                  max(capacity) - min(capacity), max(peak), sum(requests), sum(resizes), sum(violations))
+        _, _, capacities, peaks, request_counts, resize_counts, violation_counts = zip(*rows)
+        values = (ubatch, lane, ranks, min(capacities), max(capacities), sum(capacities),
+                  max(capacities) - min(capacities), max(peaks), sum(request_counts), sum(resize_counts),
+                  sum(violation_counts))
         for column, value in zip(_GROUP_SLOT_COLUMNS, values):
             out[column].append(value)
     return out

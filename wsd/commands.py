@@ -190,7 +190,7 @@ class CommandResult:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CommandResult:
         """Every field by name, sequences as tuples; a key this version does not know is ignored."""
-        values = {}
+        values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             if f.name in d:
                 value = d[f.name]

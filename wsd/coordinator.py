@@ -232,8 +232,8 @@ class CoordinatorCore:
         for seq, pending in list(self._commands.items()):
             if now >= pending.deadline:
                 out += self._finish_command(seq)
-        for request, pending in list(self._stats.items()):
-            if now >= pending.deadline:
+        for request, waiting in list(self._stats.items()):
+            if now >= waiting.deadline:
                 out += self._finish_stats(request)
         if now >= self._next_pulse:
             self._next_pulse = now + self.config.heartbeat_interval

@@ -285,6 +285,7 @@ def _stop_workers(torchrun: subprocess.Popen) -> int | None:
     workers = descendants(torchrun.pid)
     for pid in workers:
         _signal_group(pid, signal.SIGTERM)
+    code: int | None
     try:
         code = torchrun.wait(_WORKER_GRACE)
     except subprocess.TimeoutExpired:

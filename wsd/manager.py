@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
 from math import prod
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -123,10 +123,12 @@ class WorkspaceManager:
             num_ubatches=1 if num_ubatches is None else num_ubatches,
             num_lanes=1 if num_lanes is None else num_lanes,
             alignment=alignment,
-            growth=growth,
+            # cast: WorkspaceConfig turns a string into its enum at construction (or
+            # raises naming the values allowed); its fields are typed as what they hold.
+            growth=cast(GrowthPolicy, growth),
             granularity=granularity,
             max_slot_bytes=max_slot_bytes,
-            on_locked_growth=on_locked_growth,
+            on_locked_growth=cast(LockedGrowthPolicy, on_locked_growth),
         )
         self._device = torch.device(device)
         self._alloc_context = alloc_context

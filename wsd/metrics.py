@@ -202,13 +202,34 @@ def core_view(registry: Registry, *, seq: int, heartbeats: int, inconsistent: se
                     commands=counts, latency=latency, refused=tuple(sorted((refused or {}).items())))
 
 
-def _family(name: str) -> Metric:
-    kind, labels = FAMILIES[name]
-    if kind == "counter":
-        return CounterMetricFamily(name, _HELP[name], labels=labels)
-    if kind == "histogram":
-        return HistogramMetricFamily(name, _HELP[name], labels=labels)
-    return GaugeMetricFamily(name, _HELP[name], labels=labels)
+# A gauge's or a counter's sample is add_metric(labels, value); a histogram's
+# is add_metric(labels, buckets, sum): they are kept apart so that each call is
+# checked against its own signature.
+_Sampled = GaugeMetricFamily | CounterMetricFamily
+
+
+class _Families(NamedTuple):
+    """One scrape's families by name, fresh and empty: gauges and counters, and histograms."""
+
+    sampled: dict[str, _Sampled]
+    histograms: dict[str, HistogramMetricFamily]
+
+    @classmethod
+    def fresh(cls) -> _Families:
+        families = cls({}, {})
+        for name, (kind, labels) in FAMILIES.items():
+            if kind == "histogram":
+                families.histograms[name] = HistogramMetricFamily(name, _HELP[name], labels=labels)
+            elif kind == "counter":
+                families.sampled[name] = CounterMetricFamily(name, _HELP[name], labels=labels)
+            else:
+                families.sampled[name] = GaugeMetricFamily(name, _HELP[name], labels=labels)
+        return families
+
+    def in_order(self) -> Iterator[Metric]:
+        """Every family, in ``FAMILIES`` order."""
+        for name in FAMILIES:
+            yield self.histograms[name] if name in self.histograms else self.sampled[name]
 
 
 # The slot columns of a rank's stats entry behind each per-slot family.
@@ -233,17 +254,18 @@ class Collector:
 
     def collect(self) -> Iterator[Metric]:
         published = self._source()  # one read: the views below belong together
-        families = {name: _family(name) for name in FAMILIES}
+        families = _Families.fresh()
         hosts: dict[int, str] = {}
         if published.core is not None:
             hosts = {r.rank: r.host for r in published.core.ranks}
             self._core(published.core, families)
         if published.stats is not None:
-            self._stats(published.stats, hosts, families)
-        yield from families.values()
+            self._stats(published.stats, hosts, families.sampled)
+        yield from families.in_order()
 
     @staticmethod
-    def _core(view: CoreView, f: dict[str, Metric]) -> None:
+    def _core(view: CoreView, families: _Families) -> None:
+        f = families.sampled
         for row in view.ranks:
             labels = [str(row.rank), str(row.tp_group), row.host]
             f["wsd_rank_up"].add_metric(labels, float(row.up))
@@ -260,17 +282,18 @@ class Collector:
         for (action, outcome), count in view.commands:
             f["wsd_commands_total"].add_metric([action, outcome], count)
         for action, buckets, total in view.latency:
-            cumulative, running = [], 0
+            cumulative: list[tuple[str, float]] = []
+            running = 0
             for bound, count in zip((*map(str, COMMAND_BUCKETS), "+Inf"), buckets):
                 running += count
                 cumulative.append((bound, running))
-            f["wsd_command_duration_seconds"].add_metric([action], cumulative, total)
+            families.histograms["wsd_command_duration_seconds"].add_metric([action], cumulative, total)
         f["wsd_heartbeats_total"].add_metric([], view.heartbeats)
         for reason, count in view.refused:
             f["wsd_agent_refusals_total"].add_metric([reason], count)
         f["wsd_command_seq"].add_metric([], view.seq)
 
-    def _stats(self, view: StatsView, hosts: dict[int, str], f: dict[str, Metric]) -> None:
+    def _stats(self, view: StatsView, hosts: dict[int, str], f: dict[str, _Sampled]) -> None:
         result: dict[str, Any] = msgpack.unpackb(view.result, raw=False)
         for rank in result["ranks"]:
             r, g = str(rank["rank"]), str(rank["tp_group"])
@@ -283,9 +306,9 @@ class Collector:
                     family.add_metric(labels, value)
         for group in result["groups"]:
             if group["reporting"]:  # a group with no rank answering has no total to show
-                g = [str(group["tp_group"])]
-                f["wsd_group_workspace_bytes"].add_metric(g, group["total_bytes"])
-                f["wsd_group_skew_bytes"].add_metric(g, group["skew_bytes"])
+                labels = [str(group["tp_group"])]
+                f["wsd_group_workspace_bytes"].add_metric(labels, group["total_bytes"])
+                f["wsd_group_skew_bytes"].add_metric(labels, group["skew_bytes"])
         f["wsd_stats_age_seconds"].add_metric([], max(0.0, self._wall() - view.time))
 
 
@@ -309,8 +332,9 @@ class MetricsServer:
         try:
             family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                           flags=socket.AI_PASSIVE)[0]
-            server_class = type("_MetricsServer", (_Server,), {"address_family": family})
-            self._server = make_server(address[0], port, make_wsgi_app(registry), server_class,
+            server_class: type[_Server] = type("_MetricsServer", (_Server,), {"address_family": family})
+            # address[0] is the host as a string for every stream family getaddrinfo returns.
+            self._server = make_server(str(address[0]), port, make_wsgi_app(registry), server_class,
                                        handler_class=_QuietHandler)
         except OSError as e:  # in use, not this host's, a privileged port: configuration
             raise BindError(f"cannot serve metrics on {host}:{port} ([coordinator] metrics_host, "

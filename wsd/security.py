@@ -21,6 +21,7 @@ import hashlib
 import hmac
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import zmq.auth
@@ -156,12 +157,12 @@ def load_folder(folder: str, what: str) -> dict[bytes, str]:
 # -- the agent token ---------------------------------------------------------------------
 
 
-def load_agent_token(security: SecurityConfig, environ: dict[str, str] | None = None) -> bytes | None:
+def load_agent_token(security: SecurityConfig, environ: Mapping[str, str] | None = None) -> bytes | None:
     """The agent token: from ``agent_token_file``, else ``$WSD_AGENT_TOKEN``, else None.
 
     ConfigError for a file others may read, or a token shorter than 16 characters.
     """
-    environ = os.environ if environ is None else environ
+    env: Mapping[str, str] = os.environ if environ is None else environ
     if security.agent_token_file is not None:
         path, what = security.agent_token_file, "[security] agent_token_file"
         mode = _mode(path, what)
@@ -175,7 +176,7 @@ def load_agent_token(security: SecurityConfig, environ: dict[str, str] | None = 
             raise ConfigError(f"{what}: cannot read token file {path}: {e}") from e
     else:
         what = f"${AGENT_TOKEN_ENV}"
-        value = environ.get(AGENT_TOKEN_ENV)
+        value = env.get(AGENT_TOKEN_ENV)
         if not value:
             return None
         token = value.strip().encode()

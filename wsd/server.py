@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import cast
 
 import zmq
 
@@ -140,14 +141,15 @@ class Coordinator:
         try:
             while not self._stop.is_set():
                 wait = min(max(core.next_deadline() - time.monotonic(), 0.0), _MAX_POLL)
-                ready = dict(poller.poll(wait * 1000))
+                ready = dict(poller.poll(int(wait * 1000)))  # int(): as pyzmq does with a float
                 polled = time.monotonic()
                 out: list[Out] = []
                 if self._agents in ready:
                     frames = self._drain(self._agents)
                     for route, frame in frames:
                         out += handle_agent(route, frame)
-                    if not self._agents.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    # cast: pyzmq types every option's value int | bytes; EVENTS is an int.
+                    if not cast(int, self._agents.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                         heard_until = polled  # the socket was empty when the drain ended
                 else:
                     heard_until = polled
@@ -182,7 +184,7 @@ class Coordinator:
         """Client frames with the sender's role (ZAP's User-Id), None without CURVE."""
         if not self._gate.roles:
             return [(route, frame, None) for route, frame in self._drain(self._clients)]
-        frames = []
+        frames: list[tuple[tuple[bytes, ...], bytes, str | None]] = []
         for _ in range(_BATCH):
             try:
                 parts = self._clients.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -190,7 +192,8 @@ class Coordinator:
                 break
             if len(parts) >= 2:
                 # No User-Id would be a libzmq surprise: treat it as the least privilege.
-                role = parts[-1].get("User-Id") or Role.VIEWER
+                # cast: pyzmq types every frame property int | str; User-Id is a str.
+                role = cast(str, parts[-1].get("User-Id")) or Role.VIEWER
                 frames.append((tuple(f.bytes for f in parts[:-1]), parts[-1].bytes, role))
         return frames
 

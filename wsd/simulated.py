@@ -284,17 +284,18 @@ class SimulatedRanks:
             if oldest_due is not None:  # the last frame of the batch left this late
                 self.max_lag = max(self.max_lag, time.monotonic() - oldest_due)
             wait = min(timers[0][0] - now, _MAX_POLL) if timers else _MAX_POLL
-            for sock, _ in poller.poll(max(wait, 0.0) * 1000):
-                i = index.get(sock)
-                if i is None:  # the wake-up pipe: stop() was called
+            # int(): what pyzmq does with a float timeout, which its stubs do not admit.
+            for sock, _ in poller.poll(int(max(wait, 0.0) * 1000)):
+                ready = index.get(sock)
+                if ready is None:  # the wake-up pipe: stop() was called
                     self._waker.drain()
                     continue
-                link = links[i]
+                link = links[ready]
                 answer_waiting(sock, _receiver(link))
                 due = link.due()
-                if due < scheduled[i]:  # e.g. just registered: heartbeat now
-                    scheduled[i] = due
-                    heapq.heappush(timers, (due, i))
+                if due < scheduled[ready]:  # e.g. just registered: heartbeat now
+                    scheduled[ready] = due
+                    heapq.heappush(timers, (due, ready))
 
 
 def _receiver(link: AgentLink) -> Callable[[bytes], list[bytes]]:

@@ -12,6 +12,7 @@ import contextvars
 import os
 import sys
 from collections.abc import Hashable, Iterator
+from types import FrameType
 from typing import Any
 
 import torch
@@ -70,7 +71,7 @@ def current_lane() -> int:
 
 def caller_outside() -> str:
     """``file:line:function`` of the first frame outside the manager's own modules."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and os.path.normcase(frame.f_code.co_filename) in _OWN_FILES:
         frame = frame.f_back
     if frame is None:

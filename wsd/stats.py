@@ -108,7 +108,8 @@ class ManagerStats:
         total = 0
         for s in self.slots:
             v = s.last_violation
-            persistent = tuple({"key": q.key, "kind": q.kind, "nbytes": q.nbytes} for q in s.persistent)
+            persistent: tuple[dict[str, Any], ...] = tuple(
+                {"key": q.key, "kind": q.kind, "nbytes": q.nbytes} for q in s.persistent)
             total += s.capacity_bytes + sum(q["nbytes"] for q in persistent)
             slots.append({
                 "ubatch": s.ubatch, "lane": s.lane, "capacity_bytes": s.capacity_bytes,

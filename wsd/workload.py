@@ -79,7 +79,7 @@ class TensorParallelMlp:
 
     def buffers(self, tokens: int) -> list[ShapeAndDtype]:
         """Every intermediate of one forward pass: the input, then per layer (hidden, output)."""
-        wanted = [((tokens, self.hidden), self.dtype)]
+        wanted: list[ShapeAndDtype] = [((tokens, self.hidden), self.dtype)]
         for _ in self.w_in:
             wanted += [((tokens, self.shard), self.dtype), ((tokens, self.hidden), self.dtype)]
         return wanted

@@ -126,7 +126,8 @@ class Client:
     def _await(sock: zmq.Socket, request_id: int, deadline: float) -> p.Reply | None:
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(left * 1000, zmq.POLLIN):
+            # int(): as pyzmq does with a float, which its stubs do not admit.
+            if left <= 0 or not sock.poll(int(left * 1000), zmq.POLLIN):
                 return None
             try:
                 reply = p.decode_reply(sock.recv(zmq.NOBLOCK))

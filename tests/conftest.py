@@ -1,15 +1,27 @@
-"""Shared test kit: bounded waits, coordinators on random loopback ports."""
+"""Shared test kit: bounded waits, coordinators on random loopback ports, ZeroMQ sockets.
+
+ZeroMQ in tests, one way everywhere (as the best ZeroMQ test suites do): a
+context per test from ``zmq_context``; sockets from ``zmq_socket``, each with
+LINGER 0, bound to a random loopback port or connected, and all closed at
+teardown; the context terminated within a bound, so that a socket left open
+somewhere fails the test that left it instead of hanging the run.
+"""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import zmq
 
 from wsd.config import CoordinatorConfig
+from wsd.security import SecurityConfig
 from wsd.server import Coordinator
+
+_TERM_TIMEOUT = 5.0
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.01) -> Any:
@@ -43,11 +55,46 @@ def start_coordinator(tmp_path) -> Iterator[Callable[..., Coordinator]]:
     """Start coordinators in threads on random ports; all are stopped afterwards."""
     started: list[Coordinator] = []
 
-    def start(**overrides: Any) -> Coordinator:
-        coordinator = Coordinator(coordinator_config(tmp_path, **overrides)).start()
+    def start(*, security: SecurityConfig | None = None, agent_token: bytes | None = None,
+              **overrides: Any) -> Coordinator:
+        coordinator = Coordinator(coordinator_config(tmp_path, **overrides), security=security,
+                                  agent_token=agent_token).start()
         started.append(coordinator)
         return coordinator
 
     yield start
     for coordinator in started:
         coordinator.stop(timeout=10)
+
+
+@pytest.fixture
+def zmq_context() -> Iterator[zmq.Context]:
+    """A context of this test's own, terminated at teardown within a bound (fails if not)."""
+    context = zmq.Context()
+    yield context
+    ended = threading.Thread(target=context.term, name="zmq-term", daemon=True)
+    ended.start()
+    ended.join(_TERM_TIMEOUT)
+    if ended.is_alive():
+        pytest.fail(f"zmq context not terminated within {_TERM_TIMEOUT} s: a socket was left open")
+
+
+@pytest.fixture
+def zmq_socket(zmq_context: zmq.Context) -> Iterator[Callable[..., Any]]:
+    """``zmq_socket(kind, connect=ENDPOINT)`` or ``zmq_socket(kind, bind=True)`` (a random
+    loopback port: ``sock.LAST_ENDPOINT``): LINGER 0, closed at teardown."""
+    made: list[zmq.Socket] = []
+
+    def make(kind: int, *, connect: str | None = None, bind: bool = False) -> zmq.Socket:
+        sock = zmq_context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        made.append(sock)
+        if bind:
+            sock.bind_to_random_port("tcp://127.0.0.1")
+        if connect is not None:
+            sock.connect(connect)
+        return sock
+
+    yield make
+    for sock in made:
+        sock.close(linger=0)

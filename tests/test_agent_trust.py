@@ -23,7 +23,6 @@ from wsd import protocol as p
 from wsd.coordinator import RESEND_WINDOW
 from wsd.protocol import ErrorCode, Op
 from wsd.security import registration_proof
-from wsd.server import Coordinator
 from wsd.simulated import SimulatedRanks
 from wsd_client.client import Client
 
@@ -301,22 +300,7 @@ def test_frames_are_metered_per_connection_before_they_are_decoded(h):
 # -- real sockets: bounded cost, and no false loss -------------------------------------------
 
 
-@pytest.fixture
-def served(tmp_path):
-    started: list[Coordinator] = []
-
-    def serve(**overrides: Any) -> Coordinator:
-        token = overrides.pop("agent_token", None)
-        coordinator = Coordinator(coordinator_config(tmp_path, **overrides), agent_token=token).start()
-        started.append(coordinator)
-        return coordinator
-
-    yield serve
-    for coordinator in started:
-        coordinator.stop(timeout=10)
-
-
-def test_decode_heavy_frames_neither_stall_the_loop_nor_make_a_live_rank_lost(served, spawn):  # noqa: F811
+def test_decode_heavy_frames_neither_stall_the_loop_nor_make_a_live_rank_lost(start_coordinator, spawn):  # noqa: F811
     """Two 15 MB frames of millions of empty lists kept the loop decoding for 30 s and
     every real rank was marked lost (two of 3.5 MB, under today's frame limit, for 5 s).
     Now: big frames from a connection that has not registered are dropped unread,
@@ -324,7 +308,7 @@ def test_decode_heavy_frames_neither_stall_the_loop_nor_make_a_live_rank_lost(se
     time every frame waiting for the loop was read.
     The attacker and the real ranks are processes of their own, as they would be."""
     # A 2 s timeout: the real ranks share two cores with the flood and the coordinator.
-    coordinator = served(world_size=4, tp_size=2, heartbeat_interval=0.25, heartbeat_timeout=2.0)
+    coordinator = start_coordinator(world_size=4, tp_size=2, heartbeat_interval=0.25, heartbeat_timeout=2.0)
     sim = spawn(python("-m", "wsd.simulated", "--endpoint", coordinator.agent_endpoint, "--ranks", "4",
                        "--tp-size", "2", "--ubatches", "2", "--heartbeat-interval", "0.25",
                        "--heartbeat-timeout", "2.0"), name="real ranks")
@@ -349,41 +333,31 @@ def test_decode_heavy_frames_neither_stall_the_loop_nor_make_a_live_rank_lost(se
     assert refused["too large before registering"] == 2, refused  # the big ones, never decoded
 
 
-def test_an_impostor_holding_the_token_cannot_take_over_a_live_rank(served):
+def test_an_impostor_holding_the_token_cannot_take_over_a_live_rank(start_coordinator, zmq_socket):
     """With the token (the same one all workers share), a registration for a live rank
     from another process used to supersede it, and the rank flapped."""
-    coordinator = served(world_size=2, tp_size=1, agent_token=TOKEN)
-    ctx = zmq.Context()
-    impostor = ctx.socket(zmq.DEALER)
-    impostor.setsockopt(zmq.LINGER, 0)
-    impostor.connect(coordinator.agent_endpoint)
-    try:
-        with SimulatedRanks(coordinator.agent_endpoint, range(2), world_size=2, num_ubatches=1,
-                            heartbeat_interval=0.2, heartbeat_timeout=1.0, token=TOKEN) as sim:
-            assert sim.wait_registered(20)
-            answers = []
-            deadline = time.monotonic() + 2.0
-            while time.monotonic() < deadline:
-                body = registration(1, "impostor", proof=registration_proof(TOKEN, 1, "impostor"), world=2)
-                body.update(tp_size=1, tp_group=1)
-                impostor.send(p.encode(Op.REGISTER, body))
-                if impostor.poll(200):
-                    answers.append(p.decode(impostor.recv(), p.COORDINATOR_OPS))
-            assert answers and all(m.op is Op.REJECTED and m.body["code"] == "conflict" for m in answers)
-            client = Client(coordinator.client_endpoint, timeout=5)
-            try:
-                events = client.events(limit=10_000)["events"]
-                ranks = client.ranks()["ranks"]
-            finally:
-                client.close()
-            assert [e for e in events if e["kind"] == "superseded"] == []
-            assert {r["rank"]: r["pid"] for r in ranks}[1] != 1001
-            # a stranger without the token is refused as such
-            stranger = registration(0, "stranger", world=2)
-            stranger.update(tp_size=1, tp_group=0)
-            impostor.send(p.encode(Op.REGISTER, stranger))
-            assert impostor.poll(5000)
-            assert p.decode(impostor.recv(), p.COORDINATOR_OPS).body["code"] == str(ErrorCode.FORBIDDEN)
-    finally:
-        impostor.close(linger=0)
-        ctx.term()
+    coordinator = start_coordinator(world_size=2, tp_size=1, agent_token=TOKEN)
+    impostor = zmq_socket(zmq.DEALER, connect=coordinator.agent_endpoint)
+    with SimulatedRanks(coordinator.agent_endpoint, range(2), world_size=2, num_ubatches=1,
+                        heartbeat_interval=0.2, heartbeat_timeout=1.0, token=TOKEN) as sim:
+        assert sim.wait_registered(20)
+        answers = []
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            body = registration(1, "impostor", proof=registration_proof(TOKEN, 1, "impostor"), world=2)
+            body.update(tp_size=1, tp_group=1)
+            impostor.send(p.encode(Op.REGISTER, body))
+            if impostor.poll(200):
+                answers.append(p.decode(impostor.recv(), p.COORDINATOR_OPS))
+        assert answers and all(m.op is Op.REJECTED and m.body["code"] == "conflict" for m in answers)
+        with Client(coordinator.client_endpoint, timeout=5) as client:
+            events = client.events(limit=10_000)["events"]
+            ranks = client.ranks()["ranks"]
+        assert [e for e in events if e["kind"] == "superseded"] == []
+        assert {r["rank"]: r["pid"] for r in ranks}[1] != 1001
+        # a stranger without the token is refused as such
+        stranger = registration(0, "stranger", world=2)
+        stranger.update(tp_size=1, tp_group=0)
+        impostor.send(p.encode(Op.REGISTER, stranger))
+        assert impostor.poll(5000)
+        assert p.decode(impostor.recv(), p.COORDINATOR_OPS).body["code"] == str(ErrorCode.FORBIDDEN)

@@ -205,38 +205,27 @@ def test_agent_reregisters_after_coordinator_restart(start_coordinator, agents, 
     assert agent.applied_seq == 2 and not agent.manager.is_locked()
 
 
-def test_client_times_out_without_coordinator():
-    with zmq.Context() as ctx:
-        sock = ctx.socket(zmq.ROUTER)
-        port = sock.bind_to_random_port("tcp://127.0.0.1")  # bound, never answers
-        try:
-            client = Client(f"tcp://127.0.0.1:{port}", timeout=0.3, retries=1, context=ctx)
-            with pytest.raises(Unavailable, match="2 attempts"):
-                client.ping()
-            client.close()
-        finally:
-            sock.close(linger=0)
+def test_client_times_out_without_coordinator(zmq_context, zmq_socket):
+    silent = zmq_socket(zmq.ROUTER, bind=True)  # bound, never answers
+    client = Client(silent.LAST_ENDPOINT.decode(), timeout=0.3, retries=1, context=zmq_context)
+    with pytest.raises(Unavailable, match="2 attempts"):
+        client.ping()
+    client.close()
 
 
-def test_bad_client_frames_get_error_replies_and_service_goes_on(start_coordinator):
+def test_bad_client_frames_get_error_replies_and_service_goes_on(start_coordinator, zmq_socket):
     coordinator = start_coordinator()
-    with zmq.Context() as ctx:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(coordinator.client_endpoint)
-        try:
-            for frame, code in [
-                (b"\xc1garbage", ErrorCode.BAD_MESSAGE),
-                (msgpack.packb({"v": 1, "op": "explode", "id": 3}), ErrorCode.UNKNOWN_OP),
-                (msgpack.packb({"v": 1, "op": "set_ubatches", "id": 4, "body": {"n": 0}}), ErrorCode.BAD_FIELD),
-                (b"\x00" * (2 << 20), ErrorCode.TOO_LARGE),
-            ]:
-                sock.send(frame)
-                assert sock.poll(5000), f"no reply to {frame[:20]!r}"
-                reply = msgpack.unpackb(sock.recv())
-                assert reply["ok"] is False and reply["error"]["code"] == code
-        finally:
-            sock.close(linger=0)
+    sock = zmq_socket(zmq.DEALER, connect=coordinator.client_endpoint)
+    for frame, code in [
+        (b"\xc1garbage", ErrorCode.BAD_MESSAGE),
+        (msgpack.packb({"v": 1, "op": "explode", "id": 3}), ErrorCode.UNKNOWN_OP),
+        (msgpack.packb({"v": 1, "op": "set_ubatches", "id": 4, "body": {"n": 0}}), ErrorCode.BAD_FIELD),
+        (b"\x00" * (2 << 20), ErrorCode.TOO_LARGE),
+    ]:
+        sock.send(frame)
+        assert sock.poll(5000), f"no reply to {frame[:20]!r}"
+        reply = msgpack.unpackb(sock.recv())
+        assert reply["ok"] is False and reply["error"]["code"] == code
     with Client(coordinator.client_endpoint, timeout=5) as client:
         assert client.ping()["seq"] == 0
 

@@ -24,13 +24,6 @@ _ENV = {k: v for k, v in os.environ.items() if not k.startswith("WSD_")}
 
 
 @pytest.fixture
-def context() -> Iterator[zmq.Context]:
-    ctx = zmq.Context()
-    yield ctx
-    ctx.term()
-
-
-@pytest.fixture
 def taken_port() -> Iterator[int]:
     """A loopback TCP port held (bound and listening) for the whole test."""
     with socket.socket() as s:
@@ -44,10 +37,10 @@ def taken_port() -> Iterator[int]:
 
 @pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:99999", "tcp://127.0.0.1:-1", "tcp://127.0.0.1:4294967297",
                                       "tcp://127.0.0.1:*", "tcp://:7600", "127.0.0.1:7600"])
-def test_bind_refuses_an_endpoint_zeromq_would_bend(context, endpoint):
+def test_bind_refuses_an_endpoint_zeromq_would_bend(zmq_context, endpoint):
     """Fails if bind() hands ZeroMQ an endpoint it binds as another (99999: a random port;
     -1: 65535; 2**32 + 1: port 1) instead of refusing it, naming it."""
-    sock = make_socket(context, zmq.ROUTER)
+    sock = make_socket(zmq_context, zmq.ROUTER)
     try:
         with pytest.raises(BindError, match=f"cannot bind {endpoint.replace('*', '[*]')}: must"):
             bind(sock, endpoint)
@@ -55,10 +48,10 @@ def test_bind_refuses_an_endpoint_zeromq_would_bend(context, endpoint):
         sock.close()
 
 
-def test_a_port_in_use_is_a_configuration_error_naming_the_endpoint(context, taken_port):
+def test_a_port_in_use_is_a_configuration_error_naming_the_endpoint(zmq_context, taken_port):
     """Fails if a bind failure is not a ConfigError (what ``wsd`` answers with exit 2) that
     names the endpoint and the reason."""
-    sock = make_socket(context, zmq.ROUTER)
+    sock = make_socket(zmq_context, zmq.ROUTER)
     try:
         with pytest.raises(ConfigError) as info:
             bind(sock, f"tcp://127.0.0.1:{taken_port}")
@@ -67,10 +60,10 @@ def test_a_port_in_use_is_a_configuration_error_naming_the_endpoint(context, tak
     assert str(info.value) == f"cannot bind tcp://127.0.0.1:{taken_port}: Address already in use"
 
 
-def test_port_0_binds_a_free_port_and_ipv6_binds(context):
+def test_port_0_binds_a_free_port_and_ipv6_binds(zmq_context):
     """Fails if port 0 (any free port, as the tests and ``wsd up`` use it) stops working, or an
     IPv6 address fails with ZeroMQ's "No such device" for want of the IPV6 option."""
-    sock = make_socket(context, zmq.ROUTER)
+    sock = make_socket(zmq_context, zmq.ROUTER)
     try:
         bound = bind(sock, "tcp://127.0.0.1:0")
         assert bound.startswith("tcp://127.0.0.1:") and int(bound.rsplit(":", 1)[1]) > 0
@@ -78,7 +71,7 @@ def test_port_0_binds_a_free_port_and_ipv6_binds(context):
         sock.close()
     if not socket.has_ipv6 or not os.path.exists("/proc/net/if_inet6"):
         pytest.skip("no IPv6 on this machine")
-    sock = make_socket(context, zmq.ROUTER)
+    sock = make_socket(zmq_context, zmq.ROUTER)
     try:
         assert bind(sock, "tcp://[::1]:0").startswith("tcp://[::1]:")
     finally:

@@ -75,18 +75,9 @@ def keys(tmp_path) -> Keys:
 
 
 @pytest.fixture
-def serve(tmp_path):
-    """Start coordinators with a [security] section; all are stopped afterwards."""
-    started: list[Coordinator] = []
-
-    def start(security: SecurityConfig, **overrides) -> Coordinator:
-        coordinator = Coordinator(coordinator_config(tmp_path, **overrides), security=security).start()
-        started.append(coordinator)
-        return coordinator
-
-    yield start
-    for coordinator in started:
-        coordinator.stop(timeout=10)
+def serve(start_coordinator):
+    """Start coordinators with a [security] section (conftest's, which stops them all)."""
+    return lambda security, **overrides: start_coordinator(security=security, **overrides)
 
 
 @pytest.fixture

@@ -238,18 +238,13 @@ def test_a_stopped_rank_is_shown_stopped_and_missing(cluster, capsys):
     assert code == 3 and [r.split()[:2] for r in out.splitlines()[1:]] == [["0", "live"], ["1", "stopped"]]
 
 
-def test_exit_1_when_the_coordinator_is_unreachable(capsys):
+def test_exit_1_when_the_coordinator_is_unreachable(capsys, zmq_socket):
     """Fails if an unanswered request hangs, exits otherwise than 1, or says nothing clear."""
-    with zmq.Context() as ctx:
-        sock = ctx.socket(zmq.ROUTER)
-        port = sock.bind_to_random_port("tcp://127.0.0.1")  # bound, never answers
-        try:
-            code, out, err = run(capsys, f"tcp://127.0.0.1:{port}", "stats", "--json", "--timeout", "0.2")
-        finally:
-            sock.close(linger=0)
+    endpoint = zmq_socket(zmq.ROUTER, bind=True).LAST_ENDPOINT.decode()  # bound, never answers
+    code, out, err = run(capsys, endpoint, "stats", "--json", "--timeout", "0.2")
     assert code == 1 and out == ""
     assert err.count("\n") == 1
-    assert err.startswith(f"wsctl: unavailable: no reply from tcp://127.0.0.1:{port} to stats within 0.2 s")
+    assert err.startswith(f"wsctl: unavailable: no reply from {endpoint} to stats within 0.2 s")
 
 
 def test_exit_1_with_the_code_on_a_coordinator_error(cluster, capsys):

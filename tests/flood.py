@@ -1,8 +1,9 @@
-"""A hostile peer of the agent endpoint, as a process of its own: ``python tests/flood.py ENDPOINT SECONDS``.
+"""A hostile peer of the agent endpoint, as a process of its own:
+``python tests/flood.py ENDPOINT SECONDS BIG_BYTES``.
 
-It never registers. It sends two frames of 3.5 MB (just under the agent
-endpoint's default max_agent_message_bytes, 4 MiB) made of nothing but empty
-lists (the most objects per byte msgpack can be made to build), then, for SECONDS, as
+It never registers. It sends two frames of BIG_BYTES (the issue's attack: 15 MB,
+under the 16 MiB limit of the time) made of nothing but empty lists (the most
+objects per byte msgpack can be made to build), then, for SECONDS, as
 many 4 KB frames of the same kind as the coordinator takes, from four
 connections; and prints ``sent N`` at the end. A process of its own, so that
 its sending competes with the coordinator and the real ranks for the CPU as an
@@ -24,7 +25,7 @@ def nested(size: int) -> bytes:
                                    "state": {"x": [[]] * (size - 80)}}})
 
 
-def main(endpoint: str, seconds: float) -> int:
+def main(endpoint: str, seconds: float, big_bytes: int) -> int:
     ctx = zmq.Context()
     socks = []
     for _ in range(4):
@@ -33,7 +34,7 @@ def main(endpoint: str, seconds: float) -> int:
         sock.setsockopt(zmq.SNDTIMEO, 100)
         sock.connect(endpoint)
         socks.append(sock)
-    big, small = nested(7 << 19), nested(4000)
+    big, small = nested(big_bytes), nested(4000)
     for sock in socks[:2]:
         sock.send(big)
     sent = 2
@@ -53,4 +54,4 @@ def main(endpoint: str, seconds: float) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], float(sys.argv[2])))
+    sys.exit(main(sys.argv[1], float(sys.argv[2]), int(sys.argv[3])))

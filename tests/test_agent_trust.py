@@ -302,21 +302,23 @@ def test_frames_are_metered_per_connection_before_they_are_decoded(h):
 
 def test_decode_heavy_frames_neither_stall_the_loop_nor_make_a_live_rank_lost(start_coordinator, spawn):  # noqa: F811
     """Two 15 MB frames of millions of empty lists kept the loop decoding for 30 s and
-    every real rank was marked lost (two of 3.5 MB, under today's frame limit, for 5 s).
-    Now: big frames from a connection that has not registered are dropped unread,
-    small ones are metered per connection, and a rank is judged silent only up to the
-    time every frame waiting for the loop was read.
-    The attacker and the real ranks are processes of their own, as they would be."""
-    # A 2 s timeout: the real ranks share two cores with the flood and the coordinator.
-    coordinator = start_coordinator(world_size=4, tp_size=2, heartbeat_interval=0.25, heartbeat_timeout=2.0)
+    every real rank was marked lost. Now: big frames from a connection that has not
+    registered are dropped unread, small ones are metered per connection, and a rank
+    is judged silent only up to the time every frame waiting for the loop was read.
+    The issue's attack as it was: 15 MB frames under the 16 MiB frame limit of the
+    time. The attacker and the real ranks are processes of their own, as they would
+    be; a 4 s timeout, so that the real ranks' own share of two busy cores never
+    decides the result (the old decoder stalled for about 15 s)."""
+    coordinator = start_coordinator(world_size=4, tp_size=2, heartbeat_interval=0.5, heartbeat_timeout=4.0,
+                                    max_agent_message_bytes=16 << 20)
     sim = spawn(python("-m", "wsd.simulated", "--endpoint", coordinator.agent_endpoint, "--ranks", "4",
-                       "--tp-size", "2", "--ubatches", "2", "--heartbeat-interval", "0.25",
-                       "--heartbeat-timeout", "2.0"), name="real ranks")
+                       "--tp-size", "2", "--ubatches", "2", "--heartbeat-interval", "0.5",
+                       "--heartbeat-timeout", "4.0"), name="real ranks")
     client = Client(coordinator.client_endpoint, timeout=5)
     try:
         wait_until(lambda: client.status()["ranks"]["live"] == 4, 30, "four live ranks")
-        flood = spawn(python(str(Path(__file__).with_name("flood.py")), coordinator.agent_endpoint, "6"),
-                      name="flood")  # three heartbeat timeouts of flooding
+        flood = spawn(python(str(Path(__file__).with_name("flood.py")), coordinator.agent_endpoint, "8",
+                             str(15 << 20)), name="flood")  # two heartbeat timeouts of flooding
         sent = int(flood.wait_for(r"sent (\d+)", 60).group(1))
         assert flood.wait(10) == 0
         started = time.monotonic()

@@ -23,8 +23,8 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from wsd import protocol as p
+from wsd.errors import Unauthenticated
 from wsd.ratelimit import RateLimit
-from wsd.registry import RegistrationError
 from wsd.security import registration_proof
 
 __all__ = ["TOO_LARGE", "UNREGISTERED_FRAME", "AgentGate", "Unauthenticated"]
@@ -39,10 +39,6 @@ _UNREGISTERED_RATE = (p.REGISTER_BYTES, 2 * p.REGISTER_BYTES)  # bytes a second,
 _REGISTERED_RATE = (1 << 20, 4 << 20)
 _FRAME_COST = 256  # the least a frame counts for: a flood of tiny frames is metered too
 _EVENT_RATE = (10.0, 50.0)  # events a source may add: a second, burst
-
-
-class Unauthenticated(RegistrationError):
-    """A registration without a valid proof of the agent token."""
 
 
 class AgentGate:

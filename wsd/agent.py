@@ -29,7 +29,7 @@ from wsd import protocol as p
 from wsd.auth import ClientKeys
 from wsd.collectives import all_gather_values
 from wsd.config import AgentConfig, LockedGrowthPolicy
-from wsd.errors import WsdError
+from wsd.errors import AgentError, WsdError
 from wsd.link import AgentLink
 from wsd.manager import WorkspaceManager
 from wsd.protocol import Op
@@ -52,10 +52,6 @@ _VIOLATION_FLUSH = 0.5
 # How long a closed socket may go on delivering the goodbye (ms): a coordinator
 # that is slow or gone must not hold the process's exit up for longer.
 _GOODBYE_LINGER_MS = 500
-
-
-class AgentError(WsdError):
-    """The agent could not start or stop in time; the message says which."""
 
 
 def tp_side_group(rank: int, world_size: int, tp_size: int) -> Any:

@@ -7,12 +7,28 @@ boundary where they happen, chained with ``from``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from wsd.protocol import ErrorCode
+
 __all__ = [
+    "AgentError",
+    "BindError",
+    "ClientError",
     "ConfigError",
     "LaunchError",
+    "ProtocolError",
+    "RankTaken",
+    "RegistrationError",
+    "SimulationError",
     "SlotOutOfRangeError",
     "StateFileError",
     "TorchrunEnvError",
+    "TransportError",
+    "Unauthenticated",
+    "Unavailable",
+    "VllmIntegrationError",
     "WorkspaceCaptureError",
     "WorkspaceError",
     "WorkspaceLimitError",
@@ -164,4 +180,77 @@ class StateFileError(WsdError):
     afresh, forgetting the desired state and command log (docs/state-file.md).
     While running (a full disk, a read-only file system, permissions) the
     command was not numbered: free space or fix the permissions, and retry.
+    """
+
+
+# -- the wire and the coordinator ------------------------------------------------------------
+
+
+class ProtocolError(WsdError):
+    """A message that cannot be accepted; ``code`` (an ``ErrorCode``) says why, the message
+    names the field."""
+
+    def __init__(self, code: ErrorCode, message: str, request_id: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.request_id = request_id
+
+
+class RegistrationError(WsdError):
+    """A registration that does not match the expected world; the message says how."""
+
+
+class RankTaken(RegistrationError):
+    """A registration for a rank that another agent process holds and is still live on."""
+
+
+class Unauthenticated(RegistrationError):
+    """A registration without a valid proof of the agent token."""
+
+
+class TransportError(WsdError):
+    """A socket could not be bound or connected; the message names the endpoint."""
+
+
+class BindError(TransportError, ConfigError):
+    """An endpoint could not be bound: in use, not an address of this host, a privileged port.
+
+    A configuration problem (``wsd`` exits 2): choose another endpoint, or stop
+    whatever holds this one, and start again.
+    """
+
+
+# -- clients ------------------------------------------------------------------------------------
+
+
+class ClientError(WsdError):
+    """The coordinator answered with an error; ``code`` is an ``ErrorCode``."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class Unavailable(ClientError):
+    """No reply in time: check the coordinator runs and the endpoint (WSD_ENDPOINT)."""
+
+
+# -- workers and engines -------------------------------------------------------------------------
+
+
+class AgentError(WsdError):
+    """The agent could not start or stop in time; the message says which."""
+
+
+class SimulationError(WsdError):
+    """Simulated ranks could not start or stop in time; the message says which."""
+
+
+class VllmIntegrationError(WsdError):
+    """vLLM's internals differ from what wsd's plugin was checked against.
+
+    The message names the vLLM version and the patch point. Use a vLLM release
+    listed in ``CHECKED_VERSIONS``, or unset WSD_COORDINATOR_CONNECT_ENDPOINT /
+    WSD_CONFIG to run vLLM without wsd.
     """

@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 
 from wsd.commands import COMMANDS
-from wsd.errors import WsdError
+from wsd.errors import ProtocolError  # here too: the wire's error, as p.ProtocolError
 
 __all__ = [
     "CLIENT_OPS",
@@ -107,15 +107,6 @@ class ErrorCode(StrEnum):
     message names the file. Nothing was numbered or sent; free space and retry."""
     INTERNAL = "internal"
     """A bug in wsd: report it with the coordinator's log."""
-
-
-class ProtocolError(WsdError):
-    """A message that cannot be accepted; ``code`` says why, the message names the field."""
-
-    def __init__(self, code: ErrorCode, message: str, request_id: int | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.request_id = request_id
 
 
 # Every row of the command table is an operation of the same name (ValueError here, at

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from wsd.errors import RankTaken, RegistrationError
 from wsd.protocol import StrEnum
 
 __all__ = ["RankInfo", "RankState", "RankTaken", "RegistrationError", "Registry"]
@@ -58,14 +59,6 @@ def _note(info: RankInfo, body: dict[str, Any]) -> None:
         info.held_seq = max(info.held_seq, body["held_seq"])
     if body["state"]:
         info.manager_state = _manager_state(body["state"])
-
-
-class RegistrationError(Exception):
-    """A registration that does not match the expected world; the message says how."""
-
-
-class RankTaken(RegistrationError):
-    """A registration for a rank that another agent process holds and is still live on."""
 
 
 @dataclass

@@ -29,7 +29,7 @@ import zmq
 
 from wsd import commands
 from wsd.config import MAX_UBATCHES
-from wsd.errors import ConfigError, WsdError
+from wsd.errors import ConfigError, SimulationError, WsdError
 from wsd.link import AgentLink
 from wsd.security import SecurityConfig, load_agent_token
 from wsd.stats import ManagerStats, PersistentStats, SlotStats
@@ -48,10 +48,6 @@ _MAX_POLL = 0.1
 _TIMER_SLACK = 0.02
 # File descriptors per rank: its TCP connection and its socket's mailbox, with room.
 _FDS_PER_RANK = 3
-
-
-class SimulationError(WsdError):
-    """Simulated ranks could not start or stop in time; the message says which."""
 
 
 class SimulatedManager:

@@ -17,22 +17,10 @@ from collections.abc import Callable
 
 import zmq
 
-from wsd.errors import ConfigError, WsdError
+from wsd.errors import BindError, TransportError
 
 __all__ = ["BindError", "TransportError", "Waker", "answer_waiting", "bind", "check_endpoint", "connect",
            "make_socket", "raise_fd_limit", "send_nowait"]
-
-
-class TransportError(WsdError):
-    """A socket could not be bound or connected; the message names the endpoint."""
-
-
-class BindError(TransportError, ConfigError):
-    """An endpoint could not be bound: in use, not an address of this host, a privileged port.
-
-    A configuration problem (``wsd`` exits 2): choose another endpoint, or stop
-    whatever holds this one, and start again.
-    """
 
 
 # tcp://HOST:PORT, HOST a name or an IPv4 address, [an IPv6 address] or *.

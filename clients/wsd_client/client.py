@@ -18,7 +18,7 @@ import zmq
 from wsd import protocol as p
 from wsd.auth import ClientKeys
 from wsd.commands import COMMANDS, CommandResult
-from wsd.errors import ConfigError, WsdError
+from wsd.errors import ClientError, ConfigError, Unavailable
 from wsd.protocol import ErrorCode, Op
 
 __all__ = ["DEFAULT_ENDPOINT", "Client", "ClientError", "CommandResult", "Unavailable"]
@@ -27,19 +27,6 @@ DEFAULT_ENDPOINT = "tcp://127.0.0.1:7601"
 # Of a call's timeout, what the coordinator may spend waiting on ranks, so that
 # its partial answer arrives before the client gives up.
 _SERVER_SHARE = 0.8
-
-
-class ClientError(WsdError):
-    """The coordinator answered with an error; ``code`` is an ``ErrorCode``."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class Unavailable(ClientError):
-    """No reply in time: check the coordinator runs and the endpoint (WSD_ENDPOINT)."""
 
 
 class Client:

@@ -42,7 +42,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from wsd.errors import WsdError
+from wsd.errors import VllmIntegrationError
 
 __all__ = ["CHECKED_VERSIONS", "VllmIntegrationError", "check", "install", "vllm_version", "wrap"]
 
@@ -75,15 +75,6 @@ _POINTS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("vllm.v1.engine.core", "EngineCore.collective_rpc", callable, "a method"),
     ("vllm.distributed.parallel_state", "get_tp_group", callable, "a function"),
 )
-
-
-class VllmIntegrationError(WsdError):
-    """vLLM's internals differ from what wsd's plugin was checked against.
-
-    The message names the vLLM version and the patch point. Use a vLLM release
-    listed in ``CHECKED_VERSIONS``, or unset WSD_COORDINATOR_CONNECT_ENDPOINT /
-    WSD_CONFIG to run vLLM without wsd.
-    """
 
 
 def vllm_version() -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -237,31 +238,32 @@ def test_deleted_journal_is_refused(tmp_path, commands):
     assert message.startswith(f"{tmp_path / 'state.journal'}: missing") and "restore the journal" in message
 
 
+def every_bit_flipped(good: bytes) -> Iterator[tuple[int, int, bytes]]:
+    """``good`` with each of its bits flipped, one at a time: (byte, bit, the bytes)."""
+    for pos in range(len(good)):
+        for bit in range(8):
+            flipped = bytearray(good)
+            flipped[pos] ^= 1 << bit
+            yield pos, bit, bytes(flipped)
+
+
 def test_every_bit_flipped_in_the_journal_is_refused(made):
     """Found by attack: a bit flipped in the last complete record was "repaired" by
     dropping a command that was acknowledged and sent. Every bit of the header and
     of every counted record, one at a time."""
     path, journal = made
-    good = journal.read_bytes()
-    for pos in range(len(good)):
-        for bit in range(8):
-            flipped = bytearray(good)
-            flipped[pos] ^= 1 << bit
-            journal.write_bytes(flipped)
-            assert refused(path).startswith(f"{journal}: not a valid coordinator journal"), (pos, bit)
+    for pos, bit, flipped in every_bit_flipped(journal.read_bytes()):
+        journal.write_bytes(flipped)
+        assert refused(path).startswith(f"{journal}: not a valid coordinator journal"), (pos, bit)
 
 
 def test_every_bit_flipped_in_the_snapshot_is_refused(made):
     """A damaged snapshot must never read as another state (or as none)."""
     path, _ = made
     reopened(path, 8)  # a snapshot holding commands and desired state
-    good = path.read_bytes()
-    for pos in range(len(good)):
-        for bit in range(8):
-            flipped = bytearray(good)
-            flipped[pos] ^= 1 << bit
-            path.write_bytes(flipped)
-            assert refused(path).startswith(f"{path}: not a valid coordinator state file"), (pos, bit)
+    for pos, bit, flipped in every_bit_flipped(path.read_bytes()):
+        path.write_bytes(flipped)
+        assert refused(path).startswith(f"{path}: not a valid coordinator state file"), (pos, bit)
 
 
 def damage_cases(path: Path, journal: Path) -> dict[str, tuple[Path, bytes]]:

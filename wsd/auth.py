@@ -1,8 +1,11 @@
-"""CURVE on the sockets: pyzmq's ZAP authenticator, client roles, key pairs.
+"""CURVE, all of it: key files, pyzmq's ZAP authenticator, client roles, key pairs.
 
+Key files (``load_secret``, ``load_public``, ``load_folder``) are refused at
+start-up when a secret one is readable or writable by anyone but its owner, or
+a public one writable by others (``ConfigError`` naming the file and its mode).
 The coordinator's ``CurveGate`` loads its keys and the folders of admitted
-public keys (``wsd.security``), starts pyzmq's ZAP thread before any socket
-binds, and makes its ROUTER sockets CURVE servers. A key listed in no folder
+public keys (named by ``[security]``, ``wsd.security``), starts pyzmq's ZAP
+thread before any socket binds, and makes its ROUTER sockets CURVE servers. A key listed in no folder
 gets no access at all: ZAP refuses the handshake, so the peer sees nothing
 but a timeout. An admitted client key's role (viewer or admin) travels with
 each of its messages as ZeroMQ's User-Id; ``refusal`` answers a viewer's
@@ -15,6 +18,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +31,11 @@ from zmq.utils import z85
 from wsd import protocol as p
 from wsd.errors import ConfigError
 from wsd.protocol import ErrorCode
-from wsd.security import Role, SecurityConfig, load_folder, load_public, load_secret
+from wsd.security import Role, SecurityConfig, file_mode
 from wsd.transport import TransportError
 
 __all__ = ["AGENT_DOMAIN", "CLIENT_DOMAIN", "ClientKeys", "CurveGate", "agent_keys", "is_loopback",
-           "keygen", "refusal"]
+           "keygen", "load_folder", "load_public", "load_secret", "refusal"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +45,50 @@ AGENT_DOMAIN = "wsd-agents"
 # Keys refused are logged once each (a refused peer reconnects every few
 # hundred milliseconds); past this many, no more are remembered or logged.
 _REFUSED_LOGGED = 1024
+
+# -- key files ---------------------------------------------------------------------------
+
+
+def _load(path: str, what: str) -> tuple[bytes, bytes | None]:
+    try:
+        return zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{what}: {path} is not a ZeroMQ certificate "
+                          f"(write one with `wsctl keygen`): {e}") from e
+
+
+def load_secret(path: str, what: str) -> tuple[bytes, bytes]:
+    """(public, secret) z85 keys from a certificate only its owner may read, or ConfigError."""
+    mode = file_mode(path, what)
+    if mode & 0o077:
+        raise ConfigError(
+            f"{what}: secret key file {path} has mode {stat.S_IMODE(mode):04o}: "
+            f"group and others must have no access to it (chmod 600 {path})")
+    public, secret = _load(path, what)
+    if secret is None:
+        raise ConfigError(f"{what}: {path} holds no secret key: "
+                          f"give the NAME.key_secret file, not NAME.key")
+    return public, secret
+
+
+def load_public(path: str, what: str) -> bytes:
+    """A z85 public key from a certificate others cannot rewrite, or ConfigError."""
+    mode = file_mode(path, what)
+    if mode & 0o022:
+        raise ConfigError(
+            f"{what}: key file {path} has mode {stat.S_IMODE(mode):04o}: "
+            f"group and others must not be able to write it (chmod 644 {path})")
+    return _load(path, what)[0]
+
+
+def load_folder(folder: str, what: str) -> dict[bytes, str]:
+    """{z85 public key: file} of every *.key certificate in ``folder``."""
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".key"))
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot list key folder {folder}: {e}") from e
+    return {load_public(os.path.join(folder, n), what): os.path.join(folder, n) for n in names}
+
 
 # -- the coordinator's side ------------------------------------------------------------------
 

@@ -1,17 +1,17 @@
-"""``[security]``: the configuration section of CURVE keys and client roles, and key files.
+"""``[security]``: the configuration section of CURVE keys, client roles and the agent token.
 
 ``[security]`` turns on ZeroMQ's CURVE (encryption and authentication by
 public key) on the coordinator's client endpoint, its agent endpoint, or both.
 Keys are ZeroMQ certificate files (``wsctl keygen`` writes them): NAME.key holds
 a public key, NAME.key_secret both halves. The coordinator lists the public
 keys it admits in folders: ``viewer_keys`` (may ping, status, ranks, stats,
-events), ``admin_keys`` (everything) and ``agent_keys``. ``wsd.auth`` enforces
-it on the sockets.
+events), ``admin_keys`` (everything) and ``agent_keys``. Everything CURVE
+does, its key files included, is ``wsd.auth``'s; this module is the section,
+and the agent token (read here, checked by ``wsd.admission``).
 
-Secret key files readable or writable by anyone but their owner, and public
-key files others may write, are refused at start-up (``ConfigError`` naming
-the file and its mode). Imports neither torch nor the protocol: ``wsd.config``
-loads this section.
+A token file readable by anyone but its owner is refused at start-up
+(``ConfigError`` naming the file and its mode). Imports neither torch, nor
+ZeroMQ, nor the protocol: ``wsd.config`` loads this section.
 """
 
 from __future__ import annotations
@@ -24,12 +24,9 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import zmq.auth
-
 from wsd.errors import ConfigError
 
-__all__ = ["AGENT_TOKEN_ENV", "Role", "SecurityConfig", "load_agent_token", "load_folder", "load_public",
-           "load_secret", "registration_proof"]
+__all__ = ["AGENT_TOKEN_ENV", "Role", "SecurityConfig", "file_mode", "load_agent_token", "registration_proof"]
 
 AGENT_TOKEN_ENV = "WSD_AGENT_TOKEN"
 """The environment variable by which launchers hand the agent token to a coordinator
@@ -101,57 +98,14 @@ class SecurityConfig:
                              "(the coordinator) or server_public_key (agents)")
 
 
-# -- key files ---------------------------------------------------------------------------
-
-
-def _mode(path: str, what: str) -> int:
+def file_mode(path: str, what: str) -> int:
+    """The mode of a key or token file, or ConfigError naming ``what`` and the file."""
     try:
         return os.stat(path).st_mode
     except FileNotFoundError:
-        raise ConfigError(f"{what}: key file {path} not found") from None
+        raise ConfigError(f"{what}: file {path} not found") from None
     except OSError as e:
-        raise ConfigError(f"{what}: cannot read key file {path}: {e}") from e
-
-
-def _load(path: str, what: str) -> tuple[bytes, bytes | None]:
-    try:
-        return zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{what}: {path} is not a ZeroMQ certificate "
-                          f"(write one with `wsctl keygen`): {e}") from e
-
-
-def load_secret(path: str, what: str) -> tuple[bytes, bytes]:
-    """(public, secret) z85 keys from a certificate only its owner may read, or ConfigError."""
-    mode = _mode(path, what)
-    if mode & 0o077:
-        raise ConfigError(
-            f"{what}: secret key file {path} has mode {stat.S_IMODE(mode):04o}: "
-            f"group and others must have no access to it (chmod 600 {path})")
-    public, secret = _load(path, what)
-    if secret is None:
-        raise ConfigError(f"{what}: {path} holds no secret key: "
-                          f"give the NAME.key_secret file, not NAME.key")
-    return public, secret
-
-
-def load_public(path: str, what: str) -> bytes:
-    """A z85 public key from a certificate others cannot rewrite, or ConfigError."""
-    mode = _mode(path, what)
-    if mode & 0o022:
-        raise ConfigError(
-            f"{what}: key file {path} has mode {stat.S_IMODE(mode):04o}: "
-            f"group and others must not be able to write it (chmod 644 {path})")
-    return _load(path, what)[0]
-
-
-def load_folder(folder: str, what: str) -> dict[bytes, str]:
-    """{z85 public key: file} of every *.key certificate in ``folder``."""
-    try:
-        names = sorted(n for n in os.listdir(folder) if n.endswith(".key"))
-    except OSError as e:
-        raise ConfigError(f"{what}: cannot list key folder {folder}: {e}") from e
-    return {load_public(os.path.join(folder, n), what): os.path.join(folder, n) for n in names}
+        raise ConfigError(f"{what}: cannot read file {path}: {e}") from e
 
 
 # -- the agent token ---------------------------------------------------------------------
@@ -165,7 +119,7 @@ def load_agent_token(security: SecurityConfig, environ: Mapping[str, str] | None
     env: Mapping[str, str] = os.environ if environ is None else environ
     if security.agent_token_file is not None:
         path, what = security.agent_token_file, "[security] agent_token_file"
-        mode = _mode(path, what)
+        mode = file_mode(path, what)
         if mode & 0o077:
             raise ConfigError(f"{what}: token file {path} has mode {stat.S_IMODE(mode):04o}: group and "
                               f"others must have no access to it (chmod 600 {path})")

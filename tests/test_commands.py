@@ -11,8 +11,7 @@ import argparse
 import pytest
 
 from wsd import commands, protocol
-from wsd.commands import COMMANDS, CommandResult, start_actions
-from wsd.manager import WorkspaceManager
+from wsd.commands import COMMANDS, DESIRED_FIELDS, CommandResult, start_actions
 from wsd.simulated import SimulatedManager
 from wsd_client import wsctl
 
@@ -33,12 +32,13 @@ def test_the_wire_has_no_state_changing_operation_outside_the_table():
 
 @pytest.mark.parametrize("name", list(COMMANDS))
 def test_every_row_names_a_method_of_the_manager_and_of_the_simulated_one(name):
+    WorkspaceManager = pytest.importorskip("wsd.manager").WorkspaceManager  # torch: not on the I/O-free tier
     method = COMMANDS[name].method
     assert callable(getattr(WorkspaceManager, method)) and callable(getattr(SimulatedManager, method))
 
 
 def test_call_applies_a_row_to_a_real_manager_and_refuses_an_unknown_action():
-    manager = WorkspaceManager("cpu", 2)
+    manager = pytest.importorskip("wsd.manager").WorkspaceManager("cpu", 2)
     commands.call(manager, "set_ubatches", {"n": 3})
     commands.call(manager, "reserve", {"bytes": 4096})
     commands.call(manager, "lock", {})
@@ -89,3 +89,25 @@ def test_argparse_namespace_has_each_argument_under_its_wire_name():
     """wsctl sends ``getattr(args, arg.name)`` for each argument: the names must agree."""
     ns = wsctl._parser().parse_args(["reserve", "64KiB"])
     assert isinstance(ns, argparse.Namespace) and ns.bytes == 64 << 10
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_a_rows_change_to_the_desired_state_stays_within_what_it_says_it_touches(name):
+    """desired_at rebuilds a past state from ``touches``: a row writing a field it does
+    not name would make a fresh rank start from a wrong state, silently."""
+    spec = COMMANDS[name]
+    for before in (dict.fromkeys(DESIRED_FIELDS), {"locked": True, "num_ubatches": 7, "reserve_bytes": 99}):
+        for bound in ("low", "high"):
+            state = dict(before)
+            if spec.desired is not None:
+                spec.desired(state, {a.name: getattr(a, bound) for a in spec.args})
+            changed = {k for k in DESIRED_FIELDS if state[k] != before[k]}
+            assert changed <= set(spec.touches), (name, changed)
+
+
+def test_a_row_that_disagrees_with_itself_is_refused_when_declared():
+    with pytest.raises(ValueError, match="go together"):
+        commands.CommandSpec(name="x", cli="x", help="x", method="x", touches=("locked",))
+    with pytest.raises(ValueError, match="not all desired-state fields"):
+        commands.CommandSpec(name="x", cli="x", help="x", method="x", desired=lambda s, a: None,
+                             touches=("colour",))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import sys
 
 import wsd
 import wsd_client
@@ -26,3 +27,11 @@ def test_every_error_class_is_declared_in_errors_py():
     declared = {cls.__qualname__: cls.__module__ for cls in _subclasses(WsdError)}
     assert {name: where for name, where in declared.items() if where != "wsd.errors"} == {}
     assert len(declared) >= 20
+    # nor an error that is not a WsdError (RegistrationError lived so, in the registry)
+    elsewhere = {
+        f"{name}.{cls.__qualname__}"
+        for name, module in sys.modules.items() if name.split(".")[0] in ("wsd", "wsd_client") and name != "wsd.errors"
+        for cls in vars(module).values()
+        if isinstance(cls, type) and issubclass(cls, BaseException) and cls.__module__ == name
+    }
+    assert elsewhere == set()

@@ -14,9 +14,11 @@ A command's row says everything the rest of wsd needs to know about it:
 The protocol (schemas), the command log (desired state), the agent and the
 simulated ranks (``call``), the coordinator (refusals), the client (``Client.command``)
 and ``wsctl`` (its subcommands) read this table. A new command is a row here, an
-``Op`` member of the same name (``wsd.protocol``: the wire's vocabulary), and
-its manager method. ``CommandResult`` is the reply every command gets, built by
-the coordinator and read by the client.
+``Op`` member of the same name (``wsd.protocol``: the wire's vocabulary), and its
+method on the manager and on ``wsd.simulated.SimulatedManager`` (plus its tests
+and docs; a new desired-state field also goes in ``DESIRED_FIELDS``).
+``CommandResult`` is the reply every command gets, built by the coordinator and
+read by the client.
 
 No I/O; imports neither torch nor the protocol.
 """
@@ -54,7 +56,7 @@ Desired = dict[str, Any]
 Args = dict[str, Any]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CommandSpec:
     name: str
     """The operation on the wire and the action in the command log: ``set_ubatches``."""
@@ -79,6 +81,14 @@ class CommandSpec:
     refused_while_locked: bool = False
     """Refused by the coordinator (``conflict``) while a target group is meant to be locked."""
 
+    def __post_init__(self) -> None:
+        if not set(self.touches) <= set(DESIRED_FIELDS):
+            raise ValueError(f"{self.name}: touches {self.touches}, not all desired-state fields")
+        if (self.desired is None) != (not self.touches):
+            raise ValueError(f"{self.name}: a change to the desired state and the fields it touches go together")
+        if self.start is not None and self.desired is None:
+            raise ValueError(f"{self.name}: only a command that changes the desired state takes it on at start")
+
 
 def _set(field: str, value: Any) -> Callable[[Desired, Args], None]:
     def change(state: Desired, args: Args) -> None:
@@ -98,37 +108,43 @@ def _raise_reserve(state: Desired, args: Args) -> None:
 
 COMMANDS: dict[str, CommandSpec] = {spec.name: spec for spec in (
     CommandSpec(
-        "lock", "lock", "lock the workspaces: no slot may grow", "operator_lock",
+        name="lock", cli="lock", help="lock the workspaces: no slot may grow", method="operator_lock",
         desired=_set("locked", True), touches=("locked",),
         start=3, start_args=lambda d: {} if d.get("locked") is True else None,
     ),
     CommandSpec(
         # refused by the manager while the engine's own lock pins the buffers
-        "unlock", "unlock", "unlock the workspaces", "operator_unlock",
+        name="unlock", cli="unlock", help="unlock the workspaces", method="operator_unlock",
         desired=_set("locked", False), touches=("locked",),
         start=0, start_args=lambda d: {} if d.get("locked") is False else None,
     ),
     CommandSpec(
-        "set_ubatches", "set-ubatches", "set the number of ubatch slots per lane", "set_num_ubatches",
+        name="set_ubatches", cli="set-ubatches", help="set the number of ubatch slots per lane",
+        method="set_num_ubatches",
         args=(Argument("n", 1, MAX_UBATCHES, "N", f"ubatch slots per lane, 1..{MAX_UBATCHES}"),),
         call_args=lambda a: (a["n"],),
         desired=_set_arg("num_ubatches", "n"), touches=("num_ubatches",),
         start=1, start_args=lambda d: None if d.get("num_ubatches") is None else {"n": d["num_ubatches"]},
     ),
     CommandSpec(
-        "reserve", "reserve", "size every slot to at least SIZE bytes (unlocked only)", "reserve_bytes",
+        name="reserve", cli="reserve", help="size every slot to at least SIZE bytes (unlocked only)",
+        method="reserve_bytes",
         args=(Argument("bytes", 0, 2**50, "SIZE", "bytes per slot: 4096, 512KiB, 64MiB, ...", size=True),),
         call_args=lambda a: (a["bytes"],),
         desired=_raise_reserve, touches=("reserve_bytes",), relative=True,
         start=2, start_args=lambda d: {"bytes": d["reserve_bytes"]} if d.get("reserve_bytes") else None,
         refused_while_locked=True,
     ),
-    CommandSpec("equalize", "equalize", "grow every slot to the largest one", "equalize"),
+    CommandSpec(name="equalize", cli="equalize", help="grow every slot to the largest one", method="equalize"),
     CommandSpec(
-        "trim", "trim", "release every slot's scratch buffer; the next request regrows it (unlocked only)", "trim",
+        name="trim", cli="trim", method="trim",
+        help="release every slot's scratch buffer; the next request regrows it (unlocked only)",
         desired=_set("reserve_bytes", None), touches=("reserve_bytes",), refused_while_locked=True,
     ),
 )}
+_starts = [s.start for s in COMMANDS.values() if s.start is not None]
+if len(_starts) != len(set(_starts)):
+    raise ValueError(f"two commands take the same place at start: {sorted(_starts)}")
 
 
 def start_actions(desired: Desired) -> list[tuple[str, Args]]:
@@ -181,16 +197,20 @@ class CommandResult:
     missing: tuple[dict[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        """The reply's result on the wire: only what was numbered when it did not wait."""
-        whole = dataclasses.asdict(self)
+        """The reply's result on the wire: only what was numbered when it did not wait.
+
+        Shallow, not ``dataclasses.asdict``: that deep-copies every ack, 35 times the
+        cost at 1,024 ranks, on the coordinator's loop. msgpack writes tuples as arrays.
+        """
         if not self.waited:
-            return {k: whole[k] for k in ("seq", "action", "group", "waited")}
-        return whole
+            return {"seq": self.seq, "action": self.action, "group": self.group, "waited": False}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CommandResult:
-        """Every field by name, sequences as tuples; a key this version does not know is ignored."""
-        values: dict[str, Any] = {}
+        """Every field by name, sequences as tuples; a key this version does not know is ignored,
+        one it lacks takes its default (``group`` None, ``waited`` true, as before)."""
+        values: dict[str, Any] = {"group": None, "waited": True}
         for f in dataclasses.fields(cls):
             if f.name in d:
                 value = d[f.name]

@@ -10,9 +10,10 @@ script parses never drift apart. Sizes are shown in B/KiB/MiB/GiB, tables are al
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from wsd.commands import DESIRED_FIELDS
 from wsd.fmt import format_bytes, format_time, table
 
 __all__ = ["command", "event_line", "events", "events_header", "ping", "ranks", "stats", "status",
@@ -59,9 +60,15 @@ def ping(doc: dict[str, Any]) -> str:
             f"epoch {doc['epoch'][:8]}, seq {doc['seq']}")
 
 
+# How each desired-state field is shown; a field added to the command table without
+# an entry here is shown by its name.
+_DESIRED_SHOWN: dict[str, tuple[str, Callable[[Any], str]]] = {
+    "locked": ("locked", _opt), "num_ubatches": ("ubatches", _opt), "reserve_bytes": ("reserve", _size)}
+
+
 def _desired(desired: dict[str, Any]) -> str:
-    return (f"locked={_opt(desired.get('locked'))} ubatches={_opt(desired.get('num_ubatches'))} "
-            f"reserve={_size(desired.get('reserve_bytes'))}")
+    shown = (_DESIRED_SHOWN.get(field, (field, _opt)) for field in DESIRED_FIELDS)
+    return " ".join(f"{label}={show(desired.get(field))}" for field, (label, show) in zip(DESIRED_FIELDS, shown))
 
 
 def status(doc: dict[str, Any], endpoint: str) -> str:

@@ -49,7 +49,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,7 @@ from tests.procs import (
     worker_env,
     write_config,
 )
+from wsd.commands import COMMANDS
 from wsd.protocol import ErrorCode
 from wsd_client.client import Client, ClientError, Unavailable
 
@@ -289,8 +290,14 @@ class Faults(threading.Thread):
             span[1] = time.monotonic()
 
 
+_ARGUMENTS: dict[str, Callable[[random.Random], dict[str, int]]] = {
+    "set_ubatches": lambda rng: {"n": rng.randint(1, 3)},
+    "reserve": lambda rng: {"bytes": rng.randint(1, 64) << 10},
+}
+
+
 class Traffic:
-    """Commands and queries at random, each counted by outcome."""
+    """Commands and queries at random (every command of the table), each counted by outcome."""
 
     def __init__(self, client: Client, ledger: Ledger, rng: random.Random, groups: int) -> None:
         self.client, self.ledger, self.rng, self.groups = client, ledger, rng, groups
@@ -298,9 +305,8 @@ class Traffic:
         self.cursor, self.epoch = 0, None
 
     def one(self) -> None:
-        op = self.rng.choice(("lock", "unlock", "set_ubatches", "reserve", "trim", "equalize",
-                              "stats", "status", "ranks", "events", "status", "stats"))
-        if op in ("reserve", "trim") and self.locked:
+        op = self.rng.choice((*COMMANDS, "stats", "status", "ranks", "events", "status", "stats"))
+        if op in COMMANDS and COMMANDS[op].refused_while_locked and self.locked:
             op = "unlock"
         started = time.monotonic()
         key = op
@@ -347,11 +353,10 @@ class Traffic:
         kw = {"group": group, "wait": rng.random() < 0.7, "timeout": CLIENT_TIMEOUT}
         with self.ledger.lock:
             self.ledger.commands[op] += 1
-        if op == "set_ubatches":
-            return c.set_ubatches(rng.randint(1, 3), **kw)
-        if op == "reserve":
-            return c.reserve(rng.randint(1, 64) << 10, **kw)
-        return getattr(c, op)(**kw)
+        # Arguments in the ranges a soak wants (a few slots, small reservations); a
+        # command the table grows takes its arguments' lowest values.
+        chosen = _ARGUMENTS.get(op, lambda rng: {a.name: a.low for a in COMMANDS[op].args})(rng)
+        return c.command(op, **kw, **chosen)
 
     def _note(self, op: str, result: Any) -> None:
         if op in ("lock", "unlock") and result.group is None:

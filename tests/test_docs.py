@@ -154,6 +154,17 @@ def test_every_wsctl_command_and_event_kind_is_documented():
     assert sorted(kinds) == sorted(kind.value for kind in EventKind)
 
 
+def test_the_command_reply_documented_is_the_reply_type_the_coordinator_builds():
+    """CommandResult is built by the coordinator and read by the client: a field added to it
+    (what `wsctl --json` prints for every command) must be documented."""
+    from wsd.commands import CommandResult
+
+    text = (DOCS / "wsctl.md").read_text()
+    start = text.index("- `lock`, `unlock`, `set-ubatches`")
+    reply = text[start:text.index("`complete` is true", start)]
+    assert [f.name for f in dataclasses.fields(CommandResult) if not re.search(rf"\b{f.name}\b", reply)] == []
+
+
 # -- links --------------------------------------------------------------------------------------
 
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")

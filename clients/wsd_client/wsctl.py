@@ -31,33 +31,8 @@ coordinator's public certificate, default ``$WSD_CURVE_SERVER_KEY``) and
 JSON output (``--json``): exactly one JSON document per result on stdout, one
 per line, keys sorted; nothing on stdout when the command fails.
 
-- ``ping``: ``{endpoint, epoch, seq, time, rtt_ms}``.
-- ``status``: ``{epoch, started, recovered, seq, world_size, tp_size, desired,
-  ranks: {live, lost, stopped, never_registered}, pending_commands, groups: [{tp_group,
-  ranks, live, missing, desired, applied_seq, consistent, locked, num_ubatches}]}``;
-  ``desired`` is ``{locked, num_ubatches, reserve_bytes}`` (null: never set).
-- ``ranks``: ``{ranks: [{rank, state, tp_group, host, pid, device, idle, step,
-  applied_seq, registered_at, last_seen, lost_at, stopped_at, locked,
-  num_ubatches}], never_registered: [{rank, reason}]}``; ``state`` is ``live``,
-  ``lost`` (silent past the heartbeat timeout) or ``stopped`` (its worker shut
-  down cleanly); ``registered_at``, ``last_seen``, ``lost_at`` and
-  ``stopped_at`` are wall-clock seconds since the epoch, UTC.
-- ``stats``, and ``watch`` once per round: ``{complete, total_bytes, missing:
-  [{rank, reason}], ranks: [{rank, tp_group, step, device, num_ubatches,
-  num_lanes, locked, total_bytes, capacity_bytes, lock_violations, slots:
-  [{ubatch, lane, capacity_bytes, peak_requested_bytes, requests, resizes,
-  lock_violations, last_violation, persistent}]}], groups: [{tp_group, ranks,
-  reporting, missing, total_bytes, rank_bytes_min, rank_bytes_max, skew_bytes,
-  locked_consistent, num_ubatches_consistent, slots: [{ubatch, lane, ranks,
-  capacity_min, capacity_max, capacity_total, skew_bytes, peak_requested_max,
-  requests, resizes, lock_violations}]}]}``.
-- ``events``: ``{events: [{id, time, kind, ...}], cursor}``; with ``--follow``
-  one event document ``{id, time, kind, ...}`` per line as it arrives.
-- ``lock``, ``unlock``, ``set-ubatches``, ``reserve``, ``equalize``, ``trim``:
-  ``{seq, action, group, waited, complete, acked: [{rank, step, ok, error}],
-  failed, same_step: {"<group>": bool}, pending, lost, missing: [{rank,
-  reason}]}``; with ``--no-wait``, ``waited`` and ``complete`` are false and
-  the lists are empty.
+Every document's keys are in docs/wsctl.md, in one place (a copy here had
+drifted from it).
 
 Exit codes: 0 ok; 1 error (the coordinator refused, is unreachable, or a rank
 failed to apply a command); 2 usage; 3 partial (stats incomplete, some ranks

@@ -31,6 +31,17 @@ HEARTBEAT_TIMEOUT = 1.0
 STEP_PAUSE = 0.002
 
 
+def _stop_arrives(me: Rank, timeout: float) -> bool:
+    """Whether the next messages from the test, within ``timeout`` s, include ``stop``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        message = me.poll()
+        if message is not None and message[0] == "stop":
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def paced_engine(me: Rank, endpoint: str, tp_size: int) -> None:
     """A worker: manager, agent and an engine loop the test can pause and time.
 
@@ -71,7 +82,15 @@ def paced_engine(me: Rank, endpoint: str, tp_size: int) -> None:
             if not paused:
                 manager.get_simultaneous(((256,), torch.float32))
                 started = time.monotonic()
-                done = agent.step()
+                try:
+                    done = agent.step()
+                except RuntimeError:
+                    # The test stops every rank: one that read its stop first has left the
+                    # group this step's agreement waited on. That, and only that, ends the
+                    # loop here: our own stop must be on its way.
+                    if _stop_arrives(me, 5.0):
+                        break
+                    raise
                 took = time.monotonic() - started
                 applied += [[seq, agent.steps] for seq in done]
                 if window is not None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgpack
 
+from wsd.fmt import cut
 from wsd.protocol import StrEnum
 
 __all__ = ["EventKind", "EventLog"]
@@ -46,12 +47,6 @@ _MAX_TEXT = 1024
 _MAX_NESTED_TEXT = 256
 
 
-def _cut(text: str, limit: int) -> str:
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... ({len(text) - limit} more characters)"
-
-
 def bounded_detail(detail: dict[Any, Any], *, reserved: tuple[str, ...] = ()) -> dict[str, Any]:
     """What a peer reported, cut to size: at most 32 keys of 64 characters, strings of
     1,024 characters, lists and maps as short text; keys in ``reserved`` dropped."""
@@ -66,11 +61,11 @@ def bounded_detail(detail: dict[Any, Any], *, reserved: tuple[str, ...] = ()) ->
         if value is None or isinstance(value, (bool, int, float)):
             out[key] = value
         elif isinstance(value, str):
-            out[key] = _cut(value, _MAX_TEXT)
+            out[key] = cut(value, _MAX_TEXT)
         elif isinstance(value, bytes):
             out[key] = f"<{len(value)} bytes>"
         else:
-            out[key] = _cut(repr(value), _MAX_NESTED_TEXT)
+            out[key] = cut(repr(value), _MAX_NESTED_TEXT)
     return out
 
 

@@ -5,9 +5,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-__all__ = ["format_bytes", "format_time", "table"]
+__all__ = ["cut", "format_bytes", "format_time", "table"]
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def cut(text: str, limit: int) -> str:
+    """``text`` as it is, or its first ``limit`` characters saying how many more there were."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def format_bytes(n: int) -> str:

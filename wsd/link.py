@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from wsd import protocol as p
 from wsd.commands import start_actions
+from wsd.fmt import cut
 from wsd.protocol import Op
 from wsd.security import registration_proof
 
@@ -61,7 +62,7 @@ class Backend(Protocol):
 def _cut(error: str) -> str:
     """An error as an ack carries it: at most 1,000 characters (the protocol allows 4,096,
     and an ack that is refused for its size would leave the command pending)."""
-    return error if len(error) <= 1000 else f"{error[:1000]}... ({len(error) - 1000} more characters)"
+    return cut(error, 1000)
 
 
 class AgentLink:

@@ -1,7 +1,7 @@
 """Benchmark of the control plane, each figure against its bare baseline.
 
 Side by side in one run (absolute times on a shared machine mean little), with
-N = 1, 8 and 32 simulated ranks (``wsd.simulated``, 8 slots each):
+N = 1, 8 and 32 simulated ranks (``wsd.agent.simulated``, 8 slots each):
 
 * ``stats``: the round trip client -> coordinator -> N agents -> aggregate ->
   client, against a bare pyzmq ROUTER fan-out of a request of the same size to
@@ -41,13 +41,13 @@ import msgpack
 import zmq
 
 from bench.helpers import START_TIMEOUT, Helper, Row, run_coordinator, timed_us
-from wsd import protocol as p
-from wsd.commandlog import CommandLog
+from wsd.agent.core import AgentLink
+from wsd.agent.simulated import SimulatedManager, SimulatedRanks
 from wsd.config import AgentConfig
-from wsd.link import AgentLink
-from wsd.protocol import Op
-from wsd.simulated import SimulatedManager, SimulatedRanks
-from wsd.transport import bind, connect, make_socket, send_nowait
+from wsd.coordinator.commandlog import CommandLog
+from wsd.wire import protocol as p
+from wsd.wire.protocol import Op
+from wsd.wire.transport import bind, connect, make_socket, send_nowait
 from wsd_client.client import Client
 
 SLOTS = 8
@@ -267,7 +267,7 @@ def _agreement_rank(rank: int, world: int, init_file: str, endpoint: str, rounds
     import torch.distributed as dist
 
     from wsd import WorkspaceManager
-    from wsd.agent import Agent, tp_side_group
+    from wsd.agent.thread import Agent, tp_side_group
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -1,8 +1,8 @@
 """The coordinator from 32 to 1,024 ranks: what each figure costs as ranks grow.
 
-A real coordinator (``wsd.server.Coordinator`` in a spawned process of its
+A real coordinator (``wsd.coordinator.loop.Coordinator`` in a spawned process of its
 own, default heartbeats: 1 s interval, 5 s timeout) and simulated ranks
-(``wsd.simulated``, 8 slots each, TP groups of 8) in two further processes, at
+(``wsd.agent.simulated``, 8 slots each, TP groups of 8) in two further processes, at
 32, 128, 256, 512 and 1,024 ranks. At each size:
 
 * every rank registers;
@@ -43,7 +43,7 @@ from typing import Any
 import zmq
 
 from bench.helpers import Helper, Row, run_coordinator, timed_us
-from wsd.simulated import SimulatedRanks
+from wsd.agent.simulated import SimulatedRanks
 from wsd_client.client import Client
 
 SIZES = (32, 128, 256, 512, 1024)

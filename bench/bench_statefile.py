@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.helpers import Row
-from wsd.commandlog import CommandLog
+from wsd.coordinator.commandlog import CommandLog
 
 KEPT = (50, 1000, 4096)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from wsd.config import CoordinatorConfig
-from wsd.server import Coordinator
+from wsd.coordinator.loop import Coordinator
 
 __all__ = ["START_TIMEOUT", "Helper", "Row", "run_coordinator", "timed_us"]
 

@@ -2,7 +2,7 @@
 
 It runs a real ``wsd coordinator`` (state file in a temp folder, endpoints on
 ports the OS picks, read from its ready line) and real ``torchrun`` workers
-(``bench.soak_worker``: ``wsd.worker`` with its built-in engine loop, small
+(``bench.soak_worker``: ``wsd.worker.process`` with its built-in engine loop, small
 shapes, gloo, with every command application recorded), all on loopback.
 ``torchrun --max-restarts`` restarts the worker group when a rank dies, as an
 operator's launcher would: a replacement is a fresh process that registers
@@ -24,7 +24,7 @@ went unanswered while the coordinator was deliberately down is counted as
 expected-unavailable; one unanswered while it was up counts as lost. Exit
 code 0 only if nothing was lost, applied twice or left running.
 
-No simulated ranks (``wsd/simulated.py``) widen this world: the coordinator
+No simulated ranks (``wsd/agent/simulated.py``) widen this world: the coordinator
 accepts only ranks that report its one world size, and torchrun's workers
 report theirs, so simulated ranks could not join the same world without a
 second coordinator, which would soak nothing more.
@@ -68,7 +68,7 @@ from tests.procs import (
     write_config,
 )
 from wsd.commands import COMMANDS
-from wsd.protocol import ErrorCode
+from wsd.wire.protocol import ErrorCode
 from wsd_client.client import Client, ClientError, Unavailable
 
 ROOT = Path(__file__).resolve().parent.parent

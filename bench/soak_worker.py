@@ -1,6 +1,6 @@
-"""``python -m bench.soak_worker --config FILE``: the real ``wsd.worker``, with its applications recorded.
+"""``python -m bench.soak_worker --config FILE``: the real ``wsd.worker.process``, with its applications recorded.
 
-Run by ``torchrun`` for ``bench/soak.py``. It runs ``wsd.worker.main``
+Run by ``torchrun`` for ``bench/soak.py``. It runs ``wsd.worker.process.main``
 unchanged, except that every call of ``AgentLink.apply_up_to`` (the one place
 where a rank applies or skips commands, from its engine's step boundary) also
 appends one JSON line to ``$WSD_SOAK_RECORD/rank<R>.<pid>.jsonl``:
@@ -27,8 +27,8 @@ import os
 import sys
 from typing import Any
 
-from wsd import worker
-from wsd.link import AgentLink
+from wsd.agent.core import AgentLink
+from wsd.worker import process as worker
 
 RECORD_ENV = "WSD_SOAK_RECORD"
 

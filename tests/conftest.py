@@ -18,8 +18,8 @@ import pytest
 import zmq
 
 from wsd.config import CoordinatorConfig
+from wsd.coordinator.loop import Coordinator
 from wsd.security import SecurityConfig
-from wsd.server import Coordinator
 
 _TERM_TIMEOUT = 5.0
 

@@ -32,7 +32,7 @@ __all__ = ["COMMAND_METHODS", "Rank", "WorkerFailed", "Workers", "recording_mana
 # process with no threads, sockets or process group yet. Forking the pytest
 # process itself would copy the coordinator's threads and ZeroMQ context.
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "wsd.agent"])
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "wsd.agent.thread"])
 
 # Rendezvous and collectives on the default group give up after this long, so
 # that a rank whose peers are gone fails instead of hanging. (tp_side_group's

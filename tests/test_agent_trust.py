@@ -19,11 +19,11 @@ from conftest import coordinator_config, wait_until
 from procs import python, spawn  # noqa: F401  (spawn is a fixture)
 from test_coordinator_core import Harness, make, ops, peer_of, to_agents
 
-from wsd import protocol as p
-from wsd.coordinator import RESEND_WINDOW
-from wsd.protocol import ErrorCode, Op
+from wsd.agent.simulated import SimulatedRanks
+from wsd.coordinator.core import RESEND_WINDOW
 from wsd.security import registration_proof
-from wsd.simulated import SimulatedRanks
+from wsd.wire import protocol as p
+from wsd.wire.protocol import ErrorCode, Op
 from wsd_client.client import Client
 
 TOKEN = b"0123456789abcdef0123456789abcdef"
@@ -136,7 +136,7 @@ def test_one_connection_holds_one_rank(h):
 
 
 def test_with_an_agent_token_only_a_registration_that_proves_it_is_accepted(tmp_path):
-    from wsd.coordinator import CoordinatorCore
+    from wsd.coordinator.core import CoordinatorCore
 
     h = make(tmp_path)
     core = CoordinatorCore(h.config, clock=h.mono, wall=h.wall, agent_token=TOKEN)
@@ -311,7 +311,7 @@ def test_decode_heavy_frames_neither_stall_the_loop_nor_make_a_live_rank_lost(st
     decides the result (the old decoder stalled for about 15 s)."""
     coordinator = start_coordinator(world_size=4, tp_size=2, heartbeat_interval=0.5, heartbeat_timeout=4.0,
                                     max_agent_message_bytes=16 << 20)
-    sim = spawn(python("-m", "wsd.simulated", "--endpoint", coordinator.agent_endpoint, "--ranks", "4",
+    sim = spawn(python("-m", "wsd.agent.simulated", "--endpoint", coordinator.agent_endpoint, "--ranks", "4",
                        "--tp-size", "2", "--ubatches", "2", "--heartbeat-interval", "0.5",
                        "--heartbeat-timeout", "4.0"), name="real ranks")
     client = Client(coordinator.client_endpoint, timeout=5)

@@ -3,7 +3,7 @@
 Pure file I/O in tmp_path; no sockets. The coordinator's side (recorded before
 sent, the restart of a whole core) is in test_coordinator_core.py, the real
 process in test_faults.py. The journal's layout is spelt out here, apart from
-wsd.commandlog, as docs/state-file.md gives it: a 40-byte header (the record
+wsd.coordinator.commandlog, as docs/state-file.md gives it: a 40-byte header (the record
 count at bytes 24-32), then records of ``length (u32) | crc32 (u32) | payload``.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from wsd.commandlog import CommandLog
+from wsd.coordinator.commandlog import CommandLog
 from wsd.errors import StateFileError
 
 HEAD = 40  # journal header bytes
@@ -469,7 +469,7 @@ def test_append_writes_the_same_bytes_however_many_commands_are_kept(tmp_path, m
 
 def test_docs_describe_this_format():
     """docs/state-file.md is what an operator repairs by: it must match the code."""
-    from wsd import commandlog
+    from wsd.coordinator import commandlog
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "state-file.md").read_text()
     assert f"magic `{commandlog._SNAPSHOT_MAGIC.decode()}`" in doc

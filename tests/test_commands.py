@@ -10,9 +10,10 @@ import argparse
 
 import pytest
 
-from wsd import commands, protocol
+from wsd import commands
+from wsd.agent.simulated import SimulatedManager
 from wsd.commands import COMMANDS, DESIRED_FIELDS, CommandResult, start_actions
-from wsd.simulated import SimulatedManager
+from wsd.wire import protocol
 from wsd_client import wsctl
 
 
@@ -32,13 +33,13 @@ def test_the_wire_has_no_state_changing_operation_outside_the_table():
 
 @pytest.mark.parametrize("name", list(COMMANDS))
 def test_every_row_names_a_method_of_the_manager_and_of_the_simulated_one(name):
-    WorkspaceManager = pytest.importorskip("wsd.manager").WorkspaceManager  # torch: not on the I/O-free tier
+    WorkspaceManager = pytest.importorskip("wsd.manager.core").WorkspaceManager  # torch: not on the I/O-free tier
     method = COMMANDS[name].method
     assert callable(getattr(WorkspaceManager, method)) and callable(getattr(SimulatedManager, method))
 
 
 def test_call_applies_a_row_to_a_real_manager_and_refuses_an_unknown_action():
-    manager = pytest.importorskip("wsd.manager").WorkspaceManager("cpu", 2)
+    manager = pytest.importorskip("wsd.manager.core").WorkspaceManager("cpu", 2)
     commands.call(manager, "set_ubatches", {"n": 3})
     commands.call(manager, "reserve", {"bytes": 4096})
     commands.call(manager, "lock", {})

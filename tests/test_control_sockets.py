@@ -11,8 +11,8 @@ import zmq
 from conftest import wait_until
 
 from wsd import WorkspaceLockedError, WorkspaceManager, use_ubatch
-from wsd.agent import Agent
-from wsd.protocol import ErrorCode
+from wsd.agent.thread import Agent
+from wsd.wire.protocol import ErrorCode
 from wsd_client.client import Client, ClientError, Unavailable
 from wsd_client.rows import rank_slots
 

@@ -1,4 +1,4 @@
-"""The coordinator's decisions (wsd.coordinator.CoordinatorCore), driven directly.
+"""The coordinator's decisions (wsd.coordinator.core.CoordinatorCore), driven directly.
 
 No sockets and no sleeping: a small fake transport of our own feeds agent and
 client frames to the core, advances a fake monotonic clock and a fake wall
@@ -17,14 +17,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wsd import protocol as p
-from wsd.commandlog import CommandLog
 from wsd.config import CoordinatorConfig
-from wsd.coordinator import AGENT, CLIENT, CoordinatorCore
+from wsd.coordinator.commandlog import CommandLog
+from wsd.coordinator.core import AGENT, CLIENT, CoordinatorCore
+from wsd.coordinator.registry import RankState
 from wsd.errors import StateFileError
-from wsd.protocol import ErrorCode, Op
-from wsd.registry import RankState
-from wsd.stats import (
+from wsd.manager.stats import (
     PERSISTENT_COLUMNS,
     SLOT_COLUMNS,
     VIOLATION_COLUMNS,
@@ -33,6 +31,8 @@ from wsd.stats import (
     PersistentStats,
     SlotStats,
 )
+from wsd.wire import protocol as p
+from wsd.wire.protocol import ErrorCode, Op
 
 WALL0 = 1_700_000_000.0
 MONO0 = 500.0
@@ -204,7 +204,7 @@ def snapshot(capacities: list[int], *, persistent: int = 0, locked: bool = False
 
 def test_coordinator_imports_no_torch():
     """The coordinator runs as a sidecar on machines without torch."""
-    code = "import sys, wsd.coordinator, wsd.server; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, wsd.coordinator.core, wsd.coordinator.loop; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

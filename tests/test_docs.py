@@ -1,9 +1,9 @@
 """The reference in docs/ checked against the code it describes, so neither drifts alone.
 
 docs/configuration.md against the configuration classes (every key, both ways,
-and its default), docs/protocol.md against ``wsd.protocol`` (every operation
+and its default), docs/protocol.md against ``wsd.wire.protocol`` (every operation
 with its fields, every error code), docs/metrics.md against
-``wsd.metrics.FAMILIES`` (every family with its type and labels), docs/wsctl.md
+``wsd.coordinator.metrics.FAMILIES`` (every family with its type and labels), docs/wsctl.md
 against ``wsctl``'s commands and the event kinds, and every relative link in
 README.md and docs/ against the files and headings it points at. No sockets,
 no torch.
@@ -109,9 +109,9 @@ def test_every_documented_default_is_the_one_in_the_code():
 
 
 def test_every_operation_with_its_fields_and_every_error_code_is_in_the_protocol_doc():
-    """An operation, a field or an error code added to wsd.protocol would otherwise be
+    """An operation, a field or an error code added to wsd.wire.protocol would otherwise be
     undocumented, and one removed would stay on the page."""
-    from wsd.protocol import SCHEMAS, ErrorCode, Op
+    from wsd.wire.protocol import SCHEMAS, ErrorCode, Op
 
     text = (DOCS / "protocol.md").read_text()
     ops = _rows(_between(text, "## Operations", "## Error codes"))
@@ -128,7 +128,7 @@ def test_every_operation_with_its_fields_and_every_error_code_is_in_the_protocol
 def test_every_metric_family_is_documented_with_its_type_and_labels():
     """A family the coordinator starts exporting (or a label it adds) would otherwise be
     missing from docs/metrics.md, and a removed one would stay there."""
-    from wsd.metrics import FAMILIES
+    from wsd.coordinator.metrics import FAMILIES
 
     rows = {name: cells for name, cells in _rows((DOCS / "metrics.md").read_text()).items()
             if name.startswith("wsd_")}
@@ -144,7 +144,7 @@ def test_every_metric_family_is_documented_with_its_type_and_labels():
 def test_every_wsctl_command_and_event_kind_is_documented():
     """A wsctl command or an event kind added to the code would otherwise be missing from
     docs/wsctl.md, and a removed one would stay there."""
-    from wsd.events import EventKind
+    from wsd.coordinator.events import EventKind
     from wsd_client.wsctl import COMMANDS
 
     text = (DOCS / "wsctl.md").read_text()

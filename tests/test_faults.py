@@ -21,7 +21,7 @@ from conftest import wait_until
 from mp import Rank, Workers, recording_manager
 from procs import COORDINATOR_READY, coordinator_section, python, spawn, write_config  # noqa: F401
 
-from wsd.agent import Agent, tp_side_group
+from wsd.agent.thread import Agent, tp_side_group
 from wsd_client.client import Client
 
 HEARTBEAT_INTERVAL = 0.2

@@ -6,7 +6,7 @@ already recorded (so that its desired state is not blank). Hypothesis throws
 at its client and agent sockets, through raw DEALER sockets: random bytes,
 truncated and deeply nested msgpack, huge strings and arrays below and above
 ``max_message_bytes``, a wrong value in every field of every operation's
-schema (generated from ``wsd.protocol.SCHEMAS``), out-of-range numbers,
+schema (generated from ``wsd.wire.protocol.SCHEMAS``), out-of-range numbers,
 unknown operations and versions, and multi-frame garbage. After every input:
 the coordinator still answers ``ping``; ``status`` shows the same sequence
 number, desired state and no pending command; where a reply is possible it is
@@ -39,15 +39,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import wsd.config as config_module
-from wsd import protocol as p
+from wsd.agent.simulated import SimulatedRanks
+from wsd.coordinator.loop import Coordinator
 from wsd.errors import ConfigError
-from wsd.protocol import AGENT_OPS, CLIENT_OPS, SCHEMAS, ErrorCode, Field, Op
-from wsd.server import Coordinator
-from wsd.simulated import SimulatedRanks
+from wsd.wire import protocol as p
+from wsd.wire.protocol import AGENT_OPS, CLIENT_OPS, SCHEMAS, ErrorCode, Field, Op
 from wsd_client.client import Client
 
 MAX_MESSAGE = 64 * 1024
-# The server drops (rather than reads) a client frame beyond this: see wsd.server.
+# The server drops (rather than reads) a client frame beyond this: see wsd.coordinator.loop.
 HARD_LIMIT = 4 * MAX_MESSAGE
 REPLY_TIMEOUT_MS = 5000
 # The coordinator meters each agent connection that has not registered (a burst of

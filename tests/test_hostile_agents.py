@@ -1,14 +1,14 @@
 """Well-formed but malicious agent messages, thousands of them, against a live coordinator.
 
 ``test_hostile.py`` throws malformed input at both endpoints; here every frame is
-a valid message (each passes ``wsd.protocol.decode`` before it is sent) that
+a valid message (each passes ``wsd.wire.protocol.decode`` before it is sent) that
 lies: registrations for live ranks, for ranks beyond the world, of another world,
 claiming sequence numbers never issued (up to 2**63 - 1), with wrong proofs and
 junk acknowledgements, states and configurations; heartbeats, acknowledgements,
 events, unsolicited or junk stats replies and goodbyes for ranks the sender does
 not hold. A seeded generator (``hostile_kit.SEED``; ``WSD_HOSTILE_SEED``
 repeats a run) sends them from many connections to a coordinator thread on
-random loopback ports, with four simulated ranks (``wsd.simulated``) as its real
+random loopback ports, with four simulated ranks (``wsd.agent.simulated``) as its real
 agents and, without an agent token, attackers holding the unused ranks of the
 world. The test issues commands and stats requests of its own meanwhile.
 
@@ -38,11 +38,11 @@ import zmq
 from conftest import coordinator_config, wait_until
 from hostile_kit import hostile_inputs_counted, rng, tried  # noqa: F401 (a fixture)
 
-from wsd import protocol as p
-from wsd.protocol import AGENT_OPS, COORDINATOR_OPS, ErrorCode, Op
+from wsd.agent.simulated import SimulatedRanks
+from wsd.coordinator.loop import Coordinator
 from wsd.security import registration_proof
-from wsd.server import Coordinator
-from wsd.simulated import SimulatedRanks
+from wsd.wire import protocol as p
+from wsd.wire.protocol import AGENT_OPS, COORDINATOR_OPS, ErrorCode, Op
 from wsd_client.client import Client
 
 TRIED = tried(__file__)
@@ -201,7 +201,7 @@ class LogCapture(logging.Handler):
         self._logger.addHandler(self)
         if self._logger.getEffectiveLevel() > logging.WARNING:
             self._logger.setLevel(logging.WARNING)
-        logging.getLogger("wsd.coordinator").warning("hostile agents: log capture probe")
+        logging.getLogger("wsd.coordinator.core").warning("hostile agents: log capture probe")
         assert any("capture probe" in r.getMessage() for r in self.records), "the wsd log is not captured"
         return self
 
@@ -440,7 +440,7 @@ def test_a_proof_that_is_not_ascii_is_refused_not_an_internal_error(tmp_path):
     non-ASCII character makes ``hmac.compare_digest`` raise; the coordinator logs an
     internal error with its traceback (for every such frame: a log flood) and answers
     nothing, where it should refuse it as forbidden and count it."""
-    from wsd.coordinator import CoordinatorCore
+    from wsd.coordinator.core import CoordinatorCore
 
     core = CoordinatorCore(coordinator_config(tmp_path, world_size=WORLD, tp_size=TP), agent_token=TOKEN)
     body = {"rank": 0, "world_size": WORLD, "tp_size": TP, "tp_group": 0, "host": "h", "pid": 1,

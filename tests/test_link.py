@@ -1,16 +1,16 @@
-"""The agent's protocol logic (wsd.link.AgentLink) driven directly: no sockets, a clock we pass."""
+"""The agent's protocol logic (wsd.agent.core.AgentLink) driven directly: no sockets, a clock we pass."""
 
 from __future__ import annotations
 
 import itertools
 from typing import Any
 
-from wsd import protocol as p
-from wsd.link import AgentLink
-from wsd.protocol import Op
+from wsd.agent.core import AgentLink
+from wsd.wire import protocol as p
+from wsd.wire.protocol import Op
 
 
-class Backend:
+class FakeTarget:
     device = "cpu"
 
     def __init__(self) -> None:
@@ -62,19 +62,19 @@ def gaps(times: list[float]) -> list[float]:
 
 def test_an_unsent_registration_is_retried_soon():
     """A first REGISTER refused before the connection is up must not delay start-up by an interval."""
-    link = AgentLink(Backend(), rank=0, world_size=1, heartbeat_interval=1.0)
+    link = AgentLink(FakeTarget(), rank=0, world_size=1, heartbeat_interval=1.0)
     assert gaps(register_times(link, 5, unsent=3)) == [0.05, 0.05, 0.05, 1.0]
 
 
 def test_a_sent_registration_waits_an_interval_for_its_answer():
     """Retrying a sent registration sooner would only add to a busy coordinator's start-up storm
     (and show up as a rank registering twice)."""
-    link = AgentLink(Backend(), rank=0, world_size=1, heartbeat_interval=1.0)
+    link = AgentLink(FakeTarget(), rank=0, world_size=1, heartbeat_interval=1.0)
     assert gaps(register_times(link, 4)) == [1.0, 1.0, 1.0]
 
 
 def test_quick_retries_start_again_after_the_coordinator_forgets_us():
-    link = AgentLink(Backend(), rank=0, world_size=1, heartbeat_interval=1.0)
+    link = AgentLink(FakeTarget(), rank=0, world_size=1, heartbeat_interval=1.0)
     link.on_time(0.0)
     link.on_frame(registered(), 0.06)
     assert link.registered.is_set()
@@ -89,8 +89,8 @@ def test_quick_retries_start_again_after_the_coordinator_forgets_us():
 
 def test_commands_held_in_order_and_applied_once_in_idle_mode():
     """Replays of a seq already held or applied are dropped: a command is applied at most once."""
-    backend = Backend()
-    link = AgentLink(backend, rank=0, world_size=1, idle=True)
+    target = FakeTarget()
+    link = AgentLink(target, rank=0, world_size=1, idle=True)
     link.on_frame(registered(), 0.0)
     command = {"seq": 2, "action": "lock", "args": {}, "group": None}
     assert link.on_frame(p.encode(Op.COMMAND, command), 0.1) == []  # seq 1 missing: held back
@@ -99,7 +99,7 @@ def test_commands_held_in_order_and_applied_once_in_idle_mode():
     assert [p.decode(a).body["seq"] for a in acks] == [1, 2]
     assert link.on_frame(p.encode(Op.COMMAND, first), 0.3) == []
     assert link.on_frame(p.encode(Op.COMMAND, command), 0.3) == []
-    assert backend.applied == [("set_ubatches", {"n": 2}), ("lock", {})]
+    assert target.applied == [("set_ubatches", {"n": 2}), ("lock", {})]
     assert link.applied == link.held == 2
 
 
@@ -108,7 +108,7 @@ def test_waker_is_safe_after_close():
     write into a descriptor number the process has since reused for something else."""
     import os
 
-    from wsd.transport import Waker
+    from wsd.wire.transport import Waker
 
     waker = Waker()
     waker.wake()
@@ -135,62 +135,62 @@ def test_fresh_process_takes_on_the_desired_state_when_its_group_agrees():
     on the baseline (the MIN agreement stays below it until every member registered),
     apply it in a safe order before any later command, jump to the baseline, and
     never apply it twice."""
-    backend = Backend()
-    link = AgentLink(backend, rank=1, world_size=2, tp_size=2)
+    target = FakeTarget()
+    link = AgentLink(target, rank=1, world_size=2, tp_size=2)
     assert link.registration()["applied_seq"] is None  # fresh
     link.on_frame(registered(baseline=4, desired=LOCKED_3), 0.0)
     link.on_frame(command(5, "set_ubatches", n=2), 0.1)
     assert link.held == 5 and link.applied == 0
     assert link.apply_up_to(0) == [] and link.apply_up_to(3) == []  # a peer not registered yet
-    assert backend.applied == [] and link.applied == 0
+    assert target.applied == [] and link.applied == 0
     done = link.apply_up_to(5)
-    assert backend.applied == [("set_ubatches", {"n": 3}), ("reserve", {"bytes": 4096}), ("lock", {}),
+    assert target.applied == [("set_ubatches", {"n": 3}), ("reserve", {"bytes": 4096}), ("lock", {}),
                                ("set_ubatches", {"n": 2})]
     assert [seq for seq, _ in done] == [5]  # the start is no command: nothing acknowledged for it
     assert link.applied == 5
-    assert link.apply_up_to(5) == [] and len(backend.applied) == 4
+    assert link.apply_up_to(5) == [] and len(target.applied) == 4
     assert link.on_frame(command(4), 0.2) == [] and link.on_frame(command(5), 0.2) == []
 
 
 def test_start_applies_at_the_baseline_even_with_nothing_after_it():
-    backend = Backend()
-    link = AgentLink(backend, rank=0, world_size=1)
+    target = FakeTarget()
+    link = AgentLink(target, rank=0, world_size=1)
     link.on_frame(registered(baseline=2, desired={"locked": False, "num_ubatches": 3, "reserve_bytes": 512}), 0.0)
     assert link.apply_up_to(2) == []
     # Unlocked wanted: the unlock comes first, so that the reserve applies even if
     # the engine locked itself meanwhile.
-    assert backend.applied == [("unlock", {}), ("set_ubatches", {"n": 3}), ("reserve", {"bytes": 512})]
+    assert target.applied == [("unlock", {}), ("set_ubatches", {"n": 3}), ("reserve", {"bytes": 512})]
     assert link.applied == 2
 
 
 def test_idle_process_takes_on_the_desired_state_on_receipt():
     """An idle worker has no step boundary: it must apply the start when registered."""
-    backend = Backend()
-    link = AgentLink(backend, rank=0, world_size=1, idle=True)
+    target = FakeTarget()
+    link = AgentLink(target, rank=0, world_size=1, idle=True)
     link.on_frame(registered(baseline=7, desired={"locked": True, "num_ubatches": None, "reserve_bytes": None}), 0.0)
-    assert backend.applied == [("lock", {})] and link.applied == link.held == 7
+    assert target.applied == [("lock", {})] and link.applied == link.held == 7
 
 
 def test_re_registration_never_applies_the_start_again():
     """After a coordinator restart the process is no longer fresh: it reports its
     baseline, and a desired state in the new REGISTERED (which a coordinator should
     not send) is ignored, or the process would apply it a second time."""
-    backend = Backend()
-    link = AgentLink(backend, rank=0, world_size=1)
+    target = FakeTarget()
+    link = AgentLink(target, rank=0, world_size=1)
     link.on_frame(registered(baseline=3, desired=LOCKED_3), 0.0)
     assert link.registration()["applied_seq"] == 3  # registered, not yet agreed: it will reach 3
     link.on_frame(p.encode(Op.PULSE, {"epoch": "e2"}), 1.0)  # the coordinator restarted
     assert link.registration()["applied_seq"] == 3
     link.on_frame(registered(epoch="e2", baseline=3, desired=LOCKED_3), 1.1)
     link.apply_up_to(3)
-    assert backend.applied == [("set_ubatches", {"n": 3}), ("reserve", {"bytes": 4096}), ("lock", {})]
+    assert target.applied == [("set_ubatches", {"n": 3}), ("reserve", {"bytes": 4096}), ("lock", {})]
     link.on_frame(registered(epoch="e3", baseline=3, desired={**LOCKED_3, "num_ubatches": 8}), 2.0)
     link.on_frame(command(4, "unlock"), 2.1)
     link.apply_up_to(4)
-    assert backend.applied[3:] == [("unlock", {})]
+    assert target.applied[3:] == [("unlock", {})]
 
 
-class FailingReserve(Backend):
+class FailingReserve(FakeTarget):
     def apply(self, action: str, args: dict[str, Any]) -> None:
         if action == "reserve":
             raise RuntimeError("no memory")
@@ -200,11 +200,11 @@ class FailingReserve(Backend):
 def test_a_failing_start_action_is_reported_not_raised():
     """A failure must reach the coordinator as an agent event, and the engine must
     never see the exception; the other actions still apply."""
-    backend = FailingReserve()
-    link = AgentLink(backend, rank=0, world_size=1)
+    target = FailingReserve()
+    link = AgentLink(target, rank=0, world_size=1)
     link.on_frame(registered(baseline=1, desired=LOCKED_3), 0.0)
     link.apply_up_to(1)
-    assert backend.applied == [("set_ubatches", {"n": 3}), ("lock", {})] and link.applied == 1
+    assert target.applied == [("set_ubatches", {"n": 3}), ("lock", {})] and link.applied == 1
     events = [p.decode(f) for f in link.on_time(0.5)]
     reported = [m.body for m in events if m.op is Op.EVENT]
     assert len(reported) == 1 and reported[0]["kind"] == "start_failed"
@@ -216,17 +216,17 @@ def test_goodbye_only_once_registered_and_names_the_rank_and_step():
     """A rank the coordinator never accepted has nothing to take leave of; a registered one
     names itself, its last step, seqs and state, which the coordinator shows for the
     stopped rank."""
-    link = AgentLink(Backend(), rank=3, world_size=4)
+    link = AgentLink(FakeTarget(), rank=3, world_size=4)
     assert link.goodbye() is None
     link.on_frame(registered(), 0.0)
     link.steps = 17
     message = p.decode(link.goodbye(), p.AGENT_OPS)
     assert message.op is Op.GOODBYE
     assert message.body == {"rank": 3, "step": 17, "applied_seq": link.applied,
-                            "held_seq": link.held, "state": Backend().state()}
+                            "held_seq": link.held, "state": FakeTarget().state()}
 
 
-class FailingLoudly(Backend):
+class FailingLoudly(FakeTarget):
     def apply(self, action: str, args: dict[str, Any]) -> None:
         raise RuntimeError("é" * 10_000)  # an exception with a very long, multi-byte message
 
@@ -262,7 +262,7 @@ def test_a_registration_resending_64_acks_of_long_failures_fits_its_bounds():
 def test_a_rank_still_live_on_an_older_connection_is_asked_for_again_each_interval():
     """A restarted worker whose old process the coordinator has not missed yet is refused
     (conflict) until then: it asks again each heartbeat interval, not each timeout."""
-    link = AgentLink(Backend(), rank=0, world_size=1, heartbeat_interval=1.0, heartbeat_timeout=5.0)
+    link = AgentLink(FakeTarget(), rank=0, world_size=1, heartbeat_interval=1.0, heartbeat_timeout=5.0)
     assert sent_ops(link.on_time(0.0)) == [Op.REGISTER]
     link.on_frame(p.encode(Op.REJECTED, {"code": "conflict", "message": "rank 0 is live elsewhere"}), 0.5)
     assert link.due() == 1.5

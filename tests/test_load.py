@@ -1,7 +1,7 @@
 """Load: 32 concurrent clients against a coordinator with heartbeats flowing.
 
 The coordinator runs as ``wsd coordinator`` (a process of its own, as in
-production) with 16 simulated ranks (``python -m wsd.simulated``, another
+production) with 16 simulated ranks (``python -m wsd.agent.simulated``, another
 process, torch-free, speaking the real agent protocol) heartbeating every
 0.2 s with a 1 s timeout. 32 threads, each with its own ``Client`` and no
 retries (a lost reply would show as an error, not be hidden by a retry),
@@ -70,7 +70,7 @@ def test_32_clients_with_heartbeats_flowing_lose_no_rank_and_no_request(tmp_path
         "stats_timeout": 2.0}})
     coordinator = spawn(python("-m", "wsd.cli", "coordinator", "--config", config), name="wsd coordinator")
     agents, clients = coordinator.wait_for(COORDINATOR_READY, 30).groups()
-    spawn(python("-m", "wsd.simulated", "--endpoint", agents, "--ranks", str(RANKS), "--tp-size",
+    spawn(python("-m", "wsd.agent.simulated", "--endpoint", agents, "--ranks", str(RANKS), "--tp-size",
                  str(TP_SIZE), "--heartbeat-interval", str(HEARTBEAT_INTERVAL),
                  "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT)), name="simulated ranks")
     with Client(clients, timeout=5) as client:

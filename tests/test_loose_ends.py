@@ -18,7 +18,7 @@ import zmq
 from procs import TRACEBACK, coordinator_section, write_config
 
 from wsd.errors import ConfigError
-from wsd.transport import BindError, bind, make_socket
+from wsd.wire.transport import BindError, bind, make_socket
 
 _ENV = {k: v for k, v in os.environ.items() if not k.startswith("WSD_")}
 

@@ -1,4 +1,4 @@
-"""The coordinator's Prometheus metrics (wsd.metrics), in three tiers.
+"""The coordinator's Prometheus metrics (wsd.coordinator.metrics), in three tiers.
 
 Collector: given published views, every family with its labels and values,
 and a label set gone from the views gone from the scrape. Core: with a fake
@@ -25,12 +25,12 @@ from conftest import wait_until
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from wsd import protocol as p
-from wsd.aggregate import StatsRound, read_snapshot
+from wsd.agent.simulated import SimulatedRanks
 from wsd.config import CoordinatorConfig, load_config
-from wsd.coordinator import CLIENT, CoordinatorCore
-from wsd.errors import ConfigError, WsdError
-from wsd.metrics import (
+from wsd.coordinator.aggregate import StatsRound, read_snapshot
+from wsd.coordinator.core import CLIENT, CoordinatorCore
+from wsd.coordinator.loop import Coordinator
+from wsd.coordinator.metrics import (
     COMMAND_BUCKETS,
     FAMILIES,
     Collector,
@@ -40,11 +40,11 @@ from wsd.metrics import (
     StatsView,
     core_view,
 )
-from wsd.protocol import Op
-from wsd.registry import Registry
-from wsd.server import Coordinator
-from wsd.simulated import SimulatedRanks
-from wsd.stats import ManagerStats, SlotStats
+from wsd.coordinator.registry import Registry
+from wsd.errors import ConfigError, WsdError
+from wsd.manager.stats import ManagerStats, SlotStats
+from wsd.wire import protocol as p
+from wsd.wire.protocol import Op
 from wsd_client import wsctl
 from wsd_client.client import Client
 
@@ -448,7 +448,7 @@ def test_metrics_endpoint_starts_and_stops_with_the_coordinator(tmp_path, start_
 
 
 def test_a_metrics_host_reachable_from_other_hosts_is_warned_about(start_coordinator, caplog):
-    caplog.set_level(logging.WARNING, logger="wsd.server")
+    caplog.set_level(logging.WARNING, logger="wsd.coordinator.loop")
     coordinator = start_coordinator(metrics_port=0, metrics_host="0.0.0.0")
     assert coordinator.metrics_url.startswith("http://0.0.0.0:")
     assert any("metrics endpoint" in r.message and "other hosts" in r.message for r in caplog.records)
@@ -464,7 +464,7 @@ def _worker(me, endpoint: str, sizes: list[int]) -> None:
     import torch
 
     from wsd import WorkspaceManager, use_ubatch
-    from wsd.agent import Agent
+    from wsd.agent.thread import Agent
 
     manager = WorkspaceManager("cpu", 2)
     for ubatch, size in enumerate(sizes):

@@ -19,7 +19,7 @@ from mp import Rank, WorkerFailed, Workers, recording_manager
 from procs import processes, python
 
 from wsd import use_ubatch
-from wsd.agent import Agent, tp_side_group
+from wsd.agent.thread import Agent, tp_side_group
 from wsd_client.client import Client
 from wsd_client.rows import stats_rows
 
@@ -332,7 +332,7 @@ def test_killed_rank_is_reported_lost_and_replies_name_it(cluster, start_coordin
     # A new process for rank 1 (a torch-free simulated rank: its group has no
     # collective to join) registers: rank 1 is back and takes commands again.
     with processes() as start:
-        start(python("-m", "wsd.simulated", "--endpoint", coordinator.agent_endpoint, "--ranks", "1",
+        start(python("-m", "wsd.agent.simulated", "--endpoint", coordinator.agent_endpoint, "--ranks", "1",
                      "--first-rank", "1", "--world-size", "2",
                      "--heartbeat-interval", str(HEARTBEAT_INTERVAL),
                      "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT)), name="rank 1 again")

@@ -8,12 +8,23 @@ from pathlib import Path
 
 import wsd
 
-# Importing these must not need torch: the coordinator and clients run without it.
-TORCH_FREE = ["wsd", "wsd.config", "wsd.errors", "wsd.stats", "wsd.fmt", "wsd.cli", "wsd.link", "wsd.simulated",
-              "wsd.protocol", "wsd.commands", "wsd.coordinator", "wsd.admission", "wsd.ratelimit", "wsd.server",
-              "wsd.launch",
-              "wsd_client.client",
-              "wsd_client", "wsd_client.wsctl"]
+# The torch side: the only modules that may import torch. Every other module
+# of the package (the coordinator and wire subpackages whole, every
+# configuration section, the snapshots, the agent's protocol logic, the
+# simulated ranks, the launchers) must import without it, and so must the clients.
+TORCH_SIDE = {"wsd.manager.core", "wsd.manager.slots", "wsd.manager.demo", "wsd.agent.thread", "wsd.worker.__main__",
+              "wsd.worker.process", "wsd.worker.distributed", "wsd.worker.collectives",
+              "wsd.worker.workload", "wsd.integrations.vllm.plugin", "wsd.integrations.vllm.workspace"}
+
+
+def _modules(package: str, root: str) -> list[str]:
+    names = (".".join((package, *p.relative_to(root).with_suffix("").parts)) for p in Path(root).rglob("*.py"))
+    return sorted(name.removesuffix(".__init__") for name in names)
+
+
+WSD_MODULES = _modules("wsd", wsd.__path__[0])
+TORCH_FREE = [m for m in WSD_MODULES if m not in TORCH_SIDE] + ["wsd_client", "wsd_client.client",
+                                                                  "wsd_client.wsctl", "wsd_client.render"]
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -21,7 +32,10 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 def test_client_side_imports_without_torch():
-    """Fails if any client/coordinator-side module imports torch at import time."""
+    """Fails if any module outside TORCH_SIDE, or any client module, imports torch at import time."""
+    assert TORCH_SIDE <= set(WSD_MODULES), TORCH_SIDE - set(WSD_MODULES)
+    for package in ("wsd.coordinator", "wsd.wire"):  # torch-free as a whole
+        assert not {m for m in TORCH_SIDE if m.startswith(package + ".")}
     code = (
         "import sys; sys.modules['torch'] = None\n"  # any 'import torch' now raises
         f"import importlib; [importlib.import_module(m) for m in {TORCH_FREE!r}]\n"
@@ -39,8 +53,7 @@ def test_nothing_but_the_integration_imports_vllm():
     code = (
         "import sys; sys.modules['vllm'] = None\n"  # any 'import vllm' now raises
         "import importlib\n"
-        f"for m in {TORCH_FREE!r} + ['wsd.manager', 'wsd.agent', 'wsd.worker', 'wsd.integrations',"
-        " 'wsd.integrations.vllm']: importlib.import_module(m)\n"
+        f"for m in {TORCH_FREE + sorted(TORCH_SIDE)!r}: importlib.import_module(m)\n"
         "import os; [os.environ.pop(k, None) for k in ('WSD_CONFIG', 'WSD_COORDINATOR_CONNECT_ENDPOINT')]\n"
         "import wsd.integrations.vllm as plugin; plugin.register()\n"
         "print('ok')\n"
@@ -51,7 +64,7 @@ def test_nothing_but_the_integration_imports_vllm():
 
 
 def test_manager_names_load_lazily_from_wsd():
-    assert wsd.WorkspaceManager.__module__ == "wsd.manager"
+    assert wsd.WorkspaceManager.__module__ == "wsd.manager.core"
     for name in wsd.__all__:
         assert getattr(wsd, name) is not None
 

@@ -1,4 +1,4 @@
-"""The wire (wsd/protocol.py): round trips, every kind of bad input, the pinned contract.
+"""The wire (wsd/wire/protocol.py): round trips, every kind of bad input, the pinned contract.
 
 Pure logic: no sockets, no torch. Each bad-input test asserts the error code and
 that the message names the offending field, since that is what promise 7
@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wsd import protocol as p
 from wsd.config import MAX_UBATCHES
-from wsd.protocol import ErrorCode, Op, ProtocolError
+from wsd.wire import protocol as p
+from wsd.wire.protocol import ErrorCode, Op, ProtocolError
 
 # One valid body per operation; every Op must appear here (checked below).
 VALID: dict[Op, dict] = {

@@ -1,6 +1,6 @@
 """The coordinator holds hundreds of ranks: real processes, as deployed.
 
-``wsd coordinator`` and ``python -m wsd.simulated`` (256 ranks, 8 slots each,
+``wsd coordinator`` and ``python -m wsd.agent.simulated`` (256 ranks, 8 slots each,
 TP groups of 8) each in a process of their own, on loopback ports the OS
 chose. The 1,024-rank, 60-second figures are the benchmark's
 (``python -m bench.bench_scale``); this is the bounded check of the same
@@ -47,7 +47,7 @@ def test_hundreds_of_ranks_register_stay_live_and_answer(tmp_path, spawn):  # no
     }})
     coordinator = spawn(["wsd", "coordinator", "--config", config], name="wsd coordinator")
     agents, clients = coordinator.wait_for(COORDINATOR_READY, 30).groups()
-    sim = spawn(python("-m", "wsd.simulated", "--endpoint", agents, "--ranks", str(RANKS),
+    sim = spawn(python("-m", "wsd.agent.simulated", "--endpoint", agents, "--ranks", str(RANKS),
                        "--tp-size", str(TP), "--ubatches", str(SLOTS),
                        "--heartbeat-interval", str(INTERVAL), "--heartbeat-timeout", str(TIMEOUT)),
                 name="simulated ranks")

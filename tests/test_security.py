@@ -23,14 +23,14 @@ from procs import COORDINATOR_READY, coordinator_section, python, spawn, torchru
 from zmq.utils.monitor import recv_monitor_message
 
 from wsd import WorkspaceManager
-from wsd import protocol as p
-from wsd.agent import Agent
-from wsd.auth import ClientKeys, agent_keys, is_loopback, keygen
+from wsd.agent.thread import Agent
 from wsd.config import MAX_LANES, MAX_UBATCHES, CoordinatorConfig, load_config
+from wsd.coordinator.loop import Coordinator
 from wsd.errors import ConfigError
-from wsd.protocol import COMMAND_OPS, ErrorCode, Op
 from wsd.security import SecurityConfig
-from wsd.server import Coordinator
+from wsd.wire import protocol as p
+from wsd.wire.curve import ClientKeys, agent_keys, is_loopback, keygen
+from wsd.wire.protocol import COMMAND_OPS, ErrorCode, Op
 from wsd_client import wsctl
 from wsd_client.client import Client, ClientError, Unavailable
 

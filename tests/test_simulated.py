@@ -1,12 +1,12 @@
-"""Simulated ranks (wsd.simulated) against the real coordinator on random loopback ports."""
+"""Simulated ranks (wsd.agent.simulated) against the real coordinator on random loopback ports."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import wait_until
 
-from wsd.simulated import SimulatedManager, SimulatedRanks
-from wsd.stats import ManagerStats
+from wsd.agent.simulated import SimulatedManager, SimulatedRanks
+from wsd.manager.stats import ManagerStats
 from wsd_client.client import Client
 
 RANKS = 16
@@ -108,7 +108,7 @@ def test_columnar_wire_form_expands_to_the_row_form():
     manager holds."""
     import msgpack
 
-    from wsd.stats import slot_rows
+    from wsd.manager.stats import slot_rows
 
     stats = _sample_stats()
     wire = msgpack.unpackb(msgpack.packb(stats.to_wire()))
@@ -120,7 +120,7 @@ def test_columnar_wire_form_expands_to_the_row_form():
 
 def _sample_stats() -> ManagerStats:
     """Six slots (3 ubatches x 2 lanes) with violations and persistent buffers on some."""
-    from wsd.stats import LockViolation, PersistentStats, SlotStats
+    from wsd.manager.stats import LockViolation, PersistentStats, SlotStats
 
     violation = LockViolation("model.py:12:forward", 4096, 1024, 1.5)
     slots = tuple(

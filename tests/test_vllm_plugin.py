@@ -16,7 +16,7 @@ import torch
 from conftest import wait_until
 
 from wsd import WorkspaceManager
-from wsd.agent import Agent
+from wsd.agent.thread import Agent
 from wsd.errors import ConfigError
 from wsd.integrations.vllm import plugin
 from wsd.integrations.vllm.wake import (

@@ -30,11 +30,11 @@ from procs import (  # noqa: F401  (spawn is a fixture)
 )
 
 from wsd.config import WorkloadConfig
-from wsd.distributed import read_torchrun_env
+from wsd.coordinator.loop import Coordinator
 from wsd.errors import TorchrunEnvError
-from wsd.manager import WorkspaceManager
-from wsd.server import Coordinator
-from wsd.workload import TensorParallelMlp, run_workload, steady_tokens, warmup_tokens
+from wsd.manager.core import WorkspaceManager
+from wsd.worker.distributed import read_torchrun_env
+from wsd.worker.workload import TensorParallelMlp, run_workload, steady_tokens, warmup_tokens
 from wsd_client.client import Client
 from wsd_client.rows import stats_rows
 

@@ -19,7 +19,7 @@ import zmq
 from conftest import wait_until
 
 from wsd import WorkspaceManager, use_ubatch
-from wsd.agent import Agent
+from wsd.agent.thread import Agent
 from wsd.fmt import format_bytes
 from wsd_client import render, wsctl
 from wsd_client.client import Client

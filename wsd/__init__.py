@@ -22,7 +22,7 @@ from wsd.errors import (
     WorkspaceNotInitializedError,
     WsdError,
 )
-from wsd.stats import LockViolation, ManagerStats, PersistentStats, SlotStats
+from wsd.manager.stats import LockViolation, ManagerStats, PersistentStats, SlotStats
 
 __version__ = "0.1.0"
 
@@ -43,7 +43,7 @@ _MANAGER_NAMES = frozenset(
 )
 
 if TYPE_CHECKING:
-    from wsd.manager import (
+    from wsd.manager.core import (
         WorkspaceManager,
         current_lane,
         current_ubatch,
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     if name in _MANAGER_NAMES:
-        return getattr(importlib.import_module("wsd.manager"), name)
+        return getattr(importlib.import_module("wsd.manager.core"), name)
     raise AttributeError(f"module 'wsd' has no attribute {name!r}")
 
 

@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return serve_coordinator(load_config(args.config), exit_with_parent=args.exit_with_parent)
         if args.command == "demo":
-            from wsd.demo import run_demo
+            from wsd.manager.demo import run_demo
 
             print(run_demo(args.config, args.device, args.steps))
             return 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from wsd.protocol import ErrorCode
+    from wsd.wire.protocol import ErrorCode
 
 __all__ = [
     "AgentError",

@@ -71,7 +71,7 @@ def serve_coordinator(config: WsdConfig, *, exit_with_parent: bool = False) -> i
     first registration that proves it holds the token. Without either, the
     first peer to reach the agent endpoint would fix the world for everyone.
     """
-    from wsd.server import Coordinator
+    from wsd.coordinator.loop import Coordinator
 
     token = load_agent_token(config.security)
     if config.coordinator.world_size is None and token is None:
@@ -273,7 +273,7 @@ def up(nproc: int, config_path: str | None, *, out: Callable[[str], object] = _s
 def _torchrun_command(nproc: int, config_path: str | None) -> list[str]:
     # --standalone: a c10d rendezvous on a port the OS picks, never a fixed one.
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), "-m", "wsd.worker"]
+               "--nproc-per-node", str(nproc), "-m", "wsd.worker.process"]
     return command + (["--config", str(config_path)] if config_path is not None else [])
 
 

@@ -6,8 +6,8 @@ Keys are ZeroMQ certificate files (``wsctl keygen`` writes them): NAME.key holds
 a public key, NAME.key_secret both halves. The coordinator lists the public
 keys it admits in folders: ``viewer_keys`` (may ping, status, ranks, stats,
 events), ``admin_keys`` (everything) and ``agent_keys``. Everything CURVE
-does, its key files included, is ``wsd.auth``'s; this module is the section,
-and the agent token (read here, checked by ``wsd.admission``).
+does, its key files included, is ``wsd.wire.curve``'s; this module is the section,
+and the agent token (read here, checked by ``wsd.coordinator.admission``).
 
 A token file readable by anyone but its owner is refused at start-up
 (``ConfigError`` naming the file and its mode). Imports neither torch, nor

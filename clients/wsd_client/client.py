@@ -15,11 +15,11 @@ from typing import Any
 
 import zmq
 
-from wsd import protocol as p
-from wsd.auth import ClientKeys
 from wsd.commands import COMMANDS, CommandResult
 from wsd.errors import ClientError, ConfigError, Unavailable
-from wsd.protocol import ErrorCode, Op
+from wsd.wire import protocol as p
+from wsd.wire.curve import ClientKeys
+from wsd.wire.protocol import ErrorCode, Op
 
 __all__ = ["DEFAULT_ENDPOINT", "Client", "ClientError", "CommandResult", "Unavailable"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from wsd.stats import slot_rows
+from wsd.manager.stats import slot_rows
 
 __all__ = ["group_slots", "rank_slots", "stats_rows"]
 

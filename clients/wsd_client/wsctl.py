@@ -57,13 +57,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from wsd.auth import keygen
 from wsd.commands import COMMANDS as COMMAND_TABLE
 from wsd.commands import CommandSpec
 from wsd.config import MAX_EVENT_CAPACITY, flag_number, parse_size
 from wsd.errors import ConfigError
-from wsd.protocol import SCHEMAS, Op
-from wsd.transport import check_endpoint
+from wsd.wire.curve import keygen
+from wsd.wire.protocol import SCHEMAS, Op
+from wsd.wire.transport import check_endpoint
 from wsd_client import render
 from wsd_client.client import Client, ClientError, CommandResult
 from wsd_client.rows import stats_rows

@@ -122,12 +122,12 @@ def _attach(worker: Any, config: WsdConfig) -> None:
     import vllm.v1.worker.workspace as vllm_workspace
     from vllm.distributed import parallel_state
 
-    from wsd.agent import Agent
-    from wsd.auth import agent_keys
+    from wsd.agent.thread import Agent
     from wsd.integrations.vllm import workspace
     from wsd.integrations.vllm.patches import vllm_version
     from wsd.integrations.vllm.wake import WakeSender, wake_endpoint
     from wsd.security import load_agent_token
+    from wsd.wire.curve import agent_keys
 
     with _attach_lock:
         if _attachment is not None:

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from wsd import manager as _wsd_manager
 from wsd.config import WorkspaceConfig
-from wsd.slots import LANE_ID, UBATCH_ID
+from wsd.manager import core as _wsd_manager
+from wsd.manager.slots import LANE_ID, UBATCH_ID
 
 __all__ = [
     "WorkspaceManager",

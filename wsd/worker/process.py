@@ -23,10 +23,14 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from wsd.agent import Agent
-from wsd.auth import agent_keys
+from wsd.agent.thread import Agent
 from wsd.config import CoordinatorMode, WsdConfig, load_config
-from wsd.distributed import (
+from wsd.errors import ConfigError, LaunchError
+from wsd.launch import CoordinatorProcess, stop_signals
+from wsd.manager.core import WorkspaceManager
+from wsd.security import AGENT_TOKEN_ENV, load_agent_token
+from wsd.wire.curve import agent_keys
+from wsd.worker.distributed import (
     DistContext,
     TorchrunEnv,
     any_rank,
@@ -34,13 +38,9 @@ from wsd.distributed import (
     init_distributed,
     read_torchrun_env,
 )
-from wsd.errors import ConfigError, LaunchError
-from wsd.launch import CoordinatorProcess, stop_signals
-from wsd.manager import WorkspaceManager
-from wsd.security import AGENT_TOKEN_ENV, load_agent_token
-from wsd.workload import TensorParallelMlp, run_workload
+from wsd.worker.workload import TensorParallelMlp, run_workload
 
-logger = logging.getLogger("wsd.worker")
+logger = logging.getLogger("wsd.worker.process")
 
 # An idle worker looks at its stop flag this often.
 _IDLE_POLL = 0.5
@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         curve = agent_keys(config.security)  # key files checked before anything starts
         token = load_agent_token(config.security)
     except ConfigError as e:
-        print(f"wsd.worker: {e}", file=sys.stderr)
+        print(f"wsd.worker.process: {e}", file=sys.stderr)
         return 2
     _setup_logging(env)
     stop = threading.Event()

@@ -118,7 +118,7 @@ def send_nowait(sock: zmq.Socket, parts: list[bytes]) -> bool:
     A multipart message is sent whole or not at all: a ROUTER refuses it at its
     first frame (no such peer, or the peer's queue full), and ZeroMQ takes the
     rest of a message once its first frame was taken. Every part must be bytes
-    (what ``wsd.protocol`` encodes), as nothing here checks them first.
+    (what ``wsd.wire.protocol`` encodes), as nothing here checks them first.
     """
     try:
         for part in parts[:-1]:

@@ -14,14 +14,14 @@ from typing import cast
 
 import zmq
 
-from wsd.auth import AGENT_DOMAIN, CLIENT_DOMAIN, CurveGate, is_loopback, refusal
 from wsd.config import CoordinatorConfig
-from wsd.coordinator import AGENT, CoordinatorCore, Out
+from wsd.coordinator.core import AGENT, CoordinatorCore, Out
+from wsd.coordinator.metrics import MetricsServer
 from wsd.errors import WsdError
-from wsd.metrics import MetricsServer
-from wsd.protocol import ErrorCode, error_reply
 from wsd.security import Role, SecurityConfig, load_agent_token
-from wsd.transport import bind, make_socket, raise_fd_limit, send_nowait
+from wsd.wire.curve import AGENT_DOMAIN, CLIENT_DOMAIN, CurveGate, is_loopback, refusal
+from wsd.wire.protocol import ErrorCode, error_reply
+from wsd.wire.transport import bind, make_socket, raise_fd_limit, send_nowait
 
 __all__ = ["Coordinator"]
 

@@ -22,10 +22,10 @@ from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from wsd import protocol as p
+from wsd.coordinator.ratelimit import RateLimit
 from wsd.errors import Unauthenticated
-from wsd.ratelimit import RateLimit
 from wsd.security import registration_proof
+from wsd.wire import protocol as p
 
 __all__ = ["TOO_LARGE", "UNREGISTERED_FRAME", "AgentGate", "Unauthenticated"]
 

@@ -13,7 +13,7 @@ import torch
 from wsd.config import load_config
 from wsd.errors import WorkspaceLockedError
 from wsd.fmt import format_bytes, table
-from wsd.manager import WorkspaceManager, use_lane, use_ubatch
+from wsd.manager.core import WorkspaceManager, use_lane, use_ubatch
 
 
 def run_demo(config_path: str | None, device: str, steps: int) -> str:

@@ -43,7 +43,7 @@ from wsd.errors import (
     WorkspaceLockHeldError,
     WorkspaceNotInitializedError,
 )
-from wsd.slots import (
+from wsd.manager.slots import (
     LANE_ID,
     UBATCH_ID,
     Slot,
@@ -55,7 +55,7 @@ from wsd.slots import (
     use_lane,
     use_ubatch,
 )
-from wsd.stats import LockViolation, ManagerStats, PersistentStats, SlotStats
+from wsd.manager.stats import LockViolation, ManagerStats, PersistentStats, SlotStats
 
 __all__ = [
     "WorkspaceManager",

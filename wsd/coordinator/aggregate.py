@@ -22,7 +22,7 @@ from typing import Any
 
 import msgpack
 
-from wsd.stats import PERSISTENT_COLUMNS, SLOT_COLUMNS, VIOLATION_COLUMNS
+from wsd.manager.stats import PERSISTENT_COLUMNS, SLOT_COLUMNS, VIOLATION_COLUMNS
 
 __all__ = ["Snapshot", "StatsRound", "read_snapshot"]
 

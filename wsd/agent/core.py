@@ -2,10 +2,10 @@
 
 ``AgentLink`` holds what a rank has registered, received and applied, and turns
 each frame from the coordinator, and the passing of time, into the frames to
-send back. The real agent (``wsd.agent``) drives one from its I/O thread beside
-a ``WorkspaceManager``; simulated ranks (``wsd.simulated``) drive many from one
+send back. The real agent (``wsd.agent.thread``) drives one from its I/O thread beside
+a ``WorkspaceManager``; simulated ranks (``wsd.agent.simulated``) drive many from one
 loop. What the rank *is* (its manager state, snapshot and how it applies a
-command) comes from a ``Backend``.
+command) comes from a ``RankTarget`` (its manager, as the protocol sees it).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from wsd import protocol as p
 from wsd.commands import start_actions
 from wsd.fmt import cut
-from wsd.protocol import Op
 from wsd.security import registration_proof
+from wsd.wire import protocol as p
+from wsd.wire.protocol import Op
 
-__all__ = ["AgentLink", "Backend"]
+__all__ = ["AgentLink", "RankTarget"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ _ACK_MEMORY = p.ACK_MEMORY
 _UNSENT_RETRY = 0.05
 
 
-class Backend(Protocol):
+class RankTarget(Protocol):
     """What a rank is, as the protocol needs it."""
 
     device: str
@@ -51,7 +51,7 @@ class Backend(Protocol):
 
     def snapshot(self) -> dict[str, Any] | bytes:
         """``ManagerStats.to_wire()`` of the rank's manager, for stats requests,
-        or that map already msgpack-encoded (a backend that keeps it)."""
+        or that map already msgpack-encoded (a target that keeps it)."""
         ...
 
     def apply(self, action: str, args: dict[str, Any]) -> None:
@@ -77,7 +77,7 @@ class AgentLink:
 
     def __init__(
         self,
-        backend: Backend,
+        target: RankTarget,
         *,
         rank: int,
         world_size: int,
@@ -91,7 +91,7 @@ class AgentLink:
         now: float = 0.0,
         token: bytes | None = None,
     ) -> None:
-        self.backend = backend
+        self.target = target
         self.rank = rank
         self.world_size = world_size
         self.tp_size = tp_size
@@ -159,7 +159,7 @@ class AgentLink:
                 self.next_heartbeat = now + self.interval
                 out.append(p.encode(Op.HEARTBEAT, {
                     "rank": self.rank, "step": self.steps, "applied_seq": self.applied,
-                    "held_seq": self.held, "state": self.backend.state(),
+                    "held_seq": self.held, "state": self.target.state(),
                 }))
             return out
         return []
@@ -176,7 +176,7 @@ class AgentLink:
             return None
         return p.encode(Op.GOODBYE, {
             "rank": self.rank, "step": self.steps, "applied_seq": self.applied,
-            "held_seq": self.held, "state": self.backend.state(),
+            "held_seq": self.held, "state": self.target.state(),
         })
 
     def _take_reports(self) -> list[bytes]:
@@ -189,13 +189,13 @@ class AgentLink:
         return {
             "rank": self.rank, "world_size": self.world_size, "tp_size": self.tp_size,
             "tp_group": self.tp_index, "host": self.host, "pid": self.pid,
-            "device": self.backend.device,
+            "device": self.target.device,
             # Not fresh once registered: a process that has yet to reach its
             # baseline (its group has not agreed on it) will, so it says so, and a
             # restarted coordinator neither sends nor expects the start again.
             "applied_seq": None if self._fresh else max(self.applied, self.baseline),
             "acks": list(self._acks), "step": self.steps, "idle": self.idle,
-            "state": self.backend.state(), "config": self.extra,
+            "state": self.target.state(), "config": self.extra,
             "instance": self.instance, "proof": self._proof,
         }
 
@@ -255,7 +255,7 @@ class AgentLink:
 
     def _on_stats_request(self, body: dict[str, Any], now: float) -> list[bytes]:
         reply = {"rank": self.rank, "request": body["request"], "step": self.steps}
-        stats = self.backend.snapshot()
+        stats = self.target.snapshot()
         if isinstance(stats, bytes):
             return [p.encode(Op.STATS_REPLY, reply, packed={"stats": stats})]
         return [p.encode(Op.STATS_REPLY, {**reply, "stats": stats})]
@@ -300,7 +300,7 @@ class AgentLink:
             if group is None or group == self.tp_index:
                 error = None
                 try:
-                    self.backend.apply(command["action"], command["args"])
+                    self.target.apply(command["action"], command["args"])
                 except Exception as e:  # reported to the coordinator, never raised into the engine
                     error = _cut(f"{type(e).__name__}: {e}")
                     logger.warning("rank %d: command %d (%s) failed: %s", self.rank, seq, command["action"], error)
@@ -321,7 +321,7 @@ class AgentLink:
         desired, self._desired = self._desired or {}, None
         for action, args in start_actions(desired):  # in the command table's start order
             try:
-                self.backend.apply(action, args)
+                self.target.apply(action, args)
             except Exception as e:  # reported, never raised into the engine
                 error = _cut(f"{type(e).__name__}: {e}")
                 logger.warning("rank %d: taking on the desired state at seq %d: %s failed: %s",

@@ -10,7 +10,7 @@ can hold hundreds of them: they register, heartbeat, apply commands on receipt
 when the coordinator restarted or forgot them.
 
 Run from the command line (until interrupted):
-``python -m wsd.simulated --endpoint tcp://127.0.0.1:7600 --ranks 32``.
+``python -m wsd.agent.simulated --endpoint tcp://127.0.0.1:7600 --ranks 32``.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ import msgpack
 import zmq
 
 from wsd import commands
+from wsd.agent.core import AgentLink
 from wsd.config import MAX_UBATCHES
 from wsd.errors import ConfigError, SimulationError, WsdError
-from wsd.link import AgentLink
+from wsd.manager.stats import ManagerStats, PersistentStats, SlotStats
 from wsd.security import SecurityConfig, load_agent_token
-from wsd.stats import ManagerStats, PersistentStats, SlotStats
-from wsd.transport import Waker, answer_waiting, connect, make_socket, raise_fd_limit, send_nowait
+from wsd.wire.transport import Waker, answer_waiting, connect, make_socket, raise_fd_limit, send_nowait
 
 __all__ = ["SimulatedManager", "SimulatedRanks", "SimulationError", "main"]
 
@@ -51,7 +51,7 @@ _FDS_PER_RANK = 3
 
 
 class SimulatedManager:
-    """A warmed-up workspace manager's numbers, without buffers (``wsd.link.Backend``).
+    """A warmed-up workspace manager's numbers, without buffers (``wsd.agent.core.RankTarget``).
 
     Every slot starts at ``slot_bytes`` of capacity with one persistent buffer,
     as after warm-up; commands change the numbers as they would change a real
@@ -304,7 +304,7 @@ def _receiver(link: AgentLink) -> Callable[[bytes], list[bytes]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m wsd.simulated", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m wsd.agent.simulated", description=__doc__.split("\n\n")[0])
     parser.add_argument("--endpoint", required=True, help="the coordinator's agent endpoint")
     parser.add_argument("--ranks", type=int, required=True, help="how many ranks to simulate")
     parser.add_argument("--first-rank", type=int, default=0, help="number of the first simulated rank")

@@ -37,10 +37,10 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
+from wsd.coordinator.registry import RankState, Registry
 from wsd.errors import WsdError
-from wsd.protocol import StrEnum
-from wsd.registry import RankState, Registry
-from wsd.transport import BindError
+from wsd.wire.protocol import StrEnum
+from wsd.wire.transport import BindError
 
 __all__ = ["COMMAND_BUCKETS", "FAMILIES", "Collector", "CommandOutcome", "CommandStats", "CoreView",
            "MetricsServer", "Published", "RankRow", "StatsView", "core_view"]

@@ -28,11 +28,11 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from wsd import protocol as p
 from wsd.errors import ConfigError
-from wsd.protocol import ErrorCode
 from wsd.security import Role, SecurityConfig, file_mode
-from wsd.transport import TransportError
+from wsd.wire import protocol as p
+from wsd.wire.protocol import ErrorCode
+from wsd.wire.transport import TransportError
 
 __all__ = ["AGENT_DOMAIN", "CLIENT_DOMAIN", "ClientKeys", "CurveGate", "agent_keys", "is_loopback",
            "keygen", "load_folder", "load_public", "load_secret", "refusal"]

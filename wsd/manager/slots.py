@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from wsd.stats import LockViolation
+from wsd.manager.stats import LockViolation
 
 __all__ = ["Slot", "caller_outside", "current_lane", "current_ubatch", "key_text", "use_lane",
            "use_ubatch"]
@@ -27,9 +27,10 @@ LANE_ID: contextvars.ContextVar[int] = contextvars.ContextVar("wsd_lane", defaul
 
 # Frames in these files are the manager's own; the caller is the first outside
 # (for vLLM, the kernel that asked, not the drop-in module it called through).
+_HERE = os.path.dirname(os.path.abspath(__file__))
 _OWN_FILES = frozenset(
-    os.path.normcase(os.path.join(os.path.dirname(os.path.abspath(__file__)), *name))
-    for name in (("manager.py",), ("slots.py",), ("integrations", "vllm", "workspace.py"))
+    os.path.normcase(os.path.normpath(os.path.join(_HERE, *name)))
+    for name in (("core.py",), ("slots.py",), (os.pardir, "integrations", "vllm", "workspace.py"))
 )
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import msgpack
 
 from wsd.fmt import cut
-from wsd.protocol import StrEnum
+from wsd.wire.protocol import StrEnum
 
 __all__ = ["EventKind", "EventLog"]
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wsd.errors import RankTaken, RegistrationError
-from wsd.protocol import StrEnum
+from wsd.wire.protocol import StrEnum
 
 __all__ = ["RankInfo", "RankState", "RankTaken", "RegistrationError", "Registry"]
 

@@ -25,16 +25,16 @@ import torch.distributed as dist
 import zmq
 
 from wsd import commands
-from wsd import protocol as p
-from wsd.auth import ClientKeys
-from wsd.collectives import all_gather_values
+from wsd.agent.core import AgentLink
 from wsd.config import AgentConfig, LockedGrowthPolicy
 from wsd.errors import AgentError, WsdError
-from wsd.link import AgentLink
-from wsd.manager import WorkspaceManager
-from wsd.protocol import Op
-from wsd.stats import LockViolation, ManagerStats
-from wsd.transport import Waker, answer_waiting, connect, make_socket, send_nowait
+from wsd.manager.core import WorkspaceManager
+from wsd.manager.stats import LockViolation, ManagerStats
+from wsd.wire import protocol as p
+from wsd.wire.curve import ClientKeys
+from wsd.wire.protocol import Op
+from wsd.wire.transport import Waker, answer_waiting, connect, make_socket, send_nowait
+from wsd.worker.collectives import all_gather_values
 
 __all__ = ["Agent", "AgentError", "tp_side_group"]
 
@@ -70,8 +70,8 @@ def tp_side_group(rank: int, world_size: int, tp_size: int) -> Any:
     return mine
 
 
-class _ManagerBackend:
-    """A WorkspaceManager as the protocol sees it (``wsd.link.Backend``)."""
+class _ManagerTarget:
+    """A WorkspaceManager as the protocol sees it (``wsd.agent.core.RankTarget``)."""
 
     def __init__(self, manager: WorkspaceManager) -> None:
         self.manager = manager
@@ -123,7 +123,7 @@ class Agent:
         self._context = context or zmq.Context.instance()
         # The protocol state, shared with the I/O thread (see AgentLink on who writes what).
         self._link = AgentLink(
-            _ManagerBackend(manager), rank=rank, world_size=world_size, tp_size=tp_size, idle=idle,
+            _ManagerTarget(manager), rank=rank, world_size=world_size, tp_size=tp_size, idle=idle,
             heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout, extra=extra,
             now=time.monotonic(), token=token,
         )

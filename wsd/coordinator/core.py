@@ -3,9 +3,9 @@
 ``CoordinatorCore`` makes every decision as plain methods with no I/O:
 ``handle_agent(route, frame)``, ``handle_client(route, frame)`` and ``tick()``
 each return the frames to send as ``(AGENT | CLIENT, route, frame)``. The
-socket loop that drives it is ``wsd.server.Coordinator``. What an agent
+socket loop that drives it is ``wsd.coordinator.loop.Coordinator``. What an agent
 connection may send and cost, and whether a registration proves its identity,
-is ``wsd.admission.AgentGate``'s. Imports no torch.
+is ``wsd.coordinator.admission.AgentGate``'s. Imports no torch.
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from wsd import protocol as p
-from wsd.admission import TOO_LARGE, UNREGISTERED_FRAME, AgentGate, Unauthenticated
-from wsd.aggregate import StatsRound, read_snapshot
-from wsd.commandlog import Command, CommandLog
 from wsd.commands import COMMANDS, CommandResult
 from wsd.config import CoordinatorConfig
+from wsd.coordinator.admission import TOO_LARGE, UNREGISTERED_FRAME, AgentGate, Unauthenticated
+from wsd.coordinator.aggregate import StatsRound, read_snapshot
+from wsd.coordinator.commandlog import Command, CommandLog
+from wsd.coordinator.events import EventKind, EventLog, bounded_detail
+from wsd.coordinator.metrics import CommandOutcome, CommandStats, Published, StatsView, core_view
+from wsd.coordinator.registry import RankState, RankTaken, RegistrationError, Registry
 from wsd.errors import StateFileError
-from wsd.events import EventKind, EventLog, bounded_detail
-from wsd.metrics import CommandOutcome, CommandStats, Published, StatsView, core_view
-from wsd.protocol import ErrorCode, Op, ProtocolError
-from wsd.registry import RankState, RankTaken, RegistrationError, Registry
+from wsd.wire import protocol as p
+from wsd.wire.protocol import ErrorCode, Op, ProtocolError
 
 __all__ = ["AGENT", "CLIENT", "CoordinatorCore", "Out"]
 
@@ -130,7 +130,7 @@ class CoordinatorCore:
         self._inconsistent: set[int] = set()
         self.dropped_bad_agent_frames = 0
         # Metrics: counters kept here on the loop thread; the HTTP thread reads only
-        # ``published``, immutable views replaced whole (see wsd.metrics).
+        # ``published``, immutable views replaced whole (see wsd.coordinator.metrics).
         self.heartbeats = 0
         self.command_stats = CommandStats()
         self.published = Published()

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from wsd.config import WorkloadConfig
 from wsd.errors import ConfigError, WorkspaceLockedError
-from wsd.manager import WorkspaceManager, use_lane, use_ubatch
+from wsd.manager.core import WorkspaceManager, use_lane, use_ubatch
 
 __all__ = ["TensorParallelMlp", "WorkloadResult", "run_workload", "steady_tokens", "warmup_tokens"]
 

@@ -1,0 +1,9 @@
+"""The agent: one rank's side of the coordinator's protocol.
+
+- ``core``: ``AgentLink``, the protocol logic, with no sockets, threads or torch;
+- ``thread``: ``Agent``, its I/O thread beside a real manager, and ``step()``,
+  where the ranks of a TP group agree on the commands to apply (torch);
+- ``simulated``: many torch-free ranks on the same logic, for scale tests and
+  benchmarks (``python -m wsd.agent.simulated``);
+- ``config``: the ``[agent]`` section.
+"""

@@ -1,0 +1,26 @@
+"""``[agent]``: the agent inside each worker process. No torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from wsd.sections import check_positive, check_range
+
+__all__ = ["AgentConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """``[agent]``: the agent inside each worker process."""
+
+    apply_every: int | None = None
+    """Apply commands at every k-th ``step()`` (the TP group agrees then). None: the
+    engine's default, 1 for the built-in engine loop, 16 in vLLM (whose idle or busy
+    engine is also woken for one agreement step when a command waits)."""
+    connect_timeout: float = 10.0
+    """Seconds ``Agent.start`` waits for its I/O thread to come up."""
+
+    def __post_init__(self) -> None:
+        if self.apply_every is not None:
+            check_range("apply_every", self.apply_every, 1, 1_000_000)
+        check_positive("connect_timeout", self.connect_timeout, 3600.0)

@@ -1,0 +1,12 @@
+"""The coordinator: torch-free, one per cluster.
+
+- ``core``: ``CoordinatorCore``, every decision as plain methods, no I/O;
+- ``loop``: ``Coordinator``, the socket loop that drives the core;
+- ``registry``: who is registered, live, lost or stopped;
+- ``admission`` and ``ratelimit``: what the agent endpoint lets in, at what cost;
+- ``commandlog``: the numbered, durable command log and desired state;
+- ``aggregate``: per-rank and per-TP-group statistics from the ranks' snapshots;
+- ``events``: the bounded event log;
+- ``metrics``: the Prometheus families and endpoint;
+- ``config``: the ``[coordinator]`` section.
+"""

@@ -1,0 +1,115 @@
+"""``[coordinator]``: the coordinator's sockets, timing, state and metrics endpoint. No torch."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from wsd.sections import check_endpoint, check_positive, check_range, coerce_enum, size_field
+
+__all__ = ["MAX_EVENT_CAPACITY", "CoordinatorConfig", "CoordinatorMode"]
+
+MAX_EVENT_CAPACITY = 10_000_000
+"""Largest ``event_capacity``: the most events a coordinator holds."""
+
+
+class CoordinatorMode(enum.Enum):
+    """Who starts the coordinator the workers' agents connect to."""
+
+    EXTERNAL = "external"
+    """Someone else (``wsd coordinator``, ``wsd up``, a sidecar); agents connect to it."""
+    EMBEDDED = "embedded"
+    """The worker of global rank 0 starts it as its own process beside the job."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorConfig:
+    """``[coordinator]``: the coordinator's sockets, timing and state."""
+
+    mode: CoordinatorMode = CoordinatorMode.EXTERNAL
+    """``"external"`` (agents connect to a running coordinator) or ``"embedded"``
+    (global rank 0 starts one as a child process; the job's agents find it by itself)."""
+    connect_endpoint: str | None = None
+    """Where agents connect, when that differs from ``agent_endpoint`` (a coordinator
+    bound to tcp://0.0.0.0:7600 is reached at tcp://HOST:7600). None: ``agent_endpoint``,
+    or, when embedded, what rank 0's coordinator actually bound, on rank 0's host."""
+
+    agent_endpoint: str = "tcp://127.0.0.1:7600"
+    """Where agents connect (the coordinator binds it; use tcp://0.0.0.0:PORT across nodes)."""
+    client_endpoint: str = "tcp://127.0.0.1:7601"
+    """Where wsctl and clients connect; loopback unless you mean otherwise."""
+    heartbeat_interval: float = 1.0
+    """Seconds between heartbeats, both ways."""
+    heartbeat_timeout: float = 5.0
+    """Seconds without a heartbeat after which a rank (or the coordinator) is lost."""
+    command_timeout: float = 10.0
+    """Seconds a command waits for every live rank's acknowledgement."""
+    stats_timeout: float = 2.0
+    """Seconds a stats request waits for every live rank's snapshot."""
+    state_file: str = "wsd-coordinator.state"
+    """Desired state, sequence number and command log; written atomically."""
+    world_size: int | None = None
+    """Ranks expected; None: taken from the first rank that registers."""
+    tp_size: int | None = None
+    """Tensor-parallel group size expected; None: from the first registration."""
+    max_message_bytes: int = size_field(1 << 20)
+    """Largest message accepted from a client (ZeroMQ MAXMSGSIZE)."""
+    max_agent_message_bytes: int = size_field(4 << 20)
+    """Largest frame accepted from an agent; a larger one drops that agent's connection
+    (ZeroMQ MAXMSGSIZE). A stats reply of 64 x 64 slots is about 30 KB (340 KB at worst):
+    the default leaves ten times that for persistent buffers. Each message type has its
+    own smaller bound besides (wsd.wire.protocol.LIMITS)."""
+    high_water_mark: int = 10_000
+    """Messages queued per peer before sends to it are dropped."""
+    event_capacity: int = 10_000
+    """Events kept in the log; older ones are dropped first."""
+    log_capacity: int = 4096
+    """Commands kept for replay to agents that missed them."""
+    metrics_port: int | None = None
+    """TCP port of the Prometheus endpoint (``/metrics``); 0: any free port. None: no endpoint."""
+    metrics_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds; loopback unless Prometheus scrapes from elsewhere."""
+    metrics_refresh: float = 5.0
+    """Seconds between the stats rounds that refresh the per-slot metrics (when the endpoint is on)."""
+    resume_seq: int | None = None
+    """Recovery after the state file was lost: number commands after this seq, the highest
+    ``applied_seq`` that refused agents report (the events name it). No effect once the
+    log is past it. None: agents reporting more than was issued are refused."""
+
+    def __post_init__(self) -> None:
+        coerce_enum(self, "mode", CoordinatorMode)
+        if self.connect_endpoint is not None:
+            check_endpoint("connect_endpoint", self.connect_endpoint, bind=False)
+        check_endpoint("agent_endpoint", self.agent_endpoint, bind=True)
+        check_endpoint("client_endpoint", self.client_endpoint, bind=True)
+        check_positive("heartbeat_interval", self.heartbeat_interval)
+        check_positive("heartbeat_timeout", self.heartbeat_timeout)
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError(
+                f"heartbeat_timeout ({self.heartbeat_timeout}) must be larger than "
+                f"heartbeat_interval ({self.heartbeat_interval})"
+            )
+        check_positive("command_timeout", self.command_timeout, 3600.0)
+        check_positive("stats_timeout", self.stats_timeout, 3600.0)
+        if not isinstance(self.state_file, str) or not self.state_file:
+            raise ValueError(f"state_file must be a path, got {self.state_file!r}")
+        if self.world_size is not None:
+            check_range("world_size", self.world_size, 1, 1 << 20)
+        if self.tp_size is not None:
+            check_range("tp_size", self.tp_size, 1, 1 << 20)
+            if self.world_size is not None and self.world_size % self.tp_size:
+                raise ValueError(
+                    f"world_size ({self.world_size}) must be a multiple of tp_size ({self.tp_size})"
+                )
+        check_range("max_message_bytes", self.max_message_bytes, 1024, 1 << 30)
+        check_range("max_agent_message_bytes", self.max_agent_message_bytes, 64 << 10, 1 << 30)
+        check_range("high_water_mark", self.high_water_mark, 1, 10_000_000)
+        check_range("event_capacity", self.event_capacity, 1, MAX_EVENT_CAPACITY)
+        check_range("log_capacity", self.log_capacity, 1, 10_000_000)
+        if self.metrics_port is not None:
+            check_range("metrics_port", self.metrics_port, 0, 65535)
+        if not isinstance(self.metrics_host, str) or not self.metrics_host:
+            raise ValueError(f"metrics_host must be an address such as 127.0.0.1, got {self.metrics_host!r}")
+        check_positive("metrics_refresh", self.metrics_refresh, 3600.0)
+        if self.resume_seq is not None:
+            check_range("resume_seq", self.resume_seq, 0, 2**62)

@@ -38,12 +38,12 @@ from procs import COORDINATOR_READY, cmdline, python, spawn, wait_gone, worker_e
 from prometheus_client.parser import text_string_to_metric_families
 
 from wsd import WorkspaceManager
-from wsd.agent.thread import Agent
+from wsd.agent import Agent
+from wsd.auth import agent_keys
 from wsd.config import load_config
-from wsd.coordinator.metrics import FAMILIES
+from wsd.metrics import FAMILIES
+from wsd.protocol import ErrorCode
 from wsd.security import load_agent_token
-from wsd.wire.curve import agent_keys
-from wsd.wire.protocol import ErrorCode
 from wsd_client import wsctl
 from wsd_client.client import Client, ClientError
 
@@ -55,6 +55,7 @@ TOML_FILES = sorted(DEPLOY.rglob("*.toml"))
 DASHBOARD = DEPLOY / "grafana" / "wsd-dashboard.json"
 ALERTS = DEPLOY / "prometheus" / "wsd-alerts.yml"
 SCRAPE = DEPLOY / "prometheus" / "prometheus.yml"
+SCRAPE_KUBERNETES = DEPLOY / "prometheus" / "prometheus-kubernetes.yml"
 KUBERNETES = DEPLOY / "kubernetes"
 SBATCH = DEPLOY / "slurm" / "wsd.sbatch"
 INSTALL_KEYS = KUBERNETES / "install-keys.sh"
@@ -72,7 +73,8 @@ def test_every_recipe_is_there():
     assert {"local/wsd.toml", "slurm/wsd.toml", "slurm/wsd-curve.toml", "kubernetes/wsd.toml"} <= set(_ids(TOML_FILES))
     assert "kubernetes/install-keys.sh" in _ids(SHELL_SCRIPTS)
     assert {"kubernetes/kustomization.yaml", "kubernetes/coordinator.yaml", "kubernetes/workers.yaml",
-            "prometheus/prometheus.yml", "prometheus/wsd-alerts.yml"} <= set(_ids(YAML_FILES))
+            "prometheus/prometheus.yml", "prometheus/prometheus-kubernetes.yml", "prometheus/wsd-alerts.yml",
+            "prometheus/wsd-alerts.test.yml"} <= set(_ids(YAML_FILES))
     assert DASHBOARD.is_file() and (DEPLOY / "README.md").is_file()
 
 
@@ -421,7 +423,7 @@ _TARGET_LABELS = {"job", "instance", "namespace"}
 
 
 def _series() -> dict[str, frozenset[str]]:
-    """Every series name the exporter emits (wsd.coordinator.metrics.FAMILIES), with the labels it carries."""
+    """Every series name the exporter emits (wsd.metrics.FAMILIES), with the labels it carries."""
     series = {}
     for name, (kind, labels) in FAMILIES.items():
         if kind == "counter":
@@ -480,8 +482,10 @@ def test_promql_names_finds_metrics_and_labels_and_nothing_else():
 
 
 def _templated_labels(text: str) -> set[str]:
-    """Labels named in Grafana legends ({{rank}}) and alert templates ({{ $labels.rank }})."""
-    return set(re.findall(r"\{\{\s*(?:\$labels\.)?(\w+)\s*\}\}", text)) - {"value"}
+    """Labels named in Grafana legends ({{rank}}) and alert templates ({{ $labels.rank }}, also
+    within an action: {{ with $labels.namespace }}...{{ end }})."""
+    legends = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", text)) - {"value", "end", "else"}
+    return legends | set(re.findall(r"\$labels\.(\w+)", text))
 
 
 def _dashboard_queries() -> list[tuple[str, str]]:
@@ -504,7 +508,7 @@ def _alert_queries() -> list[tuple[str, str]]:
 def _scrape_queries() -> list[tuple[str, str]]:
     # Relabelling rules may name series (metric_relabel_configs); the rest of the file names
     # none. Any wsd_ name anywhere in it must exist.
-    text = SCRAPE.read_text()
+    text = SCRAPE.read_text() + SCRAPE_KUBERNETES.read_text()
     return [(name, "") for name in re.findall(r"\bwsd_\w+", text)]
 
 
@@ -513,7 +517,8 @@ def test_every_metric_and_label_used_is_exported(source):
     """A misspelt series or label gives an empty panel or an alert that never fires, with no
     error anywhere: each name must be one the coordinator exports (deploy/grafana, deploy/prometheus)."""
     queries = {"dashboard": _dashboard_queries, "alerts": _alert_queries, "scrape": _scrape_queries}[source]()
-    series = _series()
+    # Besides the coordinator's, Prometheus's own `up` of each target (WsdCoordinatorDown).
+    series = {**_series(), "up": frozenset()}
     used = set()
     for expr, template in queries:
         names, labels = promql_names(expr)
@@ -547,9 +552,9 @@ def test_dashboard_panels_are_well_formed():
 def test_scrape_config_targets_the_coordinators_metrics_port():
     """The static target and the Kubernetes discovery must point where the recipes put the
     metrics port: 7602, the [coordinator] metrics_port of every example configuration."""
-    (document,) = _documents(SCRAPE)
-    jobs = {job["job_name"]: job for job in document["scrape_configs"]}
-    assert document["rule_files"] == [ALERTS.name]
+    documents = [_documents(path)[0] for path in (SCRAPE, SCRAPE_KUBERNETES)]
+    jobs = {job["job_name"]: job for document in documents for job in document["scrape_configs"]}
+    assert all(document["rule_files"] == [ALERTS.name] for document in documents)
     static = jobs["wsd-coordinator"]["static_configs"][0]["targets"]
     assert [t.rsplit(":", 1)[1] for t in static] == ["7602"]
     keep = jobs["wsd-coordinator-kubernetes"]["relabel_configs"][0]
@@ -714,14 +719,14 @@ def test_local_script_runs_a_cluster_shows_chosen_ranks_and_stops_on_ctrl_c(tmp_
         assert status["agents_authenticated"] is True and status["agents_refused"] == {}
     # The metrics URL the script printed (from the coordinator's ready line) answers.
     wait_until(lambda: _ranks_up(metrics_url) == {"0": 1.0, "1": 1.0}, 10, "both ranks up in /metrics")
-    proc.wait_for(r"rank 0/2 wsd.worker.workload INFO warm-up done", 30)
+    proc.wait_for(r"rank 0/2 wsd.workload INFO warm-up done", 30)
     pids = proc.tree()
     assert len(pids) >= 5, pids  # run.sh, the coordinator, torchrun, two workers
     proc.send(signal.SIGINT, group=True)
     assert proc.wait(60) == 0, proc.output()
     wait_gone(pids, 10, "processes started by run.sh")
     assert proc.count("wsd-local: stopped by SIGINT") == 1, proc.output()
-    assert proc.count(r"rank 0/2 wsd.worker.process INFO stopped cleanly after") == 1, proc.output()
+    assert proc.count(r"rank 0/2 wsd.worker INFO stopped cleanly after") == 1, proc.output()
     assert proc.count(r"rank 1/2") == 0, "rank 1 printed despite SHOW_RANKS=0"
     assert proc.count("coordinator stopped") == 1 and proc.count("Traceback") == 0, proc.output()
     rank1 = [p for p in logs.rglob("*.log") if p.parent.name == "1" and "stopped cleanly after" in p.read_text()]
@@ -740,7 +745,7 @@ def test_local_script_stops_everything_on_sigterm(tmp_path, spawn):  # noqa: F81
     assert proc.wait(60) == 0, proc.output()
     wait_gone(pids, 10, "processes started by run.sh")
     assert proc.count("wsd-local: stopped by SIGTERM") == 1, proc.output()
-    assert proc.count(r"rank [01]/2 wsd.worker.process INFO stopped cleanly \(idle\)") == 2, proc.output()
+    assert proc.count(r"rank [01]/2 wsd.worker INFO stopped cleanly \(idle\)") == 2, proc.output()
     assert _leftovers(tmp_path) == []
 
 

@@ -38,12 +38,12 @@ from procs import COORDINATOR_READY, cmdline, python, spawn, wait_gone, worker_e
 from prometheus_client.parser import text_string_to_metric_families
 
 from wsd import WorkspaceManager
-from wsd.agent import Agent
-from wsd.auth import agent_keys
+from wsd.agent.thread import Agent
 from wsd.config import load_config
-from wsd.metrics import FAMILIES
-from wsd.protocol import ErrorCode
+from wsd.coordinator.metrics import FAMILIES
 from wsd.security import load_agent_token
+from wsd.wire.curve import agent_keys
+from wsd.wire.protocol import ErrorCode
 from wsd_client import wsctl
 from wsd_client.client import Client, ClientError
 
@@ -423,7 +423,7 @@ _TARGET_LABELS = {"job", "instance", "namespace"}
 
 
 def _series() -> dict[str, frozenset[str]]:
-    """Every series name the exporter emits (wsd.metrics.FAMILIES), with the labels it carries."""
+    """Every series name the exporter emits (wsd.coordinator.metrics.FAMILIES), with the labels it carries."""
     series = {}
     for name, (kind, labels) in FAMILIES.items():
         if kind == "counter":
@@ -719,14 +719,14 @@ def test_local_script_runs_a_cluster_shows_chosen_ranks_and_stops_on_ctrl_c(tmp_
         assert status["agents_authenticated"] is True and status["agents_refused"] == {}
     # The metrics URL the script printed (from the coordinator's ready line) answers.
     wait_until(lambda: _ranks_up(metrics_url) == {"0": 1.0, "1": 1.0}, 10, "both ranks up in /metrics")
-    proc.wait_for(r"rank 0/2 wsd.workload INFO warm-up done", 30)
+    proc.wait_for(r"rank 0/2 wsd.worker.workload INFO warm-up done", 30)
     pids = proc.tree()
     assert len(pids) >= 5, pids  # run.sh, the coordinator, torchrun, two workers
     proc.send(signal.SIGINT, group=True)
     assert proc.wait(60) == 0, proc.output()
     wait_gone(pids, 10, "processes started by run.sh")
     assert proc.count("wsd-local: stopped by SIGINT") == 1, proc.output()
-    assert proc.count(r"rank 0/2 wsd.worker INFO stopped cleanly after") == 1, proc.output()
+    assert proc.count(r"rank 0/2 wsd.worker.process INFO stopped cleanly after") == 1, proc.output()
     assert proc.count(r"rank 1/2") == 0, "rank 1 printed despite SHOW_RANKS=0"
     assert proc.count("coordinator stopped") == 1 and proc.count("Traceback") == 0, proc.output()
     rank1 = [p for p in logs.rglob("*.log") if p.parent.name == "1" and "stopped cleanly after" in p.read_text()]
@@ -745,7 +745,7 @@ def test_local_script_stops_everything_on_sigterm(tmp_path, spawn):  # noqa: F81
     assert proc.wait(60) == 0, proc.output()
     wait_gone(pids, 10, "processes started by run.sh")
     assert proc.count("wsd-local: stopped by SIGTERM") == 1, proc.output()
-    assert proc.count(r"rank [01]/2 wsd.worker INFO stopped cleanly \(idle\)") == 2, proc.output()
+    assert proc.count(r"rank [01]/2 wsd.worker.process INFO stopped cleanly \(idle\)") == 2, proc.output()
     assert _leftovers(tmp_path) == []
 
 

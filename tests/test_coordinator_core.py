@@ -24,7 +24,8 @@ from wsd.coordinator.registry import RankState
 from wsd.errors import StateFileError
 from wsd.manager.stats import (
     PERSISTENT_COLUMNS,
-    SLOT_COLUMNS,
+    SLOT_KEY,
+    SLOT_NUMBERS,
     VIOLATION_COLUMNS,
     LockViolation,
     ManagerStats,
@@ -773,7 +774,7 @@ _NEVER = {
     str: [None, 7, 1.5, False, [], {}, b"k"],
     float: [None, "1.0", True, [], {}],
 }
-_SLOT_KINDS = {**{f"slots.{c}": int for c in SLOT_COLUMNS},
+_SLOT_KINDS = {**{f"slots.{c}": int for c in SLOT_KEY}, **{f"slots.{n.name}": n.kind for n in SLOT_NUMBERS},
                **{f"slots.last_violation.{c}": k for c, k in zip(VIOLATION_COLUMNS, (int, str, int, int, float))},
                **{f"slots.persistent.{c}": k for c, k in zip(PERSISTENT_COLUMNS, (int, str, str, int))}}
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from wsd.commands import DESIRED_FIELDS
 from wsd.fmt import format_bytes, format_time, table
+from wsd.manager.stats import SLOT_NUMBERS
 
 __all__ = ["command", "event_line", "events", "events_header", "ping", "ranks", "stats", "status",
            "watch"]
@@ -124,6 +125,17 @@ def _violation(slot: dict[str, Any]) -> str:
     return f"{last['caller']} ({sizes})"
 
 
+# Each slot number's unit, by the name of its column and of each group column derived from it.
+_UNITS = {n.name: n.unit for n in SLOT_NUMBERS} | {c.name: n.unit for n in SLOT_NUMBERS for c in n.group}
+# The TP group summary's columns that wsctl shows (the rest are in the JSON only).
+_GROUP_SHOWN = [c for n in SLOT_NUMBERS for c in n.group if c.header is not None]
+
+
+def _number(name: str, value: Any) -> Any:
+    """A slot number as ``wsctl`` shows it: bytes as sizes, the rest as they are."""
+    return format_bytes(value) if _UNITS[name] == "bytes" else value
+
+
 def stats(doc: dict[str, Any]) -> str:
     reporting = len(doc["ranks"])
     expected = reporting + len(doc["missing"])
@@ -138,12 +150,10 @@ def stats(doc: dict[str, Any]) -> str:
               r["lock_violations"]] for r in doc["ranks"]],
         )]
         lines += ["", table(
-            ["RANK", "UBATCH", "LANE", "CAPACITY", "PEAK", "REQUESTS", "RESIZES", "PERSISTENT",
-             "VIOLATIONS", "LAST VIOLATION"],
-            [[r["rank"], s["ubatch"], s["lane"], format_bytes(s["capacity_bytes"]),
-              format_bytes(s["peak_requested_bytes"]), s["requests"], s["resizes"],
-              format_bytes(sum(p["nbytes"] for p in s["persistent"])), s["lock_violations"],
-              _violation(s)] for r in doc["ranks"] for s in r["slots"]],
+            ["RANK", "UBATCH", "LANE", *(n.header for n in SLOT_NUMBERS), "PERSISTENT", "LAST VIOLATION"],
+            [[r["rank"], s["ubatch"], s["lane"], *(_number(n.name, s[n.name]) for n in SLOT_NUMBERS),
+              format_bytes(sum(p["nbytes"] for p in s["persistent"])), _violation(s)]
+             for r in doc["ranks"] for s in r["slots"]],
         )]
     if doc["groups"]:
         lines += ["", table(
@@ -157,14 +167,12 @@ def stats(doc: dict[str, Any]) -> str:
         )]
         slot_rows = [
             [g["tp_group"], s["ubatch"], s["lane"], _ints(s["ranks"]),
-             format_bytes(s["capacity_min"]),
-             format_bytes(s["capacity_max"]), format_bytes(s["skew_bytes"]),
-             format_bytes(s["peak_requested_max"]), s["lock_violations"]]
+             *(_number(c.name, s[c.name]) for c in _GROUP_SHOWN)]
             for g in doc["groups"] for s in g["slots"]
         ]
         if slot_rows:
-            lines += ["", table(["GROUP", "UBATCH", "LANE", "RANKS", "MIN CAPACITY", "MAX CAPACITY",
-                                 "SKEW", "MAX PEAK", "VIOLATIONS"], slot_rows)]
+            lines += ["", table(["GROUP", "UBATCH", "LANE", "RANKS", *(str(c.header) for c in _GROUP_SHOWN)],
+                                slot_rows)]
     if doc["missing"]:
         lines += ["", f"missing: {_missing(doc['missing'])}"]
     return "\n".join(lines)
@@ -182,14 +190,13 @@ def watch(doc: dict[str, Any], previous: dict[str, Any] | None, header: str) -> 
             old = before.get((r["rank"], s["ubatch"], s["lane"]))
             grown = s["capacity_bytes"] - old if old is not None else 0
             rows.append([r["rank"], r["tp_group"], s["ubatch"], s["lane"], _opt(r["locked"]),
-                         format_bytes(s["capacity_bytes"]), format_bytes(s["peak_requested_bytes"]),
-                         ("+" if grown > 0 else "") + format_bytes(grown) if grown else "",
-                         s["requests"], s["resizes"], s["lock_violations"]])
+                         *(_number(n.name, s[n.name]) for n in SLOT_NUMBERS),
+                         ("+" if grown > 0 else "") + format_bytes(grown) if grown else ""])
     lines = [f"{header}  total {format_bytes(doc['total_bytes'])}"
              + ("" if doc["complete"] else "  (INCOMPLETE)")]
     if rows:
-        lines.append(table(["RANK", "GROUP", "UBATCH", "LANE", "LOCKED", "CAPACITY", "PEAK",
-                            "GROWN", "REQUESTS", "RESIZES", "VIOLATIONS"], rows))
+        lines.append(table(["RANK", "GROUP", "UBATCH", "LANE", "LOCKED", *(n.header for n in SLOT_NUMBERS),
+                            "GROWN"], rows))
     else:
         lines.append("no ranks reporting")
     if doc["missing"]:

@@ -31,7 +31,7 @@ from wsd import commands
 from wsd.agent.core import AgentLink
 from wsd.config import MAX_UBATCHES
 from wsd.errors import ConfigError, SimulationError, WsdError
-from wsd.manager.stats import ManagerStats, PersistentStats, SlotStats
+from wsd.manager.stats import SLOT_NUMBERS, ManagerStats, PersistentStats, SlotStats
 from wsd.security import SecurityConfig, load_agent_token
 from wsd.wire.transport import Waker, answer_waiting, connect, make_socket, raise_fd_limit, send_nowait
 
@@ -82,12 +82,13 @@ class SimulatedManager:
     def stats(self) -> ManagerStats:
         lanes = self.num_lanes
         persistent = (PersistentStats(key="moe_topk_ids", kind="tensor", nbytes=_MiB),)
+        numbers = {n.name: n.kind(0) for n in SLOT_NUMBERS}  # any number not simulated below is 0
         return ManagerStats(
             device=self.device, num_ubatches=self.num_ubatches, num_lanes=lanes, locked=self.locked,
             slots=tuple(
-                SlotStats(ubatch=i // lanes, lane=i % lanes, capacity_bytes=capacity,
-                          peak_requested_bytes=capacity, requests=1000 + i, resizes=3 if capacity else 0,
-                          lock_violations=0, last_violation=None, persistent=persistent)
+                SlotStats(**{**numbers, "ubatch": i // lanes, "lane": i % lanes, "capacity_bytes": capacity,
+                             "peak_requested_bytes": capacity, "requests": 1000 + i,
+                             "resizes": 3 if capacity else 0}, last_violation=None, persistent=persistent)
                 for i, capacity in enumerate(self._capacity)
             ),
         )

@@ -3,7 +3,9 @@
 Input is what agents send (``ManagerStats.to_wire()``: each rank's slots as
 equal-length columns); output is plain lists and maps, ready for msgpack or
 JSON, with the slots of every rank and of every group as columns too (the
-``stats`` answer; ``wsd_client.stats_rows`` expands it into rows). No
+``stats`` answer; ``wsd_client.stats_rows`` expands it into rows). Every
+column is read by name and checked against its type, and a group's columns
+are derived, from the schema (``wsd.manager.stats.SLOT_NUMBERS``). No
 sockets, no torch.
 
 Each snapshot is checked and read out in one pass as its reply arrives
@@ -17,12 +19,18 @@ leaves soon after the last reply.
 from __future__ import annotations
 
 from itertools import chain
-from operator import sub
 from typing import Any
 
 import msgpack
 
-from wsd.manager.stats import PERSISTENT_COLUMNS, SLOT_COLUMNS, VIOLATION_COLUMNS
+from wsd.manager.stats import (
+    GROUP_COLUMNS,
+    PERSISTENT_COLUMNS,
+    SLOT_COLUMNS,
+    SLOT_KEY,
+    SLOT_NUMBERS,
+    VIOLATION_COLUMNS,
+)
 
 __all__ = ["Snapshot", "StatsRound", "read_snapshot"]
 
@@ -30,9 +38,13 @@ _RANK_FIELDS = {"device": str, "num_ubatches": int, "num_lanes": int, "locked": 
 # The sparse tables' columns and the type of each.
 _VIOLATION_TYPES = dict(zip(VIOLATION_COLUMNS, (int, str, int, int, float)))
 _PERSISTENT_TYPES = dict(zip(PERSISTENT_COLUMNS, (int, str, str, int)))
+# The type of each slot column: the key's are ints, each number's its declared kind.
+_SLOT_KINDS: dict[str, type] = {**dict.fromkeys(SLOT_KEY, int), **{n.name: n.kind for n in SLOT_NUMBERS}}
+# The types msgpack decodes each kind of column into (a whole number is a float's too).
+_DECODED: dict[type, set[type]] = {int: {int}, float: {float, int}}
+_BY_KIND = {kind: [c for c in SLOT_COLUMNS if _SLOT_KINDS[c] is kind] for kind in set(_SLOT_KINDS.values())}
 _MISSING = object()
 _LIST = {list}
-_INT = {int}
 _NAMES = {int: "int", str: "str", float: "number", bool: "bool", dict: "map", list: "list"}
 # One packer for the whole process: the coordinator's core runs on one thread.
 _packer = msgpack.Packer(use_bin_type=True)
@@ -82,14 +94,14 @@ def _table(where: str, value: Any, types: dict[str, type], slots: int) -> None:
 class Snapshot:
     """One rank's checked snapshot, the columns aggregation reads, and its encoded part.
 
-    ``columns`` holds the slot columns in ``SLOT_COLUMNS`` order; ``packed``
-    is the rank's entry of the ``stats`` answer, already msgpack-encoded.
+    ``columns`` maps each of ``SLOT_COLUMNS`` to its column; ``packed`` is the
+    rank's entry of the ``stats`` answer, already msgpack-encoded.
     """
 
     __slots__ = ("columns", "locked", "num_ubatches", "packed", "rank", "total_bytes", "tp_group")
 
     def __init__(self, rank: int, tp_group: int, step: int, stats: dict[str, Any],
-                 columns: list[list[int]]) -> None:
+                 columns: dict[str, list[Any]]) -> None:
         self.rank = rank
         self.tp_group = tp_group
         self.columns = columns
@@ -105,8 +117,8 @@ class Snapshot:
             "num_lanes": stats["num_lanes"],
             "locked": self.locked,
             "total_bytes": self.total_bytes,
-            "capacity_bytes": sum(columns[2]),
-            "lock_violations": sum(columns[6]),
+            "capacity_bytes": sum(columns["capacity_bytes"]),
+            "lock_violations": sum(columns["lock_violations"]),
             "slots": stats["slots"],  # passed on as the agent sent them, once checked
         })
 
@@ -124,22 +136,25 @@ def _plain_table(table: Any, kinds: dict[str, type], slots: int) -> bool:
     return 0 <= min(parts[0]) and max(parts[0]) < slots
 
 
-def _plain(stats: dict[str, Any]) -> list[list[int]] | None:
+def _plain(stats: dict[str, Any]) -> dict[str, list[Any]] | None:
     """The slot columns of a snapshot in the form agents send, or None to check exactly.
 
     One cheap pass over the common case: every column a list of the same
-    length, one type test over all the numbers at once (msgpack decodes
-    integers as exactly ``int``), the sparse tables likewise. Anything it does
-    not recognise goes to the exact check, which names what is wrong.
+    length, one type test over all the numbers of each kind at once (msgpack
+    decodes integers as exactly ``int``), the sparse tables likewise. Anything
+    it does not recognise goes to the exact check, which names what is wrong.
     """
     try:
         slots = stats["slots"]
-        columns = list(map(slots.__getitem__, SLOT_COLUMNS))
-        n = len(columns[0])
-        if set(map(type, columns)) != _LIST or set(map(len, columns)) != {n}:
+        columns = {c: slots[c] for c in SLOT_COLUMNS}
+        lists = columns.values()
+        if set(map(type, lists)) != _LIST or len(set(map(len, lists))) != 1:
             return None
-        if n and set(map(type, chain(*columns))) != _INT:
-            return None
+        n = len(columns[SLOT_COLUMNS[0]])
+        if n:
+            for kind, names in _BY_KIND.items():
+                if not set(map(type, chain.from_iterable(columns[c] for c in names))) <= _DECODED[kind]:
+                    return None
         for name, kinds in (("last_violation", _VIOLATION_TYPES), ("persistent", _PERSISTENT_TYPES)):
             table = slots.get(name)
             if table is not None and not _plain_table(table, kinds, n):
@@ -167,63 +182,53 @@ def read_snapshot(rank: int, tp_group: int, step: int, stats: dict[str, Any]) ->
     return Snapshot(rank, tp_group, step, stats, columns)
 
 
-def _checked_columns(slots: dict[str, Any]) -> list[list[int]]:
+def _checked_columns(slots: dict[str, Any]) -> dict[str, list[Any]]:
     """The exact check of a snapshot's slots: its columns, or ValueError naming the key."""
     length = None
-    columns = []
+    columns = {}
     for name in SLOT_COLUMNS:
-        column = _column(f"slots.{name}", slots.get(name, _MISSING), int, length)
+        column = _column(f"slots.{name}", slots.get(name, _MISSING), _SLOT_KINDS[name], length)
         length = len(column)
-        columns.append(column)
+        columns[name] = column
     for name, types in (("last_violation", _VIOLATION_TYPES), ("persistent", _PERSISTENT_TYPES)):
         if name in slots:
             _table(f"slots.{name}", slots[name], types, length or 0)
     return columns
 
 
-# The per-group slot columns of the answer, in the order _group_slots fills them.
-_GROUP_SLOT_COLUMNS = ("ubatch", "lane", "ranks", "capacity_min", "capacity_max", "capacity_total",
-                       "skew_bytes", "peak_requested_max", "requests", "resizes", "lock_violations")
-
-
 def _group_slots(members: list[Snapshot]) -> dict[str, list[Any]]:
-    """Per (ubatch, lane) of a TP group: capacity min, max, total and skew, peak, counts.
+    """Per (ubatch, lane) of a TP group: each ``GROUP_COLUMNS`` entry, by its number's ``Combine``.
 
     The usual case (every member has the same slots in the same order) is a
     column-wise pass over the members' columns; otherwise slots are matched by
     (ubatch, lane), a rank lacking one missing from its ``ranks``.
     """
     if not members:
-        return {c: [] for c in _GROUP_SLOT_COLUMNS}
+        return {c: [] for c in GROUP_COLUMNS}
     first = members[0].columns
-    if all(m.columns[0] == first[0] and m.columns[1] == first[1] for m in members):
-        ranks = [m.rank for m in members]
-        if len(members) == 1:  # a TP group of one: its numbers are the rank's
-            _, _, capacity, peak, requests, resizes, violations = first
-            return dict(zip(_GROUP_SLOT_COLUMNS, (
-                first[0], first[1], [ranks] * len(capacity), capacity, capacity, capacity,
-                [0] * len(capacity), peak, requests, resizes, violations)))
-        per = [list(zip(*(m.columns[c] for m in members))) for c in range(2, 7)]
-        low = list(map(min, per[0]))
-        high = list(map(max, per[0]))
-        return dict(zip(_GROUP_SLOT_COLUMNS, (
-            first[0], first[1], [ranks] * len(low), low, high, list(map(sum, per[0])),
-            list(map(sub, high, low)), list(map(max, per[1])), list(map(sum, per[2])),
-            list(map(sum, per[3])), list(map(sum, per[4])))))
-    by_slot: dict[tuple[int, int], tuple[list[int], list[tuple[int, ...]]]] = {}
+    ubatch, lane = SLOT_KEY
+    if all(m.columns[ubatch] == first[ubatch] and m.columns[lane] == first[lane] for m in members):
+        slots = len(first[ubatch])
+        out: dict[str, list[Any]] = {ubatch: first[ubatch], lane: first[lane],
+                                     "ranks": [[m.rank for m in members]] * slots}
+        for number in SLOT_NUMBERS:
+            per_slot = list(zip(*(m.columns[number.name] for m in members)))
+            for column in number.group:
+                out[column.name] = column.combine.column(per_slot)
+        return out
+    by_slot: dict[tuple[int, int], tuple[list[int], dict[str, list[Any]]]] = {}
     for m in members:
-        for row in zip(*m.columns):
-            entry = by_slot.setdefault(row[:2], ([], []))
-            entry[0].append(m.rank)
-            entry[1].append(row)
-    out: dict[str, list[Any]] = {c: [] for c in _GROUP_SLOT_COLUMNS}
-    for (ubatch, lane), (ranks, rows) in sorted(by_slot.items()):
-        _, _, capacities, peaks, request_counts, resize_counts, violation_counts = zip(*rows)
-        values = (ubatch, lane, ranks, min(capacities), max(capacities), sum(capacities),
-                  max(capacities) - min(capacities), max(peaks), sum(request_counts), sum(resize_counts),
-                  sum(violation_counts))
-        for column, value in zip(_GROUP_SLOT_COLUMNS, values):
-            out[column].append(value)
+        for i, key in enumerate(zip(m.columns[ubatch], m.columns[lane])):
+            ranks, values = by_slot.setdefault(key, ([], {n.name: [] for n in SLOT_NUMBERS}))
+            ranks.append(m.rank)
+            for name, held in values.items():
+                held.append(m.columns[name][i])
+    keys = sorted(by_slot)
+    out = {ubatch: [k[0] for k in keys], lane: [k[1] for k in keys], "ranks": [by_slot[k][0] for k in keys]}
+    for number in SLOT_NUMBERS:
+        matched = [by_slot[k][1][number.name] for k in keys]
+        for column in number.group:
+            out[column.name] = column.combine.column(matched)
     return out
 
 

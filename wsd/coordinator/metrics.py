@@ -39,6 +39,7 @@ from prometheus_client.metrics_core import (
 
 from wsd.coordinator.registry import RankState, Registry
 from wsd.errors import WsdError
+from wsd.manager.stats import SLOT_NUMBERS
 from wsd.wire.protocol import StrEnum
 from wsd.wire.transport import BindError
 
@@ -52,11 +53,7 @@ _RANK = ("rank", "tp_group", "host")
 _GROUP = ("tp_group",)
 
 FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "wsd_slot_capacity_bytes": ("gauge", _SLOT),
-    "wsd_slot_peak_requested_bytes": ("gauge", _SLOT),
-    "wsd_slot_requests_total": ("counter", _SLOT),
-    "wsd_slot_resizes_total": ("counter", _SLOT),
-    "wsd_slot_lock_violations_total": ("counter", _SLOT),
+    **{n.metric: ("counter" if n.counter else "gauge", _SLOT) for n in SLOT_NUMBERS},
     "wsd_rank_up": ("gauge", _RANK),
     "wsd_rank_locked": ("gauge", _RANK),
     "wsd_rank_ubatches": ("gauge", _RANK),
@@ -77,12 +74,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
 deploy/grafana and deploy/prometheus are checked against (tests/test_deploy.py)."""
 
 _HELP = {
-    "wsd_slot_capacity_bytes": "Size of the slot's scratch buffer.",
-    "wsd_slot_peak_requested_bytes": "Largest total one get_simultaneous call asked of the slot "
-                                     "(refused calls included).",
-    "wsd_slot_requests_total": "get_simultaneous calls the slot served.",
-    "wsd_slot_resizes_total": "Times the slot's buffer was reallocated larger.",
-    "wsd_slot_lock_violations_total": "Requests the slot refused because the workspace was locked.",
+    **{n.metric: n.help for n in SLOT_NUMBERS},
     "wsd_rank_up": "1 if the rank is live, 0 if lost, stopped or never registered (host empty then).",
     "wsd_rank_locked": "1 if the rank's workspace is locked, as its last heartbeat said.",
     "wsd_rank_ubatches": "Micro-batch slots per lane of the rank's workspace, as its last heartbeat said.",
@@ -232,14 +224,8 @@ class _Families(NamedTuple):
             yield self.histograms[name] if name in self.histograms else self.sampled[name]
 
 
-# The slot columns of a rank's stats entry behind each per-slot family.
-_SLOT_FAMILIES = {
-    "wsd_slot_capacity_bytes": "capacity_bytes",
-    "wsd_slot_peak_requested_bytes": "peak_requested_bytes",
-    "wsd_slot_requests_total": "requests",
-    "wsd_slot_resizes_total": "resizes",
-    "wsd_slot_lock_violations_total": "lock_violations",
-}
+# The slot column of a rank's stats entry behind each per-slot family.
+_SLOT_FAMILIES = {n.metric: n.name for n in SLOT_NUMBERS}
 
 
 class Collector:

@@ -55,7 +55,7 @@ from wsd.manager.slots import (
     use_lane,
     use_ubatch,
 )
-from wsd.manager.stats import LockViolation, ManagerStats, PersistentStats, SlotStats
+from wsd.manager.stats import SLOT_COLUMNS, LockViolation, ManagerStats, PersistentStats, SlotStats
 
 __all__ = [
     "WorkspaceManager",
@@ -289,9 +289,9 @@ class WorkspaceManager:
         bound = slot.views.get(key)
         if bound is not None:
             return bound
-        if total > slot.capacity:
+        if total > slot.capacity_bytes:
             if self._locked and self._fallback and not self._capturing():
-                slot.peak = max(slot.peak, total)
+                slot.peak_requested_bytes = max(slot.peak_requested_bytes, total)
                 self._refuse_locked(slot, total, "allocation")  # counted and reported
                 # A one-off buffer, never cached: the slot keeps its size, and
                 # the next request that does not fit is counted again.
@@ -307,8 +307,8 @@ class WorkspaceManager:
                 # Counted after the growth, so a concurrent stats() never sees
                 # a peak above the capacity that served it; a refused request
                 # still counts.
-                slot.peak = max(slot.peak, total)
-        slot.peak = max(slot.peak, total)
+                slot.peak_requested_bytes = max(slot.peak_requested_bytes, total)
+        slot.peak_requested_bytes = max(slot.peak_requested_bytes, total)
         if slot.buffer is None:  # a zero-byte request on a slot never grown
             slot.buffer = torch.empty(0, dtype=torch.uint8, device=self._device)
         buffer = slot.buffer
@@ -332,9 +332,9 @@ class WorkspaceManager:
     ) -> WorkspaceLockedError:
         caller = caller_outside()
         violation = LockViolation(
-            caller=caller, requested=requested, capacity=slot.capacity, time=time.time()
+            caller=caller, requested=requested, capacity=slot.capacity_bytes, time=time.time()
         )
-        slot.violations += 1
+        slot.lock_violations += 1
         slot.last_violation = violation
         for listener in self._violation_listeners:
             try:
@@ -343,7 +343,7 @@ class WorkspaceManager:
                 logger.exception("workspace lock-violation listener failed")
         return WorkspaceLockedError(
             caller=caller, ubatch=slot.ubatch, lane=slot.lane,
-            requested=requested, capacity=slot.capacity, what=what,
+            requested=requested, capacity=slot.capacity_bytes, what=what,
             persistent_key=persistent_key,
         )
 
@@ -371,7 +371,7 @@ class WorkspaceManager:
         if self._capturing():
             raise WorkspaceCaptureError(
                 f"workspace slot ubatch={slot.ubatch} lane={slot.lane} must grow from "
-                f"{slot.capacity} to {size} bytes during CUDA graph capture; warm up "
+                f"{slot.capacity_bytes} to {size} bytes during CUDA graph capture; warm up "
                 f"first: run the largest request eagerly (or reserve it) before capture"
             )
         # Free before allocate: the old buffer goes (and the allocator's cache
@@ -385,9 +385,9 @@ class WorkspaceManager:
             with self._alloc_context():  # vLLM's sleep-mode pool, where it gives one
                 slot.buffer = torch.empty(size, dtype=torch.uint8, device=self._device)
         except BaseException:
-            slot.capacity = 0  # no buffer now (out of memory): the next request grows afresh
+            slot.capacity_bytes = 0  # no buffer now (out of memory): the next request grows afresh
             raise
-        slot.capacity = size
+        slot.capacity_bytes = size
         slot.resizes += 1
 
     def _empty_cache(self) -> None:
@@ -511,7 +511,7 @@ class WorkspaceManager:
             for lane in range(lanes)
         ]
         if added and self._locked:
-            largest = max((s.capacity for s in self._slots), default=0)
+            largest = max((s.capacity_bytes for s in self._slots), default=0)
             for slot in added:
                 if largest:
                     self._allocate(slot, largest)
@@ -534,15 +534,15 @@ class WorkspaceManager:
         if self._locked:
             raise self._refuse_locked(self._current_slot(), nbytes, "reserve")
         for slot in self._slots:
-            if slot.capacity < nbytes:
+            if slot.capacity_bytes < nbytes:
                 self._allocate(slot, self._target_size(nbytes))
 
     def equalize(self) -> None:
         """Grow every slot to the largest one, so no sibling slot is undersized."""
         self._refuse_pinned("equalize")
-        largest = max((s.capacity for s in self._slots), default=0)
+        largest = max((s.capacity_bytes for s in self._slots), default=0)
         for slot in self._slots:
-            if slot.capacity < largest:
+            if slot.capacity_bytes < largest:
                 if self._locked:
                     raise self._refuse_locked(slot, largest, "equalize")
                 self._allocate(slot, largest)
@@ -576,13 +576,7 @@ class WorkspaceManager:
             locked=self._locked,
             slots=tuple(
                 SlotStats(
-                    ubatch=s.ubatch,
-                    lane=s.lane,
-                    capacity_bytes=s.capacity,
-                    peak_requested_bytes=s.peak,
-                    requests=s.requests,
-                    resizes=s.resizes,
-                    lock_violations=s.violations,
+                    **{c: getattr(s, c) for c in SLOT_COLUMNS},  # a Slot counts each under its column's name
                     last_violation=s.last_violation,
                     persistent=tuple(
                         PersistentStats(key=key_text(key), kind=kind, nbytes=n)

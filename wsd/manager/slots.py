@@ -102,40 +102,44 @@ def tensor_bytes(obj: Any) -> int:
 
 
 class Slot:
-    """One (ubatch, lane) slot: its buffer, the views bound to it, its counters."""
+    """One (ubatch, lane) slot: its buffer, the views bound to it, its counters.
+
+    Each number of ``wsd.manager.stats.SLOT_NUMBERS`` is an attribute of the
+    same name here, which ``WorkspaceManager.stats`` copies into the snapshot.
+    """
 
     __slots__ = (
         "buffer",
-        "capacity",
+        "capacity_bytes",
         "lane",
         "last_violation",
-        "peak",
+        "lock_violations",
+        "peak_requested_bytes",
         "persistent",
         "requests",
         "resizes",
         "ubatch",
         "views",
-        "violations",
     )
 
     def __init__(self, ubatch: int, lane: int) -> None:
         self.ubatch = ubatch
         self.lane = lane
         self.buffer: torch.Tensor | None = None
-        self.capacity = 0
+        self.capacity_bytes = 0
         # Request -> views of the current buffer, laid out once; see get_simultaneous.
         self.views: dict[Any, tuple[torch.Tensor, ...]] = {}
         self.requests = 0
-        self.peak = 0
+        self.peak_requested_bytes = 0
         self.resizes = 0
-        self.violations = 0
+        self.lock_violations = 0
         self.last_violation: LockViolation | None = None
         # (kind, key) -> (object, bytes); kind "tensor" or "resource", so that
         # tensors and resources never share a key, as in vLLM.
         self.persistent: dict[tuple[str, Hashable], tuple[Any, int]] = {}
 
     def release_buffer(self) -> None:
-        """Free the buffer but leave ``capacity`` as it was (a resize sets it next)."""
+        """Free the buffer but leave ``capacity_bytes`` as it was (a resize sets it next)."""
         # The bound views hold the storage too: forget them first, or the
         # old buffer outlives the resize.
         self.views = {}
@@ -143,4 +147,4 @@ class Slot:
 
     def drop_buffer(self) -> None:
         self.release_buffer()
-        self.capacity = 0
+        self.capacity_bytes = 0

@@ -1,28 +1,134 @@
-"""Immutable snapshots of a workspace manager's state.
+"""Immutable snapshots of a workspace manager's state, and the per-slot statistics schema.
 
 Plain frozen data, importing no torch: a snapshot crosses threads (the agent's
 I/O thread reads it while the engine runs) and processes (it is sent to the
 coordinator as msgpack) as it is.
 
+``SLOT_NUMBERS`` declares each number a slot reports once: its type, how it
+combines over the ranks of a TP group, its Prometheus family and its ``wsctl``
+column. The wire form and its checks, the TP group summaries
+(``wsd.coordinator.aggregate``), the metrics (``wsd.coordinator.metrics``) and
+``wsctl``'s tables (``wsd_client.render``) are derived from it, by name.
+
 Two plain forms: ``to_dict``/``from_dict``, one map per slot (the documented
 row shape ``wsctl --json`` prints), and ``to_wire``/``from_wire``, the compact
 columnar form agents send and the coordinator passes on: the slots as a map of
-equal-length columns, one per number, with the rarer last violations and
+equal-length columns (``SLOT_COLUMNS``), with the rarer last violations and
 persistent buffers as tables of their own keyed by slot index. ``slot_rows``
 turns the columns back into the row shape.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from operator import sub
+from typing import Any, NamedTuple
 
-__all__ = ["PERSISTENT_COLUMNS", "SLOT_COLUMNS", "VIOLATION_COLUMNS", "LockViolation", "ManagerStats",
-           "PersistentStats", "SlotStats", "slot_rows"]
+__all__ = ["GROUP_COLUMNS", "PERSISTENT_COLUMNS", "SLOT_COLUMNS", "SLOT_KEY", "SLOT_NUMBERS", "VIOLATION_COLUMNS",
+           "Combine", "GroupColumn", "LockViolation", "ManagerStats", "PersistentStats", "SlotNumber", "SlotStats",
+           "slot_rows"]
 
-# The columns of a slot table on the wire, one entry per slot, in slot order.
-SLOT_COLUMNS = ("ubatch", "lane", "capacity_bytes", "peak_requested_bytes", "requests", "resizes",
-                "lock_violations")
+# -- the per-slot statistics schema --------------------------------------------------
+
+
+class Combine(enum.Enum):
+    """How one number of a slot combines over the ranks of a TP group."""
+
+    MIN = "min"
+    MAX = "max"
+    SUM = "sum"
+    SPREAD = "spread"
+    """Largest minus smallest: how far the ranks are apart."""
+
+    def column(self, per_slot: Sequence[Sequence[Any]]) -> list[Any]:
+        """One value per slot, each from that slot's values on every rank."""
+        if self is Combine.SUM:
+            return list(map(sum, per_slot))
+        if self is Combine.MIN:
+            return list(map(min, per_slot))
+        if self is Combine.MAX:
+            return list(map(max, per_slot))
+        return list(map(sub, map(max, per_slot), map(min, per_slot)))
+
+
+class GroupColumn(NamedTuple):
+    """One column of a TP group's per-slot summary, derived from one slot number."""
+
+    name: str
+    """Its key in the ``stats`` answer's ``groups[].slots``."""
+    combine: Combine
+    header: str | None
+    """Its ``wsctl stats`` column; None: in the JSON only."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlotNumber:
+    """One number every slot reports: declared once, everything else derived.
+
+    ``name`` is the ``SlotStats`` attribute, the wire column, the key of the
+    rows ``wsctl --json`` prints and, on the manager's side, the ``Slot``
+    attribute that counts it. From the declaration come the wire form and its
+    checks (``kind``), the TP group's summary columns (``group``), the
+    per-slot Prometheus family (``metric``) and the ``wsctl`` column (``header``).
+    """
+
+    name: str
+    kind: type
+    """``int`` or ``float``; a wire value of another type is refused, naming it."""
+    help: str
+    """What it counts; also the metric's help text."""
+    header: str
+    """Its column in ``wsctl stats`` and ``wsctl watch``."""
+    unit: str = ""
+    """``"bytes"``: shown in KiB/MiB/GiB; ``""``: a plain number."""
+    metric: str
+    """The Prometheus family, one sample per rank and slot."""
+    counter: bool = False
+    """The metric is a counter (it only grows while the rank lives), else a gauge."""
+    group: tuple[GroupColumn, ...]
+
+    def __post_init__(self) -> None:
+        if self.kind not in (int, float):
+            raise ValueError(f"slot number {self.name}: kind must be int or float, got {self.kind!r}")
+        if self.counter != self.metric.endswith("_total"):
+            raise ValueError(f"slot number {self.name}: a counter's metric, and only a counter's, ends in _total")
+
+
+SLOT_KEY = ("ubatch", "lane")
+"""The columns that name a slot."""
+
+SLOT_NUMBERS = (
+    SlotNumber(name="capacity_bytes", kind=int, unit="bytes", header="CAPACITY",
+               help="Size of the slot's scratch buffer.", metric="wsd_slot_capacity_bytes",
+               group=(GroupColumn("capacity_min", Combine.MIN, "MIN CAPACITY"),
+                      GroupColumn("capacity_max", Combine.MAX, "MAX CAPACITY"),
+                      GroupColumn("capacity_total", Combine.SUM, None),
+                      GroupColumn("skew_bytes", Combine.SPREAD, "SKEW"))),
+    SlotNumber(name="peak_requested_bytes", kind=int, unit="bytes", header="PEAK",
+               help="Largest total one get_simultaneous call asked of the slot (refused calls included).",
+               metric="wsd_slot_peak_requested_bytes",
+               group=(GroupColumn("peak_requested_max", Combine.MAX, "MAX PEAK"),)),
+    SlotNumber(name="requests", kind=int, header="REQUESTS", help="get_simultaneous calls the slot served.",
+               metric="wsd_slot_requests_total", counter=True,
+               group=(GroupColumn("requests", Combine.SUM, None),)),
+    SlotNumber(name="resizes", kind=int, header="RESIZES", help="Times the slot's buffer was reallocated larger.",
+               metric="wsd_slot_resizes_total", counter=True,
+               group=(GroupColumn("resizes", Combine.SUM, None),)),
+    SlotNumber(name="lock_violations", kind=int, header="VIOLATIONS",
+               help="Requests the slot refused because the workspace was locked.",
+               metric="wsd_slot_lock_violations_total", counter=True,
+               group=(GroupColumn("lock_violations", Combine.SUM, "VIOLATIONS"),)),
+)
+"""Every number a slot reports, in wire order. A new one is a row here, an
+attribute of ``SlotStats`` and the ``Slot`` counter that counts it."""
+
+SLOT_COLUMNS = SLOT_KEY + tuple(n.name for n in SLOT_NUMBERS)
+"""The columns of a slot table on the wire, one entry per slot, in slot order."""
+GROUP_COLUMNS = (*SLOT_KEY, "ranks", *(c.name for n in SLOT_NUMBERS for c in n.group))
+"""The columns of a TP group's per-slot summary (``ranks``: the ranks that have the slot)."""
+
 # The sparse tables: one entry per violation or persistent buffer, ``slot``
 # being the index of the slot it belongs to in the columns above.
 VIOLATION_COLUMNS = ("slot", "caller", "requested", "capacity", "time")
@@ -56,20 +162,16 @@ class PersistentStats:
 
 @dataclass(frozen=True, slots=True)
 class SlotStats:
-    """One (ubatch, lane) slot."""
+    """One (ubatch, lane) slot: one attribute per ``SLOT_COLUMNS`` entry (what each number
+    counts is said in ``SLOT_NUMBERS``), its last refused request and its persistent buffers."""
 
     ubatch: int
     lane: int
     capacity_bytes: int
-    """Size of the slot's scratch buffer now."""
     peak_requested_bytes: int
-    """Largest total one ``get_simultaneous`` call asked of this slot."""
     requests: int
-    """Calls of ``get_simultaneous`` served by this slot."""
     resizes: int
-    """Times the buffer was (re)allocated larger."""
     lock_violations: int
-    """Requests refused because the manager was locked."""
     last_violation: LockViolation | None
     persistent: tuple[PersistentStats, ...]
 
@@ -101,8 +203,7 @@ class ManagerStats:
         """Plain dicts, lists and scalars, ready for msgpack or JSON.
 
         The same as ``dataclasses.asdict`` plus ``total_bytes``, written out by
-        hand: the agent builds one per stats request, and ``asdict``'s
-        recursive deep copy cost several times more.
+        hand: ``asdict``'s recursive deep copy costs several times more.
         """
         slots = []
         total = 0
@@ -111,14 +212,11 @@ class ManagerStats:
             persistent: tuple[dict[str, Any], ...] = tuple(
                 {"key": q.key, "kind": q.kind, "nbytes": q.nbytes} for q in s.persistent)
             total += s.capacity_bytes + sum(q["nbytes"] for q in persistent)
-            slots.append({
-                "ubatch": s.ubatch, "lane": s.lane, "capacity_bytes": s.capacity_bytes,
-                "peak_requested_bytes": s.peak_requested_bytes, "requests": s.requests,
-                "resizes": s.resizes, "lock_violations": s.lock_violations,
-                "last_violation": None if v is None else {
-                    "caller": v.caller, "requested": v.requested, "capacity": v.capacity, "time": v.time},
-                "persistent": persistent,
-            })
+            row = {c: getattr(s, c) for c in SLOT_COLUMNS}
+            row["last_violation"] = None if v is None else {
+                "caller": v.caller, "requested": v.requested, "capacity": v.capacity, "time": v.time}
+            row["persistent"] = persistent
+            slots.append(row)
         return {"device": self.device, "num_ubatches": self.num_ubatches, "num_lanes": self.num_lanes,
                 "locked": self.locked, "slots": tuple(slots), "total_bytes": total}
 
@@ -128,19 +226,11 @@ class ManagerStats:
         slots = []
         for s in data["slots"]:
             violation = s.get("last_violation")
-            slots.append(
-                SlotStats(
-                    ubatch=s["ubatch"],
-                    lane=s["lane"],
-                    capacity_bytes=s["capacity_bytes"],
-                    peak_requested_bytes=s["peak_requested_bytes"],
-                    requests=s["requests"],
-                    resizes=s["resizes"],
-                    lock_violations=s["lock_violations"],
-                    last_violation=LockViolation(**violation) if violation else None,
-                    persistent=tuple(PersistentStats(**p) for p in s["persistent"]),
-                )
-            )
+            slots.append(SlotStats(
+                **{c: s[c] for c in SLOT_COLUMNS},
+                last_violation=LockViolation(**violation) if violation else None,
+                persistent=tuple(PersistentStats(**p) for p in s["persistent"]),
+            ))
         return cls(
             device=data["device"],
             num_ubatches=data["num_ubatches"],
@@ -152,8 +242,8 @@ class ManagerStats:
     def to_wire(self) -> dict[str, Any]:
         """The compact form agents send: ``slots`` as columns (see the module docstring).
 
-        Per slot, msgpack then carries seven small integers instead of a map of
-        nine named fields: about a fifth of the bytes, and a fraction of the
+        Per slot, msgpack then carries a few small numbers instead of a map of
+        named fields: about a fifth of the bytes, and a fraction of the
         coordinator's decoding, checking and encoding per rank.
         """
         slots = self.slots
@@ -170,17 +260,9 @@ class ManagerStats:
                 total += q.nbytes
                 for column, value in zip(PERSISTENT_COLUMNS, (i, q.key, q.kind, q.nbytes)):
                     persistent[column].append(value)
-        columns: dict[str, Any] = {
-            "ubatch": [s.ubatch for s in slots],
-            "lane": [s.lane for s in slots],
-            "capacity_bytes": [s.capacity_bytes for s in slots],
-            "peak_requested_bytes": [s.peak_requested_bytes for s in slots],
-            "requests": [s.requests for s in slots],
-            "resizes": [s.resizes for s in slots],
-            "lock_violations": [s.lock_violations for s in slots],
-            "last_violation": violations,
-            "persistent": persistent,
-        }
+        columns: dict[str, Any] = {c: [getattr(s, c) for s in slots] for c in SLOT_COLUMNS}
+        columns["last_violation"] = violations
+        columns["persistent"] = persistent
         return {"device": self.device, "num_ubatches": self.num_ubatches, "num_lanes": self.num_lanes,
                 "locked": self.locked, "slots": columns, "total_bytes": total}
 
@@ -208,3 +290,10 @@ def slot_rows(columns: dict[str, Any]) -> list[dict[str, Any]]:
     for i, key, kind, nbytes in zip(*(persistent.get(c, ()) for c in PERSISTENT_COLUMNS)):
         rows[i]["persistent"].append({"key": key, "kind": kind, "nbytes": nbytes})
     return rows
+
+
+# SlotStats carries exactly the schema's columns, then the sparse parts: checked
+# at import, so that a number added to one and not the other fails at once.
+_SLOT_ATTRIBUTES = tuple(f.name for f in fields(SlotStats))
+if _SLOT_ATTRIBUTES != (*SLOT_COLUMNS, "last_violation", "persistent"):
+    raise TypeError(f"SlotStats {_SLOT_ATTRIBUTES} does not match SLOT_COLUMNS {SLOT_COLUMNS}")

@@ -1,0 +1,121 @@
+"""The per-slot statistics schema: every reader of a slot's numbers follows ``SLOT_NUMBERS``.
+
+I/O-free: snapshots, aggregation, metric families and wsctl's text are plain
+functions of plain data, checked here against the one declaration.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import fields
+
+import msgpack
+import pytest
+
+from wsd.coordinator.aggregate import StatsRound, read_snapshot
+from wsd.coordinator.metrics import _HELP, FAMILIES
+from wsd.manager.stats import (
+    GROUP_COLUMNS,
+    SLOT_COLUMNS,
+    SLOT_KEY,
+    SLOT_NUMBERS,
+    Combine,
+    GroupColumn,
+    ManagerStats,
+    SlotNumber,
+    SlotStats,
+)
+from wsd_client import render
+from wsd_client.rows import stats_rows
+
+
+def _snapshot(rng: random.Random, slots: int) -> ManagerStats:
+    return ManagerStats("cpu", slots, 1, False, tuple(
+        SlotStats(**{c: rng.randrange(1 << 20) for c in SLOT_COLUMNS} | {"ubatch": i, "lane": 0},
+                  last_violation=None, persistent=()) for i in range(slots)))
+
+
+def _answer(snapshots: dict[int, ManagerStats], tp_group: int = 0) -> dict:
+    rnd = StatsRound({tp_group: sorted(snapshots)})
+    for rank, snapshot in snapshots.items():
+        rnd.add(read_snapshot(rank, tp_group, 7, msgpack.unpackb(msgpack.packb(snapshot.to_wire()))))
+    return msgpack.unpackb(rnd.finish({tp_group: sorted(snapshots)}, {}))
+
+
+def test_slot_stats_carries_exactly_the_schemas_columns():
+    assert [f.name for f in fields(SlotStats)] == [*SLOT_COLUMNS, "last_violation", "persistent"]
+    assert SLOT_COLUMNS == (*SLOT_KEY, *(n.name for n in SLOT_NUMBERS))
+    assert GROUP_COLUMNS == (*SLOT_KEY, "ranks", *(c.name for n in SLOT_NUMBERS for c in n.group))
+    assert len(set(GROUP_COLUMNS)) == len(GROUP_COLUMNS)
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_each_group_column_is_its_numbers_combine_over_the_ranks(ranks):
+    """Computed here by name from each rank's own snapshot, for every group column the
+    schema declares: a column derived by position, or from the wrong number, differs."""
+    rng = random.Random(ranks)
+    snapshots = {r: _snapshot(rng, 4) for r in range(ranks)}
+    (group,) = _answer(snapshots)["groups"]
+    for number in SLOT_NUMBERS:
+        per_slot = [[getattr(snapshots[r].slots[i], number.name) for r in range(ranks)] for i in range(4)]
+        for column in number.group:
+            expected = {Combine.MIN: min, Combine.MAX: max, Combine.SUM: sum,
+                        Combine.SPREAD: lambda v: max(v) - min(v)}[column.combine]
+            assert group["slots"][column.name] == [expected(v) for v in per_slot], column.name
+    assert group["slots"]["ranks"] == [list(range(ranks))] * 4
+
+
+def test_groups_whose_ranks_hold_different_slots_are_matched_by_key():
+    rng = random.Random(5)
+    short, long = _snapshot(rng, 2), _snapshot(rng, 3)
+    (group,) = _answer({0: short, 1: long})["groups"]
+    assert group["slots"]["ubatch"] == [0, 1, 2]
+    assert group["slots"]["ranks"] == [[0, 1], [0, 1], [1]]
+    for number in SLOT_NUMBERS:
+        only = getattr(long.slots[2], number.name)
+        for column in number.group:
+            assert group["slots"][column.name][2] == (0 if column.combine is Combine.SPREAD else only)
+
+
+def test_aggregation_reads_the_columns_by_name_not_by_position():
+    rng = random.Random(9)
+    snapshot = _snapshot(rng, 3).to_wire()
+    reordered = {**snapshot, "slots": dict(reversed(list(snapshot["slots"].items())))}
+    a = StatsRound({0: [0]})
+    a.add(read_snapshot(0, 0, 1, snapshot))
+    b = StatsRound({0: [0]})
+    b.add(read_snapshot(0, 0, 1, reordered))
+    first, second = (msgpack.unpackb(r.finish({0: [0]}, {})) for r in (a, b))
+    assert first["groups"] == second["groups"]
+    assert first["ranks"][0]["capacity_bytes"] == sum(snapshot["slots"]["capacity_bytes"])
+
+
+def test_every_slot_number_has_its_metric_family_and_help():
+    for number in SLOT_NUMBERS:
+        assert FAMILIES[number.metric] == ("counter" if number.counter else "gauge",
+                                           ("rank", "tp_group", "ubatch", "lane"))
+        assert _HELP[number.metric] == number.help
+
+
+def test_wsctl_shows_every_slot_number_and_every_headed_group_column():
+    rng = random.Random(3)
+    snapshots = {0: _snapshot(rng, 2), 1: _snapshot(rng, 2)}
+    text = render.stats(stats_rows(_answer(snapshots)))
+    frame = render.watch(stats_rows(_answer(snapshots)), None, "header")
+    for number in SLOT_NUMBERS:
+        assert number.header in text and number.header in frame
+    for column in (c for n in SLOT_NUMBERS for c in n.group if c.header is not None):
+        assert column.header in text
+    # A byte-counting number is shown as a size; a count as the number it is.
+    requests = snapshots[0].slots[1].requests
+    capacity = snapshots[0].slots[1].capacity_bytes
+    row = next(line for line in text.splitlines() if line.split()[:3] == ["0", "1", "0"])
+    assert str(requests) in row.split() and str(capacity) not in row.split()
+
+
+def test_a_slot_number_is_refused_when_its_declaration_contradicts_itself():
+    with pytest.raises(ValueError, match="kind must be int or float"):
+        SlotNumber(name="x", kind=str, help="h", header="X", metric="wsd_slot_x", group=())
+    with pytest.raises(ValueError, match="_total"):
+        SlotNumber(name="x", kind=int, help="h", header="X", metric="wsd_slot_x", counter=True, group=())
+    assert GroupColumn("x_max", Combine.MAX, None).header is None

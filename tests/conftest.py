@@ -1,27 +1,26 @@
 """Shared test kit: bounded waits, coordinators on random loopback ports, ZeroMQ sockets.
 
-ZeroMQ in tests, one way everywhere (as the best ZeroMQ test suites do): a
-context per test from ``zmq_context``; sockets from ``zmq_socket``, each with
-LINGER 0, bound to a random loopback port or connected, and all closed at
-teardown; the context terminated within a bound, so that a socket left open
-somewhere fails the test that left it instead of hanging the run.
+ZeroMQ in tests, one way everywhere (as the best ZeroMQ test suites do,
+``tests/zmqkit.py``): a context per test from ``zmq_context``; sockets from
+``zmq_socket``, each with LINGER 0, bound to a random loopback port or
+connected, and all closed at teardown; the context terminated within a bound,
+so that a socket left open somewhere fails the test that left it instead of
+hanging the run.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import zmq
+from zmqkit import Sockets
 
 from wsd.config import CoordinatorConfig
 from wsd.coordinator.loop import Coordinator
 from wsd.security import SecurityConfig
-
-_TERM_TIMEOUT = 5.0
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.01) -> Any:
@@ -68,33 +67,22 @@ def start_coordinator(tmp_path) -> Iterator[Callable[..., Coordinator]]:
 
 
 @pytest.fixture
-def zmq_context() -> Iterator[zmq.Context]:
-    """A context of this test's own, terminated at teardown within a bound (fails if not)."""
-    context = zmq.Context()
-    yield context
-    ended = threading.Thread(target=context.term, name="zmq-term", daemon=True)
-    ended.start()
-    ended.join(_TERM_TIMEOUT)
-    if ended.is_alive():
-        pytest.fail(f"zmq context not terminated within {_TERM_TIMEOUT} s: a socket was left open")
+def zmq_sockets() -> Iterator[Sockets]:
+    """This test's own context and sockets (``tests/zmqkit.py``), closed and terminated at
+    teardown within a bound (the test fails if a socket was left open)."""
+    sockets = Sockets()
+    yield sockets
+    sockets.close()
 
 
 @pytest.fixture
-def zmq_socket(zmq_context: zmq.Context) -> Iterator[Callable[..., Any]]:
+def zmq_context(zmq_sockets: Sockets) -> zmq.Context:
+    """A context of this test's own, terminated at teardown within a bound (fails if not)."""
+    return zmq_sockets.context
+
+
+@pytest.fixture
+def zmq_socket(zmq_sockets: Sockets) -> Callable[..., Any]:
     """``zmq_socket(kind, connect=ENDPOINT)`` or ``zmq_socket(kind, bind=True)`` (a random
     loopback port: ``sock.LAST_ENDPOINT``): LINGER 0, closed at teardown."""
-    made: list[zmq.Socket] = []
-
-    def make(kind: int, *, connect: str | None = None, bind: bool = False) -> zmq.Socket:
-        sock = zmq_context.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        made.append(sock)
-        if bind:
-            sock.bind_to_random_port("tcp://127.0.0.1")
-        if connect is not None:
-            sock.connect(connect)
-        return sock
-
-    yield make
-    for sock in made:
-        sock.close(linger=0)
+    return zmq_sockets.socket

@@ -17,6 +17,7 @@ import time
 
 import msgpack
 import zmq
+from zmqkit import Sockets
 
 
 def nested(size: int) -> bytes:
@@ -26,14 +27,8 @@ def nested(size: int) -> bytes:
 
 
 def main(endpoint: str, seconds: float, big_bytes: int) -> int:
-    ctx = zmq.Context()
-    socks = []
-    for _ in range(4):
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDTIMEO, 100)
-        sock.connect(endpoint)
-        socks.append(sock)
+    sockets = Sockets()
+    socks = [sockets.socket(zmq.DEALER, connect=endpoint, sndtimeo=100) for _ in range(4)]
     big, small = nested(big_bytes), nested(4000)
     for sock in socks[:2]:
         sock.send(big)
@@ -47,9 +42,7 @@ def main(endpoint: str, seconds: float, big_bytes: int) -> int:
             except zmq.Again:  # the coordinator's queue for us is full: it reads at its pace
                 pass
     print(f"sent {sent}", flush=True)
-    for sock in socks:
-        sock.close(linger=0)
-    ctx.term()
+    sockets.close()
     return 0
 
 

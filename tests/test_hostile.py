@@ -37,6 +37,7 @@ from conftest import coordinator_config, wait_until
 from hostile_kit import hostile_inputs_counted, seeded, tried  # noqa: F401 (a fixture)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from zmqkit import Sockets
 
 import wsd.config as config_module
 from wsd.agent.simulated import SimulatedRanks
@@ -86,7 +87,7 @@ class Live:
                                    heartbeat_interval=HEARTBEAT_INTERVAL,
                                    heartbeat_timeout=HEARTBEAT_TIMEOUT).start()
         self.client = Client(self.coordinator.client_endpoint, timeout=5, retries=0)
-        self.context = zmq.Context()
+        self.sockets = Sockets()
         self.raw: dict[str, zmq.Socket] = {}
         self.sent: dict[str, int] = {}  # frames sent on each raw socket
         assert self.good.wait_registered(10), "the good rank did not register"
@@ -104,10 +105,8 @@ class Live:
     def socket(self, which: str) -> zmq.Socket:
         sock = self.raw.get(which)
         if sock is None:
-            sock = self.context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self.coordinator.client_endpoint if which == "client"
-                         else self.coordinator.agent_endpoint)
+            sock = self.sockets.socket(zmq.DEALER, connect=self.coordinator.client_endpoint if which == "client"
+                                       else self.coordinator.agent_endpoint)
             self.raw[which] = sock
         return sock
 
@@ -142,7 +141,7 @@ class Live:
     def close(self) -> None:
         for which in list(self.raw):
             self.reset(which)
-        self.context.term()
+        self.sockets.close()
         self.client.close()
         self.good.stop()
         self.coordinator.stop()

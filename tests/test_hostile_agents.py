@@ -37,6 +37,7 @@ import pytest
 import zmq
 from conftest import coordinator_config, wait_until
 from hostile_kit import hostile_inputs_counted, rng, tried  # noqa: F401 (a fixture)
+from zmqkit import Sockets
 
 from wsd.agent.simulated import SimulatedRanks
 from wsd.coordinator.loop import Coordinator
@@ -221,7 +222,7 @@ class Barrage:
         self.client = client
         self.token = token
         self.r = rand
-        self.context = zmq.Context()
+        self.sockets = Sockets()
         self.attackers = [Attacker(self._socket(coordinator.agent_endpoint)) for _ in range(CONNECTIONS)]
         self.own = self._socket(coordinator.client_endpoint)  # the test's own commands, not waited for
         self.seq = client.status()["seq"]
@@ -232,17 +233,10 @@ class Barrage:
         self.malice = Malice(rand, lambda: self.seq)
 
     def _socket(self, endpoint: str) -> zmq.Socket:
-        sock = self.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.connect(endpoint)
-        return sock
+        return self.sockets.socket(zmq.DEALER, connect=endpoint, sndhwm=0)
 
     def close(self) -> None:
-        for a in self.attackers:
-            a.sock.close(linger=0)
-        self.own.close(linger=0)
-        self.context.term()
+        self.sockets.close()
 
     def claim_spare_ranks(self) -> None:
         """Two attackers register for each unused rank, at the coordinator's sequence:

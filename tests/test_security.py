@@ -295,7 +295,7 @@ def test_keygen_writes_a_zeromq_certificate_pair_with_a_private_secret(tmp_path,
 # -- the agent socket's size limit ----------------------------------------------------------------
 
 
-def test_oversize_agent_frame_is_dropped_and_the_coordinator_serves_on(start_coordinator, agents):
+def test_oversize_agent_frame_is_dropped_and_the_coordinator_serves_on(start_coordinator, agents, zmq_socket):
     """Fails if the agent ROUTER has no MAXMSGSIZE (an agent could make it buffer any amount:
     the oversize frame would reach the core and be refused there), or if dropping it hurts
     the coordinator or a well-behaved rank."""
@@ -303,9 +303,7 @@ def test_oversize_agent_frame_is_dropped_and_the_coordinator_serves_on(start_coo
     coordinator = start_coordinator(max_agent_message_bytes=limit, world_size=1)
     good = agents(coordinator, 0, 1, None)
     assert good.wait_registered(10)
-    context = zmq.Context()
-    raw = context.socket(zmq.DEALER)
-    raw.linger = 0
+    raw = zmq_socket(zmq.DEALER)
     monitor = raw.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
     try:
         raw.connect(coordinator.agent_endpoint)
@@ -329,8 +327,6 @@ def test_oversize_agent_frame_is_dropped_and_the_coordinator_serves_on(start_coo
     finally:
         raw.disable_monitor()
         monitor.close(linger=0)
-        raw.close(linger=0)
-        context.term()
 
 
 def test_default_agent_limit_passes_the_largest_stats_reply(start_coordinator):

@@ -21,12 +21,14 @@ START_TIMEOUT = 30.0
 
 
 def run_coordinator(conn: Any, state_file: str, options: dict[str, Any] | None = None) -> None:
-    """A coordinator on loopback ports until told to stop; sends (agent, client) endpoints first."""
+    """A coordinator on loopback ports until told to stop; sends (agent, client) endpoints first,
+    or with ``metrics_port`` in ``options`` (agent, client, metrics URL)."""
     options = options or {}
     config = CoordinatorConfig(agent_endpoint="tcp://127.0.0.1:0", client_endpoint="tcp://127.0.0.1:0",
                                state_file=state_file, **options)
     coordinator = Coordinator(config).start()
-    conn.send((coordinator.agent_endpoint, coordinator.client_endpoint))
+    endpoints = (coordinator.agent_endpoint, coordinator.client_endpoint)
+    conn.send(endpoints if config.metrics_port is None else (*endpoints, coordinator.metrics_url))
     conn.recv()  # until told to stop
     coordinator.stop()
 

@@ -14,7 +14,7 @@ from wsd import WorkspaceLockedError, WorkspaceManager, use_ubatch
 from wsd.agent.thread import Agent
 from wsd.wire.protocol import ErrorCode
 from wsd_client.client import Client, ClientError, Unavailable
-from wsd_client.rows import rank_slots
+from wsd_client.rows import rank_columns, rank_slots
 
 
 @pytest.fixture
@@ -152,12 +152,19 @@ def test_stats_per_rank_and_slot(start_coordinator, agents):
         a0.manager.get_simultaneous(((1000,), torch.float32))
     a1.manager.get_simultaneous(((10,), torch.float32))
     with Client(coordinator.client_endpoint, timeout=5) as client:
-        stats = client.stats()
+        stats = client.stats(fresh=True)  # every rank asked now: the numbers of this moment
+        # What the ranks push reaches the same numbers within an interval, each with its age.
+        pushed = wait_until(lambda: (s := client.stats())["ranks"] and [
+            {k: v for k, v in r.items() if k not in ("age", "stale")} for r in s["ranks"]] == [
+            {k: v for k, v in r.items() if k not in ("age", "stale")} for r in stats["ranks"]] and s,
+            5, "the pushed snapshots to match the fresh ones")
+    assert not pushed["fresh"] and stats["fresh"]
     assert stats["complete"] and stats["missing"] == []
-    by_rank = {r["rank"]: r for r in stats["ranks"]}
-    assert by_rank[0]["slots"]["capacity_bytes"] == [0, 4096]  # the compact answer: columns
-    assert by_rank[1]["slots"]["requests"] == [1, 0]
-    assert [s["capacity_bytes"] for s in rank_slots(by_rank[0])] == [0, 4096]  # the documented rows
+    assert [r["rank"] for r in stats["ranks"]] == [0, 1]
+    assert stats["slots"]["rank"] == [0, 0, 1, 1]  # the compact answer: every rank's slots, one table
+    assert stats["slots"]["capacity_bytes"] == [0, 4096, 256, 0]
+    assert rank_columns(stats)[1]["requests"] == [1, 0]
+    assert [s["capacity_bytes"] for s in rank_slots(stats, 0)] == [0, 4096]  # the documented rows
     assert stats["total_bytes"] == 4096 + 256
 
 

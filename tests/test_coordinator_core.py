@@ -34,6 +34,7 @@ from wsd.manager.stats import (
 )
 from wsd.wire import protocol as p
 from wsd.wire.protocol import ErrorCode, Op
+from wsd_client.rows import rank_columns
 
 WALL0 = 1_700_000_000.0
 MONO0 = 500.0
@@ -216,7 +217,7 @@ def test_registration_accepted(h):
     sent = h.register(1, step=7)
     registered = to_agents(sent, Op.REGISTERED)[peer_of(1)]
     assert registered == {"epoch": h.core.epoch, "baseline_seq": 0, "heartbeat_interval": 1.0,
-                          "heartbeat_timeout": 5.0,
+                          "heartbeat_timeout": 5.0, "stats_interval": 1.0,
                           "desired": {"locked": None, "num_ubatches": None, "reserve_bytes": None}}
     info = h.core.registry.ranks[1]
     assert info.state is RankState.LIVE and info.tp_group == 0 and info.step == 7
@@ -595,7 +596,8 @@ def test_command_with_no_live_target_replies_at_once(h):
 
 
 def stats_round(h: Harness, body: dict[str, Any] | None = None) -> tuple[int, set[bytes]]:
-    sent = h.client(Op.STATS, body, request_id=21)
+    """A fresh stats round (``wsctl stats --fresh``): every live rank asked now."""
+    sent = h.client(Op.STATS, {"fresh": True, **(body or {})}, request_id=21)
     requests = to_agents(sent, Op.STATS_REQUEST)
     assert replies(sent) == []
     [request] = {r["request"] for r in requests.values()}
@@ -620,8 +622,10 @@ def test_stats_aggregated_per_rank_slot_and_group(h):
     by_rank = {r["rank"]: r for r in result["ranks"]}
     assert by_rank[0]["total_bytes"] == 4000 and by_rank[0]["step"] == 5
     assert by_rank[1]["total_bytes"] == 7256 and by_rank[1]["capacity_bytes"] == 7000
-    assert by_rank[1]["slots"]["capacity_bytes"] == [4000, 3000]
-    assert by_rank[1]["slots"]["persistent"] == {"slot": [0], "key": ["k"], "kind": ["tensor"], "nbytes": [256]}
+    slots = rank_columns(result)
+    assert slots[1]["capacity_bytes"] == [4000, 3000]
+    assert slots[1]["persistent"] == {"slot": [0], "key": ["k"], "kind": ["tensor"], "nbytes": [256]}
+    assert result["persistent"]["rank"] == [1]  # every rank's persistent buffers, one table
     assert result["total_bytes"] == 4000 + 7256 + 0 + 512
     g0, g1 = result["groups"]
     assert (g0["tp_group"], g0["ranks"], g0["reporting"]) == (0, [0, 1], [0, 1])

@@ -283,8 +283,8 @@ def test_lock_then_oversize_request_shows_a_violation_and_unlock_ends_them(clust
         assert event["requested"] > event["capacity"], event
         assert event["step"] >= locked_at, (event, locked_at)
     assert any(e["requested"] > warm_capacity for e in violations)  # beyond all warm-up reached
-    stats = cluster.stats()
-    assert all(r["locked"] and r["lock_violations"] > 0 for r in stats["ranks"]), stats
+    cluster.stats_when(lambda ranks: all(r["locked"] and r["lock_violations"] > 0 for r in ranks.values()), 10,
+                       "the violations in each rank's pushed snapshot")
 
     unlocked_at = applied_at_one_step(wsctl(cluster.endpoint, "unlock", timeout=10.0))
     # Eight more steps, each with an even chance of an over-size request: were

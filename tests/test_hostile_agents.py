@@ -80,8 +80,8 @@ class Malice:
     def __init__(self, rand: random.Random, issued: Callable[[], int]) -> None:
         self.r = rand
         self.issued = issued  # () -> the coordinator's sequence as the test knows it
-        self.ops = [Op.REGISTER, Op.HEARTBEAT, Op.ACK, Op.EVENT, Op.STATS_REPLY, Op.GOODBYE]
-        self.weights = [4, 3, 2, 2, 2, 1]
+        self.ops = [Op.REGISTER, Op.HEARTBEAT, Op.ACK, Op.EVENT, Op.STATS_REPLY, Op.STATS_PUSH, Op.GOODBYE]
+        self.weights = [4, 3, 2, 2, 2, 3, 1]
 
     def text(self, most: int, alphabet: str = _ALPHABET) -> str:
         n = self.r.choice([0, 1, self.r.randint(0, most), most])
@@ -177,6 +177,30 @@ class Malice:
                                                        "num_ubatches": self.junk(), "columns": self.junk()}])
         return {"rank": self.rank(a.rank), "request": self.r.choice([0, 1, 2, 3, self.r.randint(1, 64), INT64]),
                 "stats": stats, "step": self.number()}
+
+    def _stats_push(self, a: Attacker) -> dict[str, Any]:
+        """A whole snapshot of junk, a delta of junk on a version the coordinator may hold
+        (a real attacker's own push), or one that points outside the slots."""
+        r = self.r
+        body = {"rank": self.rank(a.rank), "version": r.choice([1, 2, r.randint(1, 64), INT64]), "step": self.number(),
+                "applied_seq": self.seq(), "held_seq": self.seq(), "state": self.state()}
+        kind = r.randrange(4)
+        if kind == 0:
+            body.update(base=None, stats=r.choice([{}, self.junk_map(64), {
+                "device": self.junk(), "slots": self.junk(), "num_ubatches": self.junk(), "locked": self.junk()}]))
+        elif kind == 1:
+            body.update(base=r.choice([1, 2, r.randint(1, 64), INT64]), delta=self.junk_map(8))
+        elif kind == 2:
+            index = r.choice([-1, 0, 7, 8, 4096, INT64, "0", None, 1.5])
+            body.update(base=r.choice([1, 2]), delta=r.choice([
+                {"columns": {r.choice(["requests", "capacity_bytes", "ubatch", "x"]): [[index], [self.junk()]]}},
+                {"columns": {"requests": self.junk()}},
+                {"fields": self.junk_map(6)},
+                {"fields": {"num_ubatches": self.junk(), "locked": self.junk()}},
+                {"tables": {r.choice(["persistent", "last_violation", "slots"]): self.junk()}}]))
+        else:
+            body.update(base=r.choice([None, 1]), stats=None, delta=None)
+        return body
 
     def _goodbye(self, a: Attacker) -> dict[str, Any]:
         return {"rank": self.rank(None), "step": self.number(), "applied_seq": self.r.choice([None, self.seq()]),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import msgpack
+
 from wsd.agent.core import AgentLink
 from wsd.wire import protocol as p
 from wsd.wire.protocol import Op
@@ -32,7 +34,7 @@ def sent_ops(frames: list[bytes]) -> list[Op]:
 
 def registered(epoch: str = "e1", baseline: int = 0, desired: dict[str, Any] | None = None) -> bytes:
     return p.encode(Op.REGISTERED, {"epoch": epoch, "baseline_seq": baseline, "desired": desired,
-                                    "heartbeat_interval": 1.0, "heartbeat_timeout": 5.0})
+                                    "heartbeat_interval": 1.0, "heartbeat_timeout": 5.0, "stats_interval": 1.0})
 
 
 def command(seq: int, action: str = "equalize", group: int | None = None, **args: Any) -> bytes:
@@ -78,7 +80,7 @@ def test_quick_retries_start_again_after_the_coordinator_forgets_us():
     link.on_time(0.0)
     link.on_frame(registered(), 0.06)
     assert link.registered.is_set()
-    assert sent_ops(link.on_time(0.06)) == [Op.HEARTBEAT]
+    assert sent_ops(link.on_time(0.06)) == [Op.STATS_PUSH]  # its first heartbeat pushes its snapshot whole
     link.on_frame(p.encode(Op.PULSE, {"epoch": "e2", "registered": True}), 0.5)
     assert not link.registered.is_set()
     assert sent_ops(link.on_time(0.5)) == [Op.REGISTER]
@@ -268,3 +270,18 @@ def test_a_rank_still_live_on_an_older_connection_is_asked_for_again_each_interv
     assert link.due() == 1.5
     link.on_frame(p.encode(Op.REJECTED, {"code": "mismatch", "message": "another world"}), 2.0)
     assert link.due() == 7.0
+
+
+def test_a_coordinator_older_than_pushes_is_sent_heartbeats_only():
+    """A REGISTERED without stats_interval comes from a coordinator that asks for snapshots
+    (stats_request) instead: a push or a stats_version would be refused there."""
+    link = AgentLink(FakeTarget(), rank=0, world_size=1, heartbeat_interval=1.0)
+    link.on_frame(p.encode(Op.REGISTERED, {"epoch": "old", "baseline_seq": 0, "heartbeat_interval": 1.0,
+                                           "heartbeat_timeout": 5.0}), 0.0)
+    for now in (0.0, 1.0, 2.0):
+        (frame,) = link.on_time(now)
+        message = p.decode(frame)
+        assert message.op is Op.HEARTBEAT and "stats_version" not in msgpack.unpackb(frame)["body"]
+    link.stats_urgent = True
+    assert link.due() == 3.0
+    assert sent_ops(link.on_frame(p.encode(Op.STATS_REQUEST, {"request": 4}), 2.5)) == [Op.STATS_REPLY]

@@ -22,13 +22,12 @@ from typing import Any
 
 import pytest
 from conftest import wait_until
-from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from wsd.agent.simulated import SimulatedRanks
 from wsd.config import CoordinatorConfig, load_config
-from wsd.coordinator.aggregate import StatsRound, read_snapshot
 from wsd.coordinator.core import CLIENT, CoordinatorCore
+from wsd.coordinator.latest import LatestStats
 from wsd.coordinator.loop import Coordinator
 from wsd.coordinator.metrics import (
     COMMAND_BUCKETS,
@@ -66,10 +65,8 @@ def parse(text: str) -> tuple[dict[str, str], Samples]:
 
 
 def collect(published: Published, wall: float = 0.0) -> tuple[dict[str, str], Samples]:
-    """What one scrape of a collector reading ``published`` shows, through the text format."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(Collector(lambda: published, wall=lambda: wall))
-    return parse(generate_latest(registry).decode())
+    """What one scrape of a collector reading ``published`` shows, read back by prometheus_client's parser."""
+    return parse(Collector(lambda: published, wall=lambda: wall).render().decode())
 
 
 def scrape(url: str) -> Samples:
@@ -96,14 +93,15 @@ def manager(capacities: list[int], *, lanes: int = 1, locked: bool = False) -> M
                         slots=slots)
 
 
-def stats_result(snapshots: dict[int, ManagerStats], tp_size: int, world_size: int) -> bytes:
-    """The encoded stats answer the coordinator builds from these ranks' snapshots."""
+def stats_view(snapshots: dict[int, ManagerStats], tp_size: int, world_size: int, *, time: float = 0.0,
+               pushed: float = 0.0) -> StatsView:
+    """What the coordinator publishes of these ranks' snapshots, pushed at ``pushed``, copied at ``time``."""
     expected = {g: list(range(g * tp_size, (g + 1) * tp_size)) for g in range(world_size // tp_size)}
-    gathered = StatsRound(expected)
+    latest = LatestStats()
     for rank, stats in snapshots.items():
-        gathered.add(read_snapshot(rank, rank // tp_size, 5, stats.to_wire()))
+        latest.push(rank, rank // tp_size, {"base": None, "stats": stats.to_wire(), "step": 5, "version": 1}, pushed)
     missing = {r: "lost" for ranks in expected.values() for r in ranks if r not in snapshots}
-    return gathered.finish(expected, missing)
+    return StatsView(time, *latest.figures(expected, missing, time, 3.0))
 
 
 def registration(rank: int, *, world_size: int = 4, tp_size: int = 2, host: str = "node-a",
@@ -140,8 +138,9 @@ def test_collector_exports_every_family_with_its_labels_and_values():
     commands.record("lock", CommandOutcome.PARTIAL, 3.0)
     view = core_view(registry, seq=7, heartbeats=41, inconsistent={1}, commands=commands,
                      refused={"registration forbidden": 3, "rate": 12})
-    result = stats_result({0: manager([4096, 8192]), 1: manager([4096, 0])}, tp_size=2, world_size=4)
-    types, s = collect(Published(core=view, stats=StatsView(time=990.0, result=result)), wall=1000.0)
+    stats = stats_view({0: manager([4096, 8192]), 1: manager([4096, 0])}, tp_size=2, world_size=4, time=990.0,
+                       pushed=988.0)
+    types, s = collect(Published(core=view, stats=stats), wall=1000.0)
 
     for name, (kind, labels) in FAMILIES.items():
         family = name[: -len("_total")] if kind == "counter" else name
@@ -173,7 +172,9 @@ def test_collector_exports_every_family_with_its_labels_and_values():
     assert by(s, "wsd_command_duration_seconds_count", "action") == {"lock": 2}
     assert by(s, "wsd_command_duration_seconds_sum", "action") == {"lock": pytest.approx(3.02)}
     assert s["wsd_heartbeats_total"] == {(): 41} and s["wsd_command_seq"] == {(): 7}
-    assert s["wsd_stats_age_seconds"] == {(): 10.0}
+    assert s["wsd_stats_age_seconds"] == {(): 12.0}  # pushed 2 s before the copy, 10 s before the scrape
+    assert by(s, "wsd_rank_stats_age_seconds", "rank") == {"0": 12.0, "1": 12.0}
+    assert by(s, "wsd_rank_stats_stale", "rank") == {"0": 0, "1": 0}  # as the copy found them
 
 
 def test_labels_gone_from_the_published_views_are_gone_from_the_next_scrape():
@@ -183,18 +184,16 @@ def test_labels_gone_from_the_published_views_are_gone_from_the_next_scrape():
     for rank in range(4):
         registry.register(b"p%d" % rank, registration(rank), 0.0)
     views = [Published(core=core_view(registry, seq=0, heartbeats=0, inconsistent=set(), commands=CommandStats()),
-                       stats=StatsView(0.0, stats_result({r: manager([64, 64]) for r in range(4)}, 2, 4)))]
-    smaller = stats_result({0: manager([64]), 1: manager([64])}, 2, 4)
-    views.append(Published(core=views[0].core, stats=StatsView(0.0, smaller)))
+                       stats=stats_view({r: manager([64, 64]) for r in range(4)}, 2, 4))]
+    smaller = stats_view({0: manager([64]), 1: manager([64])}, 2, 4)
+    views.append(Published(core=views[0].core, stats=smaller))
     current = iter(views)
     published = next(current)
     collector = Collector(lambda: published)
-    registry_ = CollectorRegistry(auto_describe=False)
-    registry_.register(collector)
-    first = parse(generate_latest(registry_).decode())[1]
+    first = parse(collector.render().decode())[1]
     assert len(first["wsd_slot_capacity_bytes"]) == 8 and len(first["wsd_rank_workspace_bytes"]) == 4
     published = next(current)
-    second = parse(generate_latest(registry_).decode())[1]
+    second = parse(collector.render().decode())[1]
     for name in ("wsd_slot_capacity_bytes", "wsd_slot_peak_requested_bytes", "wsd_slot_requests_total",
                  "wsd_slot_resizes_total", "wsd_slot_lock_violations_total"):
         assert set(by(second, name, "rank", "ubatch")) == {("0", "0"), ("1", "0")}, name
@@ -257,51 +256,62 @@ def stats_requests(out) -> dict[bytes, int]:
     return found
 
 
-def reply_stats(core: CoordinatorCore, requests: dict[bytes, int], capacities: dict[bytes, list[int]]) -> list:
-    out = []
-    for peer, request in requests.items():
-        out += core.handle_agent((peer,), p.encode(Op.STATS_REPLY, {
-            "rank": int(peer[1:]), "request": request, "step": 9, "stats": manager(capacities[peer]).to_wire()}))
-    return out
+def push(core: CoordinatorCore, peer: bytes, version: int, capacities: list[int], *, step: int = 9) -> list:
+    """Rank ``peer``'s whole snapshot, as its agent pushes it; returns the core's answer."""
+    return core.handle_agent((peer,), p.encode(Op.STATS_PUSH, {
+        "rank": int(peer[1:]), "version": version, "base": None, "step": step, "applied_seq": 0,
+        "held_seq": 0, "state": {}, "stats": manager(capacities).to_wire()}))
 
 
-def test_core_runs_its_own_stats_round_every_metrics_refresh_and_publishes_it(tmp_path):
-    """The per-slot figures come from the core's own rounds, without a client asking: without
-    them wsd_slot_* would be empty, or (never refreshed) stale for ever."""
+def test_metrics_copy_the_pushed_snapshots_every_metrics_refresh_and_never_ask_a_rank(tmp_path):
+    """The per-slot figures are the ranks' pushed snapshots, copied every metrics_refresh:
+    without the copy wsd_slot_* would be empty or never move; with a round, a scrape
+    would cost every rank a reply."""
     core, clock = make_core(tmp_path, metrics_port=0, metrics_refresh=3.0)
-    requests = stats_requests(core.tick())
-    assert set(requests) == {b"p0", b"p1"}
-    assert reply_stats(core, requests, {b"p0": [256, 512], b"p1": [256, 0]}) == []  # nobody to answer
+    push(core, b"p0", 1, [256, 512])
+    push(core, b"p1", 1, [256, 0])
+    assert stats_requests(core.tick()) == {}  # the copy is due at once: no rank asked
     _, s = collect(core.published, wall=clock.now + 1.5)
     assert by(s, "wsd_slot_capacity_bytes", "rank", "ubatch")[("0", "1")] == 512
+    assert by(s, "wsd_rank_stats_age_seconds", "rank") == {"0": 1.5, "1": 1.5}
     assert s["wsd_stats_age_seconds"] == {(): 1.5}
     assert by(s, "wsd_rank_up", "rank") == {"0": 1, "1": 1}  # the core view published with it
+    push(core, b"p0", 2, [1024])
     clock.now += 2.9
-    assert stats_requests(core.tick()) == {}  # not due yet
+    assert stats_requests(core.tick()) == {}
+    _, s = collect(core.published, wall=clock.now)
+    assert by(s, "wsd_slot_capacity_bytes", "rank", "ubatch")[("0", "1")] == 512  # not copied yet
     assert core.next_deadline() <= 103.0
     clock.now += 0.1
-    requests = stats_requests(core.tick())
-    assert set(requests) == {b"p0", b"p1"}
-    reply_stats(core, requests, {b"p0": [1024], b"p1": [1024]})
-    _, s = collect(core.published, wall=clock.now)
-    assert by(s, "wsd_slot_capacity_bytes", "rank", "ubatch") == {("0", "0"): 1024, ("1", "0"): 1024}
-
-
-def test_core_skips_a_metrics_round_while_the_last_is_still_out(tmp_path):
-    """A refresh shorter than the stats timeout must not pile rounds up behind a slow rank."""
-    core, clock = make_core(tmp_path, metrics_port=0, metrics_refresh=0.5)
-    first = stats_requests(core.tick())
-    reply_stats(core, {b"p0": first[b"p0"]}, {b"p0": [64]})  # rank 1 does not answer
-    clock.now += 0.5
     assert stats_requests(core.tick()) == {}
-    clock.now += 1.5  # the stats timeout: the round finishes with rank 1 missing, the next one starts
-    assert set(stats_requests(core.tick())) == {b"p0", b"p1"}
+    _, s = collect(core.published, wall=clock.now)
+    assert by(s, "wsd_slot_capacity_bytes", "rank", "ubatch") == {("0", "0"): 1024, ("1", "0"): 256, ("1", "1"): 0}
+
+
+def test_a_rank_that_stops_pushing_turns_stale_then_lost(tmp_path):
+    """Stale after stats_stale_after (three intervals by default): still shown, marked, the
+    answer incomplete; lost after the heartbeat timeout: gone from the figures, rank_up 0."""
+    core, clock = make_core(tmp_path, metrics_port=0, metrics_refresh=0.5)
+    push(core, b"p0", 1, [64])
+    push(core, b"p1", 1, [64])
+    for _ in range(7):  # rank 0 keeps confirming its snapshot; rank 1 falls silent
+        clock.now += 0.5
+        core.handle_agent((b"p0",), p.encode(Op.HEARTBEAT, {
+            "rank": 0, "step": 9, "applied_seq": 0, "held_seq": 0, "state": {}, "stats_version": 1}))
+        core.tick()
+    _, s = collect(core.published, wall=clock.now)
+    assert by(s, "wsd_rank_stats_stale", "rank") == {"0": 0, "1": 1}
+    assert by(s, "wsd_rank_stats_age_seconds", "rank") == {"0": 0.0, "1": 3.5}
+    assert by(s, "wsd_rank_up", "rank") == {"0": 1, "1": 1}
+    clock.now += 1.6  # 5.1 s silent: past the heartbeat timeout
+    core.tick()
     _, s = collect(core.published, wall=clock.now)
     assert set(by(s, "wsd_rank_workspace_bytes", "rank")) == {"0"}
+    assert by(s, "wsd_rank_up", "rank") == {"0": 1, "1": 0}
 
 
 def test_core_without_a_metrics_port_runs_no_rounds_and_publishes_nothing(tmp_path):
-    """Metrics off (the default) costs the coordinator nothing: no extra stats round per rank."""
+    """Metrics off (the default) costs the coordinator nothing: no stats round, no copies."""
     core, clock = make_core(tmp_path)
     for _ in range(5):
         assert stats_requests(core.tick()) == {}

@@ -249,7 +249,7 @@ def test_stats_per_rank_and_slot_with_group_totals(cluster):
         c.workers.ask(r, "request", 1, (r + 1) * 4096)  # grows slot 1 to exactly this
         c.workers.ask(r, "request", 1, 512)  # fits: one more request, no growth
         quiet[r] = c.workers.ask(r, "quiet")["loop_requests"]
-    stats = stats_rows(c.client.stats())  # the documented rows, from the compact answer
+    stats = stats_rows(c.client.stats(fresh=True))  # the documented rows, from the compact answer
     assert stats["complete"] and stats["missing"] == []
     by_rank = {r["rank"]: r for r in stats["ranks"]}
     assert sorted(by_rank) == [0, 1, 2, 3]

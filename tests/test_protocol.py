@@ -23,7 +23,7 @@ VALID: dict[Op, dict] = {
     Op.PING: {},
     Op.STATUS: {},
     Op.RANKS: {},
-    Op.STATS: {"group": 1, "timeout": 2.5},
+    Op.STATS: {"group": 1, "timeout": 2.5, "fresh": True},
     Op.EVENTS: {"cursor": 7, "limit": 50},
     Op.LOCK: {"group": 0, "wait": False, "timeout": 1.0},
     Op.UNLOCK: {},
@@ -39,6 +39,8 @@ VALID: dict[Op, dict] = {
     Op.HEARTBEAT: {"rank": 0, "step": 9, "applied_seq": 2, "held_seq": 3, "state": {"locked": True}},
     Op.ACK: {"rank": 1, "seq": 4, "step": 12, "ok": False, "error": "WorkspaceLockedError: ..."},
     Op.STATS_REPLY: {"rank": 2, "request": 9, "stats": {"slots": []}, "step": 3},
+    Op.STATS_PUSH: {"rank": 2, "version": 5, "base": 4, "step": 30, "applied_seq": 2, "held_seq": 2,
+                    "state": {"locked": True}, "delta": {"columns": {"requests": [[0], [7]]}}},
     Op.EVENT: {"rank": 0, "kind": "lock_violation", "detail": {"slot": 1, "caller": "x.py:1:f"}},
     Op.GOODBYE: {"rank": 3, "step": 120},
     Op.REGISTERED: {"epoch": "abc", "baseline_seq": 0, "heartbeat_interval": 1.0, "heartbeat_timeout": 5.0,
@@ -46,6 +48,7 @@ VALID: dict[Op, dict] = {
     Op.PULSE: {"epoch": "abc", "registered": False},
     Op.COMMAND: {"seq": 1, "action": "set_ubatches", "args": {"n": 4}, "group": 0},
     Op.STATS_REQUEST: {"request": 1},
+    Op.STATS_ACK: {"version": 5, "ok": False},
     Op.REJECTED: {"code": "mismatch", "message": "rank 9 is not below its world_size=4"},
 }
 
@@ -80,8 +83,8 @@ def test_contract_pins_ops_codes_and_socket_sets():
     assert {str(op) for op in Op} == {
         "ping", "status", "ranks", "stats", "events",
         "lock", "unlock", "set_ubatches", "reserve", "equalize", "trim",
-        "register", "heartbeat", "ack", "stats_reply", "event", "goodbye",
-        "registered", "pulse", "command", "stats_request", "rejected",
+        "register", "heartbeat", "ack", "stats_reply", "stats_push", "event", "goodbye",
+        "registered", "pulse", "command", "stats_request", "stats_ack", "rejected",
     }
     assert {str(c) for c in ErrorCode} == {
         "bad_message", "bad_version", "unknown_op", "bad_field", "too_large", "mismatch",
@@ -90,18 +93,21 @@ def test_contract_pins_ops_codes_and_socket_sets():
     assert p.READ_ONLY_OPS == {Op.PING, Op.STATUS, Op.RANKS, Op.STATS, Op.EVENTS}
     assert p.COMMAND_OPS == {Op.LOCK, Op.UNLOCK, Op.SET_UBATCHES, Op.RESERVE, Op.EQUALIZE, Op.TRIM}
     assert p.CLIENT_OPS == p.READ_ONLY_OPS | p.COMMAND_OPS
-    assert p.AGENT_OPS == {Op.REGISTER, Op.HEARTBEAT, Op.ACK, Op.STATS_REPLY, Op.EVENT, Op.GOODBYE}
-    assert p.COORDINATOR_OPS == {Op.REGISTERED, Op.PULSE, Op.COMMAND, Op.STATS_REQUEST, Op.REJECTED}
+    assert p.AGENT_OPS == {Op.REGISTER, Op.HEARTBEAT, Op.ACK, Op.STATS_REPLY, Op.STATS_PUSH, Op.EVENT,
+                           Op.GOODBYE}
+    assert p.COORDINATOR_OPS == {Op.REGISTERED, Op.PULSE, Op.COMMAND, Op.STATS_REQUEST, Op.STATS_ACK,
+                                 Op.REJECTED}
     # The sets partition the ops: each op belongs to exactly one socket direction.
     parts = [p.CLIENT_OPS, p.AGENT_OPS, p.COORDINATOR_OPS]
     assert sum(len(s) for s in parts) == len(Op) and set().union(*parts) == set(Op)
     assert not p.READ_ONLY_OPS & p.COMMAND_OPS
     assert set(p.SCHEMAS) == set(Op)
     # What a fresh process starts from: its baseline and its group's desired state
-    # there (optional, nil to a re-registration), which an older agent ignores.
+    # there (optional, nil to a re-registration), which an older agent ignores; and the
+    # interval of its pushes (optional: an older coordinator says none, and takes none).
     registered = {f.name: f.required for f in p.SCHEMAS[Op.REGISTERED]}
     assert registered == {"epoch": True, "baseline_seq": True, "heartbeat_interval": True,
-                          "heartbeat_timeout": True, "desired": False}
+                          "heartbeat_timeout": True, "stats_interval": False, "desired": False}
     assert p.decode(p.encode(Op.REGISTERED, {k: v for k, v in VALID[Op.REGISTERED].items()
                                              if k != "desired"})).body["desired"] is None
 

@@ -21,6 +21,7 @@ from procs import (  # noqa: F401  (spawn is a fixture)
 )
 
 from wsd_client.client import Client
+from wsd_client.rows import rank_columns
 
 RANKS = 256
 TP = 8
@@ -74,10 +75,10 @@ def test_hundreds_of_ranks_register_stay_live_and_answer(tmp_path, spawn):  # no
         assert not hiccups, hiccups[:5]
         assert sum(e["kind"] == "joined" for e in events) == RANKS
 
-        stats = client.stats()
-        assert stats["complete"] and stats["missing"] == []
+        stats = wait_until(lambda: (s := client.stats())["complete"] and s, 30, "every rank's pushed snapshot")
+        assert stats["missing"] == []
         assert [r["rank"] for r in stats["ranks"]] == list(range(RANKS))
-        assert all(len(r["slots"]["capacity_bytes"]) == SLOTS for r in stats["ranks"])
+        assert all(len(slots["capacity_bytes"]) == SLOTS for slots in rank_columns(stats).values())
         assert len(stats["groups"]) == RANKS // TP
 
         result = client.lock()

@@ -340,7 +340,9 @@ def test_default_agent_limit_passes_the_largest_stats_reply(start_coordinator):
     try:
         assert agent.wait_registered(10)
         with Client(coordinator.client_endpoint, timeout=10) as client:
-            stats = client.stats()
-        assert stats["complete"] and not stats["missing"] and len(stats["ranks"]) == 1
+            stats = client.stats(fresh=True)  # asked for
+            assert stats["complete"] and not stats["missing"] and len(stats["ranks"]) == 1
+            stats = wait_until(lambda: (s := client.stats())["complete"] and s, 5, "the pushed snapshot")
+        assert len(stats["slots"]["ubatch"]) == MAX_UBATCHES * MAX_LANES
     finally:
         agent.stop(timeout=10)

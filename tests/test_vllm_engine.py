@@ -130,7 +130,8 @@ def test_two_ranks_live_with_vllms_ranks_group_and_device(engine):
 
 
 def test_per_slot_stats_for_every_rank(engine):
-    stats = wsctl(engine.client, "stats").doc
+    stats = wait_until(lambda: len((d := wsctl(engine.client, "stats").doc)["ranks"]) == 2 and d, 10,
+                       "both ranks' pushed snapshots")
     by_rank = {r["rank"]: r for r in stats["ranks"]}
     assert sorted(by_rank) == [0, 1]
     for r in by_rank.values():

@@ -41,6 +41,9 @@ def cluster(start_coordinator):
                           heartbeat_interval=0.2, heartbeat_timeout=1.0).start()
             made.append(agent)
             assert agent.wait_registered(10), f"rank {rank} did not register"
+        started = [a.rank for a in made]
+        wait_until(lambda: all(r in coordinator.core.latest.ranks for r in started), 5,
+                   "every rank's first pushed snapshot")
         return coordinator, list(made)
 
     yield start
@@ -126,7 +129,7 @@ def test_stats_match_the_managers(cluster, capsys):
     with use_ubatch(1):
         a0.manager.get_simultaneous(((1000,), torch.float32))
     a1.manager.get_simultaneous(((300,), torch.float32), ((5,), torch.int8))
-    code, doc = run_json(capsys, ep, "stats")
+    code, doc = run_json(capsys, ep, "stats", "--fresh")
     assert code == 0 and doc["complete"] and doc["missing"] == []
     for agent in (a0, a1):
         (got,) = [r for r in doc["ranks"] if r["rank"] == agent.rank]
@@ -137,7 +140,7 @@ def test_stats_match_the_managers(cluster, capsys):
         assert got["total_bytes"] == want.total_bytes
     assert doc["total_bytes"] == 4096 + 1280 + 256  # each view rounded up to 256 bytes
 
-    code, out, _ = run(capsys, ep, "stats")
+    code, out, _ = run(capsys, ep, "stats", "--fresh")
     assert code == 0 and "2/2 ranks reporting" in out
     # the per-slot table: RANK UBATCH LANE CAPACITY (two words) PEAK (two words) ...
     slot_rows = {}
@@ -149,7 +152,7 @@ def test_stats_match_the_managers(cluster, capsys):
             assert slot_rows[(agent.rank, s.ubatch)] == (
                 format_bytes(s.capacity_bytes), format_bytes(s.peak_requested_bytes))
 
-    code, doc = run_json(capsys, ep, "stats", "--group", "1")
+    code, doc = run_json(capsys, ep, "stats", "--group", "1", "--fresh")
     assert code == 0 and [r["rank"] for r in doc["ranks"]] == [1] and doc["total_bytes"] == 1280 + 256
 
 
@@ -411,18 +414,18 @@ def test_watch_rounds_show_every_rank_and_slot(cluster, capsys):
     ep = coordinator.client_endpoint
     with use_ubatch(1):
         agents[1].manager.get_simultaneous(((2048,), torch.uint8))
-    code, out, _ = run(capsys, ep, "watch", "--count", "2", "--interval", "0.1")
+    code, out, _ = run(capsys, ep, "watch", "--count", "2", "--interval", "0.1", "--fresh")
     assert code == 0
     frames = out.split("\n\n")
     assert len(frames) == 2
     for number, frame in enumerate(frames, 1):
         header, columns, *rows = frame.splitlines()
         assert f"round {number}/2 every 0.1 s" in header
-        assert columns.split()[:7] == ["RANK", "GROUP", "UBATCH", "LANE", "LOCKED", "CAPACITY", "PEAK"]
-        cells = {(int(r.split()[0]), int(r.split()[2])): r.split()[5:9] for r in rows}
+        assert columns.split()[:8] == ["RANK", "GROUP", "AGE", "UBATCH", "LANE", "LOCKED", "CAPACITY", "PEAK"]
+        cells = {(int(r.split()[0]), int(r.split()[3])): r.split()[6:10] for r in rows}
         assert cells == {(0, 0): ["0", "B", "0", "B"], (0, 1): ["0", "B", "0", "B"],
                          (1, 0): ["0", "B", "0", "B"], (1, 1): ["2.0", "KiB", "2.0", "KiB"]}
-    code, out, _ = run(capsys, ep, "watch", "--count", "2", "--interval", "0.1", "--json")
+    code, out, _ = run(capsys, ep, "watch", "--count", "2", "--interval", "0.1", "--json", "--fresh")
     docs = [json.loads(line) for line in out.splitlines()]
     assert code == 0 and len(docs) == 2
     assert all(d["ranks"][1]["slots"][1]["capacity_bytes"] == 2048 for d in docs)
@@ -432,11 +435,11 @@ def test_watch_frame_shows_growth_since_the_last_round(cluster):
     """Fails if a slot that grew between two rounds is not marked with how much."""
     coordinator, (agent,) = cluster(1)
     with Client(coordinator.client_endpoint, timeout=5) as client:
-        before = stats_rows(client.stats())
+        before = stats_rows(client.stats(fresh=True))
         with use_ubatch(1):
             agent.manager.get_simultaneous(((4096,), torch.uint8))
-        after = stats_rows(client.stats())
-    rows = {int(r.split()[2]): r for r in render.watch(after, before, "h").splitlines()[2:]}
+        after = stats_rows(client.stats(fresh=True))
+    rows = {int(r.split()[3]): r for r in render.watch(after, before, "h").splitlines()[2:]}
     assert "+4.0 KiB" in rows[1] and "+" not in rows[0]
 
 

@@ -137,15 +137,22 @@ class Client:
     def ranks(self) -> dict[str, Any]:
         return self.call(Op.RANKS)
 
-    def stats(self, group: int | None = None, *, timeout: float | None = None) -> dict[str, Any]:
+    def stats(self, group: int | None = None, *, timeout: float | None = None, fresh: bool = False) -> dict[str, Any]:
         """Per rank, slot and TP group; ``complete`` is False and ``missing`` says who is absent.
+
+        From the snapshots the ranks pushed, as the coordinator remembers them:
+        each rank's ``age`` says how many seconds ago its snapshot was known
+        current, and ``stale`` (a rank's, and the answer's list) marks those
+        older than ``[coordinator] stats_stale_after``. ``fresh``: every live rank
+        is asked now instead, and the answer waits for the slowest (``age`` 0).
 
         The coordinator's compact answer: each rank's and group's ``slots`` are
         columns. ``wsd_client.rows.stats_rows(answer)`` gives one map per slot
         (the shape ``wsctl stats --json`` prints).
         """
         timeout = self.timeout if timeout is None else timeout
-        return self.call(Op.STATS, {"group": group, "timeout": timeout * _SERVER_SHARE}, timeout=timeout)
+        return self.call(Op.STATS, {"group": group, "timeout": timeout * _SERVER_SHARE, "fresh": fresh},
+                         timeout=timeout)
 
     def events(self, cursor: int = 0, limit: int = 100) -> dict[str, Any]:
         """Events after ``cursor``; pass back the returned ``cursor`` to follow."""

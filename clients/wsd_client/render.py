@@ -136,16 +136,31 @@ def _number(name: str, value: Any) -> Any:
     return format_bytes(value) if _UNITS[name] == "bytes" else value
 
 
-def stats(doc: dict[str, Any]) -> str:
+def _age(rank: dict[str, Any]) -> str:
+    """A rank's snapshot age, ``STALE`` after it when older than the coordinator's bound."""
+    return f"{rank['age']:.1f}s" + (" STALE" if rank["stale"] else "")
+
+
+def _summary(doc: dict[str, Any]) -> str:
+    """How many ranks an answer covers, its total, and what it lacks."""
     reporting = len(doc["ranks"])
     expected = reporting + len(doc["missing"])
-    lines = [f"{reporting}/{expected} ranks reporting, total {format_bytes(doc['total_bytes'])}"
-             + ("" if doc["complete"] else "  (INCOMPLETE)")]
+    line = f"{reporting}/{expected} ranks reporting"
+    if doc["stale"]:
+        line += f" ({len(doc['stale'])} stale)"
+    line += f", total {format_bytes(doc['total_bytes'])}"
+    if doc["fresh"]:
+        line += ", asked now"
+    return line + ("" if doc["complete"] else "  (INCOMPLETE)")
+
+
+def stats(doc: dict[str, Any]) -> str:
+    lines = [_summary(doc)]
     if doc["ranks"]:
         lines += ["", table(
-            ["RANK", "GROUP", "STEP", "DEVICE", "UBATCHES", "LANES", "LOCKED", "CAPACITY", "TOTAL",
+            ["RANK", "GROUP", "STEP", "AGE", "DEVICE", "UBATCHES", "LANES", "LOCKED", "CAPACITY", "TOTAL",
              "VIOLATIONS"],
-            [[r["rank"], r["tp_group"], r["step"], r["device"], r["num_ubatches"], r["num_lanes"],
+            [[r["rank"], r["tp_group"], r["step"], _age(r), r["device"], r["num_ubatches"], r["num_lanes"],
               _opt(r["locked"]), format_bytes(r["capacity_bytes"]), format_bytes(r["total_bytes"]),
               r["lock_violations"]] for r in doc["ranks"]],
         )]
@@ -189,13 +204,12 @@ def watch(doc: dict[str, Any], previous: dict[str, Any] | None, header: str) -> 
         for s in r["slots"]:
             old = before.get((r["rank"], s["ubatch"], s["lane"]))
             grown = s["capacity_bytes"] - old if old is not None else 0
-            rows.append([r["rank"], r["tp_group"], s["ubatch"], s["lane"], _opt(r["locked"]),
+            rows.append([r["rank"], r["tp_group"], _age(r), s["ubatch"], s["lane"], _opt(r["locked"]),
                          *(_number(n.name, s[n.name]) for n in SLOT_NUMBERS),
                          ("+" if grown > 0 else "") + format_bytes(grown) if grown else ""])
-    lines = [f"{header}  total {format_bytes(doc['total_bytes'])}"
-             + ("" if doc["complete"] else "  (INCOMPLETE)")]
+    lines = [f"{header}  {_summary(doc)}"]
     if rows:
-        lines.append(table(["RANK", "GROUP", "UBATCH", "LANE", "LOCKED", *(n.header for n in SLOT_NUMBERS),
+        lines.append(table(["RANK", "GROUP", "AGE", "UBATCH", "LANE", "LOCKED", *(n.header for n in SLOT_NUMBERS),
                             "GROWN"], rows))
     else:
         lines.append("no ranks reporting")

@@ -1,26 +1,55 @@
 """The ``stats`` answer in rows: the documented shape ``wsctl stats --json`` prints.
 
-``Client.stats()`` returns the coordinator's compact answer, in which each
-rank's slots and each TP group's per-slot summary are maps of equal-length
-columns (``{"ubatch": [0, 1], "capacity_bytes": [4096, 0], ...}``; a rank's
-last violations and persistent buffers as sparse tables keyed by slot index).
-``stats_rows`` turns it into one map per slot, the shape ``wsctl``'s JSON and
-tables show; the one place that does. Imports no torch.
+``Client.stats()`` returns the coordinator's compact answer: one entry per
+rank in ``ranks`` (its figures, age and whether it is stale), and every rank's
+slots as rows of one table, ``slots``, a map of equal-length columns whose
+``rank`` column says whose each row is (``{"rank": [0, 0, 1, 1], "ubatch":
+[0, 1, 0, 1], "capacity_bytes": [4096, 0, ...], ...}``); the last violations
+and persistent buffers likewise (``last_violation`` and ``persistent``, whose
+``slot`` is the index of the slot among its rank's). Each TP group's per-slot
+summary is columns too. ``stats_rows`` turns it into one map per slot under
+each rank and group, the shape ``wsctl``'s JSON and tables show; the one place
+that does. Imports no torch.
 """
 
 from __future__ import annotations
 
+from itertools import groupby
 from typing import Any
 
-from wsd.manager.stats import slot_rows
+from wsd.manager.stats import SLOT_COLUMNS, slot_rows
 
-__all__ = ["group_slots", "rank_slots", "stats_rows"]
+__all__ = ["group_slots", "rank_columns", "rank_slots", "stats_rows"]
+
+_TABLES = ("slots", "last_violation", "persistent")
 
 
-def rank_slots(rank: dict[str, Any]) -> list[dict[str, Any]]:
-    """One rank's slots as ``[{ubatch, lane, capacity_bytes, peak_requested_bytes,
-    requests, resizes, lock_violations, last_violation, persistent}]``."""
-    return slot_rows(rank["slots"])
+def _split(table: dict[str, list[Any]]) -> dict[int, dict[str, list[Any]]]:
+    """A table of every rank's rows, split by its ``rank`` column (each rank's rows are together)."""
+    out: dict[int, dict[str, list[Any]]] = {}
+    ranks = table.get("rank", [])
+    columns = {name: column for name, column in table.items() if name != "rank"}
+    start = 0
+    for rank, rows in groupby(ranks):
+        end = start + sum(1 for _ in rows)
+        out[rank] = {name: column[start:end] for name, column in columns.items()}
+        start = end
+    return out
+
+
+def rank_columns(doc: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Each rank's slots as one rank's snapshot holds them (``ManagerStats.to_wire()["slots"]``:
+    columns, with its last violations and persistent buffers as tables keyed by slot index)."""
+    slots, violations, persistent = (_split(doc.get(name) or {}) for name in _TABLES)
+    empty: dict[str, list[Any]] = {c: [] for c in SLOT_COLUMNS}
+    return {r["rank"]: {**slots.get(r["rank"], empty), "last_violation": violations.get(r["rank"], {}),
+                        "persistent": persistent.get(r["rank"], {})} for r in doc["ranks"]}
+
+
+def rank_slots(doc: dict[str, Any], rank: int) -> list[dict[str, Any]]:
+    """One rank's slots as ``[{ubatch, lane, capacity_bytes, peak_requested_bytes, requests,
+    resizes, lock_violations, last_violation, persistent}]``."""
+    return slot_rows(rank_columns(doc)[rank])
 
 
 def group_slots(group: dict[str, Any]) -> list[dict[str, Any]]:
@@ -33,9 +62,11 @@ def group_slots(group: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def stats_rows(doc: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a ``stats`` answer with every rank's and group's slots as rows."""
+    """A copy of a ``stats`` answer with each rank's slots as rows under it, each group's likewise."""
+    columns = rank_columns(doc)
+    rows = {k: v for k, v in doc.items() if k not in _TABLES}
     return {
-        **doc,
-        "ranks": [{**r, "slots": rank_slots(r)} for r in doc["ranks"]],
+        **rows,
+        "ranks": [{**r, "slots": slot_rows(columns[r["rank"]])} for r in doc["ranks"]],
         "groups": [{**g, "slots": group_slots(g)} for g in doc["groups"]],
     }

@@ -5,9 +5,10 @@ Read-only commands::
     wsctl ping                      round trip to the coordinator
     wsctl status                    world, desired state and every TP group at a glance
     wsctl ranks                     every rank: state, host, pid, step, lock and slot count
-    wsctl stats [--group G]         per rank, per slot and per TP group: capacity, peak, skew
+    wsctl stats [--group G] [--fresh]
+                                    per rank, per slot and per TP group: capacity, peak, skew
     wsctl events [--since ID] [--last N] [--follow [--count N] [--interval S]]
-    wsctl watch [--group G] [--interval S] [--count N]
+    wsctl watch [--group G] [--interval S] [--count N] [--fresh]
                                     live per-rank, per-slot capacity and peak
 
 State-changing commands (``[--group G] [--no-wait]``; every rank of the target
@@ -136,7 +137,7 @@ def _ranks(client: Client, args: argparse.Namespace, out: Output) -> Exit:
 
 
 def _stats(client: Client, args: argparse.Namespace, out: Output) -> Exit:
-    doc = stats_rows(client.stats(args.group))
+    doc = stats_rows(client.stats(args.group, fresh=args.fresh))
     out.emit(doc, lambda: render.stats(doc))
     return Exit.OK if doc["complete"] else Exit.PARTIAL
 
@@ -147,7 +148,7 @@ def _watch(client: Client, args: argparse.Namespace, out: Output) -> Exit:
     code, rounds = Exit.OK, 0
     try:
         while True:
-            doc = stats_rows(client.stats(args.group))
+            doc = stats_rows(client.stats(args.group, fresh=args.fresh))
             rounds += 1
             code = Exit.OK if doc["complete"] else Exit.PARTIAL
             of = f"/{args.count}" if args.count else ""
@@ -295,6 +296,12 @@ def _group(p: argparse.ArgumentParser) -> None:
                    help="only this TP group (default: every group)")
 
 
+def _fresh(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fresh", action="store_true",
+                   help="ask every rank now and wait for the slowest (default: the snapshots the ranks "
+                        "pushed, each with its age)")
+
+
 def _target(p: argparse.ArgumentParser) -> None:
     _group(p)
     p.add_argument("--no-wait", dest="wait", action="store_false",
@@ -349,11 +356,11 @@ COMMANDS: dict[str, Spec] = {
     "ping": Spec("round trip to the coordinator", _ping),
     "status": Spec("world, desired state and every TP group", _status),
     "ranks": Spec("every rank: state, host, pid, step, lock and slot count", _ranks),
-    "stats": Spec("per rank, slot and TP group: capacity, peak, skew", _stats, (_group,)),
+    "stats": Spec("per rank, slot and TP group: capacity, peak, skew", _stats, (_group, _fresh)),
     "events": Spec("the coordinator's event log", _events,
                    (_events_options, _count_interval(0.5, "events"))),
     "watch": Spec("live per-rank, per-slot capacity and peak", _watch,
-                  (_group, _count_interval(1.0, "rounds"))),
+                  (_group, _fresh, _count_interval(1.0, "rounds"))),
     # The state-changing commands, from the command table.
     **{spec.cli: Spec(spec.help, _send(spec), (_arguments(spec), _target)) for spec in COMMAND_TABLE.values()},
     "keygen": Spec("write a CURVE key pair (NAME.key, NAME.key_secret)", _keygen,

@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import msgpack
 import zmq
 
 from wsd import commands
@@ -61,7 +60,7 @@ class SimulatedManager:
     """
 
     def __init__(self, num_ubatches: int = 8, num_lanes: int = 1, *, slot_bytes: int = 64 * _MiB,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", busy: bool = False) -> None:
         if not 1 <= num_ubatches <= MAX_UBATCHES:
             raise ValueError(f"num_ubatches must be between 1 and {MAX_UBATCHES}, got {num_ubatches}")
         if num_lanes < 1:
@@ -70,7 +69,11 @@ class SimulatedManager:
         self.num_lanes = num_lanes
         self.locked = False
         self._capacity = [slot_bytes] * (num_ubatches * num_lanes)
-        self._snapshot: bytes | None = None
+        self._snapshot: dict[str, Any] | None = None
+        # busy: every slot serves one request between two looks at the snapshot, as a
+        # serving engine's do, so that every look finds a change to push.
+        self.busy = busy
+        self._served = 0
 
     @property
     def num_ubatches(self) -> int:
@@ -87,20 +90,22 @@ class SimulatedManager:
             device=self.device, num_ubatches=self.num_ubatches, num_lanes=lanes, locked=self.locked,
             slots=tuple(
                 SlotStats(**{**numbers, "ubatch": i // lanes, "lane": i % lanes, "capacity_bytes": capacity,
-                             "peak_requested_bytes": capacity, "requests": 1000 + i,
+                             "peak_requested_bytes": capacity, "requests": 1000 + i + self._served,
                              "resizes": 3 if capacity else 0}, last_violation=None, persistent=persistent)
                 for i, capacity in enumerate(self._capacity)
             ),
         )
 
-    def snapshot(self) -> bytes:
-        # Built and encoded once per change: a simulated rank has no engine
-        # moving its counters, and one process plays many ranks that would
-        # each build and encode theirs in a process of their own, in parallel;
-        # serialised here, that cost would be charged 32 times to the round.
-        # The coordinator's side is untouched: it decodes and checks every reply.
+    def snapshot(self) -> dict[str, Any]:
+        # Built once per change: a simulated rank has no engine moving its
+        # counters (unless busy), and one process plays many ranks that would
+        # each build theirs in a process of their own, in parallel. The
+        # coordinator's side is untouched: it decodes and checks every push.
+        if self.busy:
+            self._served += 1
+            self._snapshot = None
         if self._snapshot is None:
-            self._snapshot = msgpack.packb(self.stats().to_wire(), use_bin_type=True)
+            self._snapshot = self.stats().to_wire()
         return self._snapshot
 
     def _refuse_if_locked(self, action: str) -> None:
@@ -153,6 +158,7 @@ class SimulatedRanks:
         num_ubatches: int = 8,
         num_lanes: int = 1,
         slot_bytes: int = 64 * _MiB,
+        busy: bool = False,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 5.0,
         context: zmq.Context | None = None,
@@ -165,7 +171,8 @@ class SimulatedRanks:
         if world_size < 1 or any(not 0 <= r < world_size for r in self.ranks):
             raise ValueError(f"ranks must lie in 0..{world_size - 1} (world_size={world_size})")
         now = time.monotonic()
-        self.managers = [SimulatedManager(num_ubatches, num_lanes, slot_bytes=slot_bytes) for _ in self.ranks]
+        self.managers = [SimulatedManager(num_ubatches, num_lanes, slot_bytes=slot_bytes, busy=busy)
+                         for _ in self.ranks]
         self.links = [
             AgentLink(m, rank=r, world_size=world_size, tp_size=tp_size, idle=True,
                       heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
@@ -314,6 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ubatches", type=int, default=8, help="slots per rank (num_ubatches)")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0)
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    parser.add_argument("--busy", action="store_true",
+                        help="every slot serves requests, so each rank pushes a changed snapshot every interval")
     args = parser.parse_args(argv)
     if args.ranks < 1:
         parser.error(f"--ranks must be at least 1, got {args.ranks}")
@@ -324,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         sim = SimulatedRanks(args.endpoint, range(args.first_rank, args.first_rank + args.ranks),
-                             world_size=world, tp_size=args.tp_size, num_ubatches=args.ubatches,
+                             world_size=world, tp_size=args.tp_size, num_ubatches=args.ubatches, busy=args.busy,
                              heartbeat_interval=args.heartbeat_interval,
                              heartbeat_timeout=args.heartbeat_timeout,
                              token=load_agent_token(SecurityConfig()))  # $WSD_AGENT_TOKEN, if set

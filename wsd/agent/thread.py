@@ -251,6 +251,7 @@ class Agent:
             "requested": violation.requested, "capacity": violation.capacity,
             "step": self._link.steps, "policy": policy.value,
         }}))
+        self._link.stats_urgent = True  # the coordinator's copy of our counters is behind now
         self._waker.wake()
         if policy is LockedGrowthPolicy.RAISE:
             # The refusal is about to propagate and may end the process (vLLM's

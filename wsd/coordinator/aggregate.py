@@ -19,6 +19,7 @@ leaves soon after the last reply.
 from __future__ import annotations
 
 from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 import msgpack
@@ -32,7 +33,7 @@ from wsd.manager.stats import (
     VIOLATION_COLUMNS,
 )
 
-__all__ = ["Snapshot", "StatsRound", "read_snapshot"]
+__all__ = ["Snapshot", "StatsRound", "group_part", "packed_answer", "packed_entry", "read_snapshot"]
 
 _RANK_FIELDS = {"device": str, "num_ubatches": int, "num_lanes": int, "locked": bool, "slots": dict}
 # The sparse tables' columns and the type of each.
@@ -92,13 +93,16 @@ def _table(where: str, value: Any, types: dict[str, type], slots: int) -> None:
 
 
 class Snapshot:
-    """One rank's checked snapshot, the columns aggregation reads, and its encoded part.
+    """One rank's checked snapshot, the columns aggregation reads, and its encoded parts.
 
-    ``columns`` maps each of ``SLOT_COLUMNS`` to its column; ``packed`` is the
-    rank's entry of the ``stats`` answer, already msgpack-encoded.
+    ``columns`` maps each of ``SLOT_COLUMNS`` to its column. ``entry`` is the
+    rank's entry of the ``stats`` answer (but for its age), and ``tables`` its
+    rows of the answer's slot, violation and persistent tables, encoded now:
+    an answer splices them behind headers (``packed_answer``), whatever the
+    number of ranks, instead of encoding them again.
     """
 
-    __slots__ = ("columns", "locked", "num_ubatches", "packed", "rank", "total_bytes", "tp_group")
+    __slots__ = ("columns", "entry", "locked", "num_ubatches", "rank", "tables", "total_bytes", "tp_group")
 
     def __init__(self, rank: int, tp_group: int, step: int, stats: dict[str, Any],
                  columns: dict[str, list[Any]]) -> None:
@@ -108,7 +112,7 @@ class Snapshot:
         self.total_bytes = stats.get("total_bytes", 0)
         self.locked = stats["locked"]
         self.num_ubatches = stats["num_ubatches"]
-        self.packed = _packer.pack({
+        entry = {
             "rank": rank,
             "tp_group": tp_group,
             "step": step,
@@ -119,8 +123,82 @@ class Snapshot:
             "total_bytes": self.total_bytes,
             "capacity_bytes": sum(columns["capacity_bytes"]),
             "lock_violations": sum(columns["lock_violations"]),
-            "slots": stats["slots"],  # passed on as the agent sent them, once checked
-        })
+        }
+        self.entry = b"".join(_packer.pack(k) + _packer.pack(v) for k, v in entry.items())
+        slots = stats["slots"]
+        sparse = [(slots.get(name) or {}, names) for name, names in _SPARSE]
+        self.tables: tuple[tuple[int, tuple[bytes, ...]], ...] = (
+            _rows(rank, [columns[c] for c in SLOT_COLUMNS]),
+            *(_rows(rank, [table.get(c, []) for c in names]) for table, names in sparse),
+        )
+
+
+_ENTRY_KEYS = 10  # the keys Snapshot.entry holds
+_SPARSE = (("last_violation", VIOLATION_COLUMNS), ("persistent", PERSISTENT_COLUMNS))
+# The answer's tables: every rank's rows of each, one after the other, ``rank`` first.
+_TABLES = (("slots", ("rank", *SLOT_COLUMNS)), *((name, ("rank", *names)) for name, names in _SPARSE))
+
+
+def _items(values: list[Any]) -> bytes:
+    """The encoded items of a msgpack array of ``values``, without its header."""
+    n = len(values)
+    packed = _packer.pack(values)
+    return packed[1 if n < 16 else 3 if n < 1 << 16 else 5:]
+
+
+def _rows(rank: int, columns: list[list[Any]]) -> tuple[int, tuple[bytes, ...]]:
+    """A rank's rows of one table: their number, and each column's items (``rank`` first)."""
+    n = len(columns[0])
+    return n, (_items([rank] * n), *map(_items, columns))
+
+
+def packed_entry(snapshot: Snapshot, age: float, stale: bool) -> bytes:
+    """A rank's entry of the ``stats`` answer: its snapshot's figures, ``age`` (seconds since
+    the snapshot was known current) and whether that is ``stale``."""
+    return b"".join((_packer.pack_map_header(_ENTRY_KEYS + 2), snapshot.entry,
+                     _packer.pack("age"), _packer.pack(age), _packer.pack("stale"), _packer.pack(stale)))
+
+
+def group_part(group: int, members: list[Snapshot], expected: list[int], missing: dict[int, str]) -> bytes:
+    """A TP group's entry of the ``stats`` answer, encoded."""
+    return _packer.pack(_group_summary(group, members, expected, missing))
+
+
+def packed_answer(members: list[tuple[Snapshot, float, bool]], groups: list[bytes], missing: dict[int, str], *,
+                  fresh: bool) -> bytes:
+    """The encoded ``stats`` result (a msgpack map) of ``members`` (snapshot, age, stale), by rank.
+
+    Each rank is an entry of ``ranks``; every rank's slots are rows of one
+    table, ``slots`` (a map of equal-length columns, ``rank`` first), and so
+    are the last violations and persistent buffers (``slot`` is the index of
+    the slot among its rank's). One table rather than columns per rank: a
+    client decodes a few long lists much faster than thousands of short ones.
+    msgpack frames a map or an array as a header followed by its items, so
+    the parts encoded as each snapshot arrived are spliced in behind headers.
+    """
+    pack = _packer.pack
+    stale = [s.rank for s, _, is_stale in members if is_stale]
+    out = [
+        _packer.pack_map_header(10),
+        pack("complete"), pack(not missing and not stale),
+        pack("fresh"), pack(fresh),
+        pack("total_bytes"), pack(sum(s.total_bytes for s, _, _ in members)),
+        pack("ranks"), _packer.pack_array_header(len(members)),
+        *(packed_entry(s, age, is_stale) for s, age, is_stale in members),
+    ]
+    for i, (name, columns) in enumerate(_TABLES):
+        parts = [s.tables[i] for s, _, _ in members]
+        rows = sum(n for n, _ in parts)
+        items = [p for n, p in parts if n]
+        out += [pack(name), _packer.pack_map_header(len(columns))]
+        for c, column in enumerate(columns):
+            out += [pack(column), _packer.pack_array_header(rows), *map(itemgetter(c), items)]
+    out += [
+        pack("groups"), _packer.pack_array_header(len(groups)), *groups,
+        pack("missing"), pack([{"rank": rank, "reason": reason} for rank, reason in sorted(missing.items())]),
+        pack("stale"), pack(stale),
+    ]
+    return b"".join(out)
 
 
 def _plain_table(table: Any, kinds: dict[str, type], slots: int) -> bool:
@@ -276,7 +354,7 @@ class StatsRound:
         if not owed:
             members = [self.replies[r] for r in self.expected[group]]
             if all(m.tp_group == group for m in members):
-                self._packed[group] = _packer.pack(_group_summary(group, members, self.expected[group], {}))
+                self._packed[group] = group_part(group, members, self.expected[group], {})
 
     def finish(self, expected: dict[int, list[int]], missing: dict[int, str]) -> bytes:
         """The encoded ``stats`` result (a msgpack map).
@@ -294,17 +372,6 @@ class StatsRound:
             packed = self._packed.get(g)
             # Built early only if nothing changed since: same ranks, none of them missing now.
             if packed is None or members != self.expected.get(g) or any(r in missing for r in members):
-                packed = _packer.pack(_group_summary(g, by_group[g], members, missing))
+                packed = group_part(g, by_group[g], members, missing)
             groups.append(packed)
-        # msgpack frames a map or an array as a header followed by its items,
-        # so parts encoded earlier are spliced in behind headers rather than
-        # decoded and encoded again at the end of the round.
-        pack = _packer.pack
-        return b"".join([
-            _packer.pack_map_header(5),
-            pack("complete"), pack(not missing),
-            pack("total_bytes"), pack(sum(s.total_bytes for s in ordered)),
-            pack("ranks"), _packer.pack_array_header(len(ordered)), *(s.packed for s in ordered),
-            pack("groups"), _packer.pack_array_header(len(groups)), *groups,
-            pack("missing"), pack([{"rank": rank, "reason": reason} for rank, reason in sorted(missing.items())]),
-        ])
+        return packed_answer([(s, 0.0, False) for s in ordered], groups, missing, fresh=True)

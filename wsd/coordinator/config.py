@@ -44,8 +44,15 @@ class CoordinatorConfig:
     """Seconds without a heartbeat after which a rank (or the coordinator) is lost."""
     command_timeout: float = 10.0
     """Seconds a command waits for every live rank's acknowledgement."""
+    stats_interval: float | None = None
+    """Seconds between an agent's looks at its snapshot: it pushes what changed since the
+    coordinator last acknowledged (at once, too, after a command or a lock violation), or
+    else confirms the snapshot is still current. None: ``heartbeat_interval``."""
+    stats_stale_after: float | None = None
+    """Seconds after which a rank's remembered snapshot is shown stale (in ``wsctl``, the
+    JSON and the metrics). None: three ``stats_interval``."""
     stats_timeout: float = 2.0
-    """Seconds a stats request waits for every live rank's snapshot."""
+    """Seconds a fresh stats request (``wsctl stats --fresh``) waits for every live rank's snapshot."""
     state_file: str = "wsd-coordinator.state"
     """Desired state, sequence number and command log; written atomically."""
     world_size: int | None = None
@@ -69,8 +76,9 @@ class CoordinatorConfig:
     """TCP port of the Prometheus endpoint (``/metrics``); 0: any free port. None: no endpoint."""
     metrics_host: str = "127.0.0.1"
     """Address the Prometheus endpoint binds; loopback unless Prometheus scrapes from elsewhere."""
-    metrics_refresh: float = 5.0
-    """Seconds between the stats rounds that refresh the per-slot metrics (when the endpoint is on)."""
+    metrics_refresh: float = 1.0
+    """Seconds between copies of the remembered snapshots for the per-slot metrics (when the
+    endpoint is on); a scrape never asks the ranks."""
     resume_seq: int | None = None
     """Recovery after the state file was lost: number commands after this seq, the highest
     ``applied_seq`` that refused agents report (the events name it). No effect once the
@@ -90,6 +98,13 @@ class CoordinatorConfig:
                 f"heartbeat_interval ({self.heartbeat_interval})"
             )
         check_positive("command_timeout", self.command_timeout, 3600.0)
+        if self.stats_interval is not None:
+            check_positive("stats_interval", self.stats_interval, 3600.0)
+        if self.stats_stale_after is not None:
+            check_positive("stats_stale_after", self.stats_stale_after, 86400.0)
+            if self.stats_stale_after <= self.pushed_interval:
+                raise ValueError(f"stats_stale_after ({self.stats_stale_after}) must be larger than "
+                                 f"stats_interval ({self.pushed_interval})")
         check_positive("stats_timeout", self.stats_timeout, 3600.0)
         if not isinstance(self.state_file, str) or not self.state_file:
             raise ValueError(f"state_file must be a path, got {self.state_file!r}")
@@ -113,3 +128,13 @@ class CoordinatorConfig:
         check_positive("metrics_refresh", self.metrics_refresh, 3600.0)
         if self.resume_seq is not None:
             check_range("resume_seq", self.resume_seq, 0, 2**62)
+
+    @property
+    def pushed_interval(self) -> float:
+        """Seconds between an agent's looks at its snapshot (``stats_interval`` or its default)."""
+        return self.heartbeat_interval if self.stats_interval is None else self.stats_interval
+
+    @property
+    def stale_after(self) -> float:
+        """Seconds after which a remembered snapshot is stale (``stats_stale_after`` or its default)."""
+        return 3 * self.pushed_interval if self.stats_stale_after is None else self.stats_stale_after

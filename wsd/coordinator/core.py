@@ -1,4 +1,4 @@
-"""The coordinator's logic: registry, commands, stats gathering, events.
+"""The coordinator's logic: registry, commands, the ranks' pushed stats, events.
 
 ``CoordinatorCore`` makes every decision as plain methods with no I/O:
 ``handle_agent(route, frame)``, ``handle_client(route, frame)`` and ``tick()``
@@ -24,6 +24,7 @@ from wsd.coordinator.admission import TOO_LARGE, UNREGISTERED_FRAME, AgentGate, 
 from wsd.coordinator.aggregate import StatsRound, read_snapshot
 from wsd.coordinator.commandlog import Command, CommandLog
 from wsd.coordinator.events import EventKind, EventLog, bounded_detail
+from wsd.coordinator.latest import LatestStats
 from wsd.coordinator.metrics import CommandOutcome, CommandStats, Published, StatsView, core_view
 from wsd.coordinator.registry import RankState, RankTaken, RegistrationError, Registry
 from wsd.errors import StateFileError
@@ -64,7 +65,9 @@ class _PendingCommand:
 
 @dataclass
 class _PendingStats:
-    route: Route | None  # None: the coordinator's own round, for the metrics
+    """A fresh stats round (``wsctl stats --fresh``): every live rank asked, the answer waiting."""
+
+    route: Route
     request_id: int
     group: int | None
     targets: set[int]
@@ -120,8 +123,10 @@ class CoordinatorCore:
                            config.resume_seq, self.log.seq)
             self.log.bump_to(config.resume_seq)
         self._commands: dict[int, _PendingCommand] = {}
-        self._stats: dict[int, _PendingStats] = {}
+        self._stats: dict[int, _PendingStats] = {}  # fresh rounds (wsctl stats --fresh)
         self._stats_ids = 0
+        # Each rank's latest snapshot as its agent pushed it: what stats answers come from.
+        self.latest = LatestStats()
         self._next_pulse = clock()
         # The sequence number fresh processes of a TP group start from, so that
         # members registering a moment apart still see the same commands, with
@@ -136,7 +141,6 @@ class CoordinatorCore:
         self.published = Published()
         self._metrics = config.metrics_port is not None
         self._next_refresh = clock() if self._metrics else math.inf
-        self._refresh_round: int | None = None
         self._client_ops: dict[Op, Callable[[Route, p.Message], list[Out]]] = {
             Op.PING: self._ping,
             Op.STATUS: self._status,
@@ -150,6 +154,7 @@ class CoordinatorCore:
             Op.HEARTBEAT: self._heartbeat,
             Op.ACK: self._ack,
             Op.STATS_REPLY: self._stats_reply,
+            Op.STATS_PUSH: self._stats_push,
             Op.EVENT: self._agent_event,
             Op.GOODBYE: self._goodbye,
         }
@@ -244,11 +249,12 @@ class CoordinatorCore:
             out += [(AGENT, (i.peer,), pulse) for i in self.registry.live()]
             if self._metrics:
                 self._publish_core()
-        if now >= self._next_refresh:
+        if now >= self._next_refresh:  # the metrics copy what is remembered: no rank is asked
             self._next_refresh = now + self.config.metrics_refresh
-            if self._refresh_round not in self._stats:  # the last one is still out: skip this one
-                out += self._start_stats(None, 0, None, self.config.stats_timeout)
-                self._refresh_round = self._stats_ids
+            figures = self.latest.figures(self._stats_scope(None), self.registry.missing(), self.clock(),
+                                          self.config.stale_after)
+            self.published = replace(self.published, stats=StatsView(self.wall(), *figures))
+            self._publish_core()
         return out
 
     def next_deadline(self) -> float:
@@ -296,6 +302,7 @@ class CoordinatorCore:
             known = desired if desired is not None else self.log.desired_at(group, baseline)
             self._baselines[group] = (baseline, known)
         info.applied_seq = info.held_seq = baseline
+        self.latest.forget(info.rank)  # the agent pushes its snapshot whole once registered
         kind: EventKind | None = EventKind.JOINED
         if old is not None and old.state in (RankState.LOST, RankState.STOPPED):
             kind = EventKind.BACK
@@ -311,6 +318,7 @@ class CoordinatorCore:
             "baseline_seq": baseline,
             "heartbeat_interval": self.config.heartbeat_interval,
             "heartbeat_timeout": self.config.heartbeat_timeout,
+            "stats_interval": self.config.pushed_interval,
             "desired": desired,  # only to a fresh process: a re-registration keeps what it applied
         }))]
         missed = self.log.since(baseline)
@@ -373,9 +381,29 @@ class CoordinatorCore:
         if info is None:  # e.g. we restarted: ask the agent to register again
             return [(AGENT, (peer,), p.encode(Op.PULSE, {"epoch": self.epoch, "registered": False}))]
         self._check_group(info.tp_group)
+        out: list[Out] = []
+        version = body.get("stats_version")
+        if version is not None and not self.latest.confirm(info.rank, version, now):
+            # Not the snapshot we hold (we lost it): the agent pushes its whole one.
+            out.append((AGENT, (peer,), p.encode(Op.STATS_ACK, {"version": version, "ok": False})))
         if info.held_seq >= issued:
-            return []
-        return self._resend(info.rank, peer, self.log.since(info.held_seq), now)
+            return out
+        return out + self._resend(info.rank, peer, self.log.since(info.held_seq), now)
+
+    def _stats_push(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
+        """A changed snapshot, which is a heartbeat too; acknowledged with whether it was used."""
+        out = self._heartbeat(peer, {k: body[k] for k in ("rank", "step", "applied_seq", "held_seq", "state")})
+        info = self.registry.by_peer(peer)
+        if info is None or info.state is not RankState.LIVE:
+            return out  # the heartbeat's answer asks it to register; its snapshot waits until then
+        try:
+            ok = self.latest.push(info.rank, info.tp_group, body, self.clock())
+        except ValueError as e:  # a buggy or newer agent: its rank shows missing, saying why
+            ok = False
+            self.dropped_bad_agent_frames += 1
+            if self.gate.allow(("bad snapshot", info.rank)):
+                logger.warning("rank %d pushed an invalid stats snapshot: %s", info.rank, e)
+        return [*out, (AGENT, (peer,), p.encode(Op.STATS_ACK, {"version": body["version"], "ok": ok}))]
 
     def _check_group(self, group: int) -> None:
         members = self.registry.live(group)
@@ -552,10 +580,17 @@ class CoordinatorCore:
     def _stats_request(self, route: Route, message: p.Message) -> list[Out]:
         group = message.body["group"]
         self._check_group_arg(group)
-        return self._start_stats(route, message.id, group, message.body["timeout"] or self.config.stats_timeout)
+        if message.body["fresh"]:  # ask every live rank now, and wait
+            return self._start_stats(route, message.id, group, message.body["timeout"] or self.config.stats_timeout)
+        return [(CLIENT, route, p.ok_reply_packed(message.id, self._remembered(group)))]
 
-    def _start_stats(self, route: Route | None, request_id: int, group: int | None, timeout: float) -> list[Out]:
-        """Ask every live rank of ``group`` (None: all) for a snapshot; route None: for the metrics."""
+    def _remembered(self, group: int | None) -> bytes:
+        """The encoded ``stats`` answer from the ranks' pushed snapshots (group None: all)."""
+        return self.latest.answer(self._stats_scope(group), self.registry.missing(group), self.clock(),
+                                  self.config.stale_after)
+
+    def _start_stats(self, route: Route, request_id: int, group: int | None, timeout: float) -> list[Out]:
+        """Ask every live rank of ``group`` (None: all) for a snapshot now, and answer when all did."""
         self._stats_ids += 1
         request = self._stats_ids
         live = self.registry.live(group)
@@ -581,10 +616,6 @@ class CoordinatorCore:
             missing[rank] = pending.reasons.get(rank) or (
                 "lost while asked" if rank in pending.lost else "no reply within the stats timeout")
         result = pending.gathered.finish(self._stats_scope(pending.group), missing)  # already encoded
-        if pending.route is None:  # the metrics' round: publish it, no one to answer
-            self.published = replace(self.published, stats=StatsView(self.wall(), result))
-            self._publish_core()
-            return []
         return [(CLIENT, pending.route, p.ok_reply_packed(pending.request_id, result))]
 
     def _publish_core(self) -> None:

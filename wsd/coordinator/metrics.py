@@ -3,16 +3,17 @@
 Two threads meet here. The coordinator's core runs on its loop thread and
 owns the live registry and counters; it never shares them. Instead it
 *publishes*: it builds immutable views (``CoreView`` from the registry and
-counters at every pulse, ``StatsView`` from each finished stats round) and
+counters at every pulse, ``StatsView`` from the ranks' pushed snapshots) and
 replaces one reference, ``CoordinatorCore.published``, with a new
 ``Published``. The HTTP server's threads only read that reference: at each
 scrape ``Collector`` builds every family afresh from the latest views, so a
 rank that left or a slot that ``set_ubatches`` removed is gone from the next
 scrape, with no stale label set left in a registry.
 
-The per-slot figures come from the coordinator's own stats rounds, one every
-``[coordinator] metrics_refresh`` seconds; ``wsd_stats_age_seconds`` says how
-old the last one is. Imports no torch.
+The per-slot figures are the snapshots the ranks pushed, as the coordinator
+remembers them, copied every ``[coordinator] metrics_refresh`` seconds: a
+scrape never asks a rank. ``wsd_rank_stats_age_seconds`` says how old each
+rank's is, and ``wsd_stats_age_seconds`` the oldest. Imports no torch.
 """
 
 from __future__ import annotations
@@ -22,20 +23,11 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
 from typing import Any, NamedTuple
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
-
-import msgpack
-from prometheus_client import CollectorRegistry, make_wsgi_app
-from prometheus_client.metrics_core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
 
 from wsd.coordinator.registry import RankState, Registry
 from wsd.errors import WsdError
@@ -43,8 +35,8 @@ from wsd.manager.stats import SLOT_NUMBERS
 from wsd.wire.protocol import StrEnum
 from wsd.wire.transport import BindError
 
-__all__ = ["COMMAND_BUCKETS", "FAMILIES", "Collector", "CommandOutcome", "CommandStats", "CoreView",
-           "MetricsServer", "Published", "RankRow", "StatsView", "core_view"]
+__all__ = ["COMMAND_BUCKETS", "CONTENT_TYPE", "FAMILIES", "Collector", "CommandOutcome", "CommandStats", "CoreView",
+           "GroupFigures", "MetricsServer", "Published", "RankFigures", "RankRow", "StatsView", "core_view"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +51,8 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "wsd_rank_ubatches": ("gauge", _RANK),
     "wsd_rank_last_step": ("gauge", _RANK),
     "wsd_rank_workspace_bytes": ("gauge", _RANK),
+    "wsd_rank_stats_age_seconds": ("gauge", _RANK),
+    "wsd_rank_stats_stale": ("gauge", _RANK),
     "wsd_group_workspace_bytes": ("gauge", _GROUP),
     "wsd_group_skew_bytes": ("gauge", _GROUP),
     "wsd_group_consistent": ("gauge", _GROUP),
@@ -80,6 +74,8 @@ _HELP = {
     "wsd_rank_ubatches": "Micro-batch slots per lane of the rank's workspace, as its last heartbeat said.",
     "wsd_rank_last_step": "The last engine step the rank reported.",
     "wsd_rank_workspace_bytes": "Total bytes of the rank's workspace (scratch and persistent).",
+    "wsd_rank_stats_age_seconds": "Seconds since the rank's snapshot (the wsd_slot_* figures) was known current.",
+    "wsd_rank_stats_stale": "1 if the rank's snapshot is older than [coordinator] stats_stale_after.",
     "wsd_group_workspace_bytes": "Workspace bytes summed over the TP group's reporting ranks.",
     "wsd_group_skew_bytes": "Largest minus smallest rank workspace total in the TP group.",
     "wsd_group_consistent": "1 if the TP group's live ranks agree on lock state and slot count.",
@@ -90,7 +86,7 @@ _HELP = {
     "wsd_agent_refusals_total": "Agent frames and registrations refused, by reason (an impostor, a flood, "
                                 "claims beyond the issued seq).",
     "wsd_command_seq": "The last command sequence number handed out.",
-    "wsd_stats_age_seconds": "Seconds since the stats round the wsd_slot_* figures come from.",
+    "wsd_stats_age_seconds": "Seconds since the oldest rank's snapshot was known current.",
 }
 
 COMMAND_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -162,14 +158,34 @@ class CoreView:
     refused: tuple[tuple[str, int], ...] = ()
 
 
+class RankFigures(NamedTuple):
+    """One rank's remembered snapshot, as the metrics show it."""
+
+    rank: int
+    tp_group: int
+    total_bytes: int
+    age: float
+    """Seconds since it was known current, when the view was made."""
+    stale: bool
+    columns: dict[str, list[Any]]
+    """The snapshot's slot columns by name (``SLOT_COLUMNS``); never changed once published."""
+
+
+class GroupFigures(NamedTuple):
+    """A TP group's totals over its reporting ranks."""
+
+    tp_group: int
+    total_bytes: int
+    skew_bytes: int
+
+
 @dataclass(frozen=True)
 class StatsView:
-    """The last finished metrics stats round: its wall-clock time and its encoded answer."""
+    """The ranks' remembered snapshots when last copied: the wall-clock time, per rank and per group."""
 
     time: float
-    result: bytes
-    """The ``stats`` answer as the coordinator encodes it for clients (msgpack); decoded
-    by the collector at scrape time, off the coordinator's loop thread."""
+    ranks: tuple[RankFigures, ...]
+    groups: tuple[GroupFigures, ...]
 
 
 @dataclass(frozen=True)
@@ -194,108 +210,129 @@ def core_view(registry: Registry, *, seq: int, heartbeats: int, inconsistent: se
                     commands=counts, latency=latency, refused=tuple(sorted((refused or {}).items())))
 
 
-# A gauge's or a counter's sample is add_metric(labels, value); a histogram's
-# is add_metric(labels, buckets, sum): they are kept apart so that each call is
-# checked against its own signature.
-_Sampled = GaugeMetricFamily | CounterMetricFamily
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""The Prometheus text exposition format the endpoint writes."""
 
 
-class _Families(NamedTuple):
-    """One scrape's families by name, fresh and empty: gauges and counters, and histograms."""
-
-    sampled: dict[str, _Sampled]
-    histograms: dict[str, HistogramMetricFamily]
-
-    @classmethod
-    def fresh(cls) -> _Families:
-        families = cls({}, {})
-        for name, (kind, labels) in FAMILIES.items():
-            if kind == "histogram":
-                families.histograms[name] = HistogramMetricFamily(name, _HELP[name], labels=labels)
-            elif kind == "counter":
-                families.sampled[name] = CounterMetricFamily(name, _HELP[name], labels=labels)
-            else:
-                families.sampled[name] = GaugeMetricFamily(name, _HELP[name], labels=labels)
-        return families
-
-    def in_order(self) -> Iterator[Metric]:
-        """Every family, in ``FAMILIES`` order."""
-        for name in FAMILIES:
-            yield self.histograms[name] if name in self.histograms else self.sampled[name]
+def _escape(value: str) -> str:
+    """A label value as the text format quotes it."""
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-# The slot column of a rank's stats entry behind each per-slot family.
-_SLOT_FAMILIES = {n.metric: n.name for n in SLOT_NUMBERS}
+def _number(value: float) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    if value != value:
+        return "NaN"
+    if value in (float("inf"), float("-inf")):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(value)
+
+
+def _labels(names: Sequence[str], values: Iterable[object]) -> str:
+    pairs = ",".join(f'{n}="{_escape(str(v))}"' for n, v in zip(names, values))
+    return "{" + pairs + "}" if pairs else ""
+
+
+class _Text:
+    """One scrape: each family's sample lines, written out in ``FAMILIES`` order.
+
+    The text is built directly, not through prometheus_client's family objects:
+    at 1,024 ranks of 8 slots a scrape holds about 50,000 samples, and building
+    an object per sample cost several times the 50 ms a scrape may take.
+    """
+
+    def __init__(self) -> None:
+        self.lines: dict[str, list[str]] = {name: [] for name in FAMILIES}
+
+    def add(self, name: str, values: Iterable[object], value: float) -> None:
+        self.lines[name].append(f"{name}{_labels(FAMILIES[name][1], values)} {_number(value)}\n")
+
+    def render(self) -> bytes:
+        out: list[str] = []
+        for name, (kind, _) in FAMILIES.items():
+            out.append(f"# HELP {name} {_HELP[name]}\n# TYPE {name} {kind}\n")
+            out += self.lines[name]
+        return "".join(out).encode()
 
 
 class Collector:
-    """Builds every family afresh at each scrape from ``source()``, the latest ``Published``."""
+    """Writes every family afresh at each scrape from ``source()``, the latest ``Published``."""
 
     def __init__(self, source: Callable[[], Published], *, wall: Callable[[], float] = time.time) -> None:
         self._source = source
         self._wall = wall
 
-    def describe(self) -> list[Metric]:
-        return []  # nothing to check for clashes: this registry holds this collector alone
-
-    def collect(self) -> Iterator[Metric]:
+    def render(self) -> bytes:
+        """One scrape, in the text exposition format (``CONTENT_TYPE``)."""
         published = self._source()  # one read: the views below belong together
-        families = _Families.fresh()
+        text = _Text()
         hosts: dict[int, str] = {}
         if published.core is not None:
             hosts = {r.rank: r.host for r in published.core.ranks}
-            self._core(published.core, families)
+            self._core(published.core, text)
         if published.stats is not None:
-            self._stats(published.stats, hosts, families.sampled)
-        yield from families.in_order()
+            self._stats(published.stats, hosts, text)
+        return text.render()
 
     @staticmethod
-    def _core(view: CoreView, families: _Families) -> None:
-        f = families.sampled
+    def _core(view: CoreView, text: _Text) -> None:
         for row in view.ranks:
-            labels = [str(row.rank), str(row.tp_group), row.host]
-            f["wsd_rank_up"].add_metric(labels, float(row.up))
+            labels = (row.rank, row.tp_group, row.host)
+            text.add("wsd_rank_up", labels, row.up)
             if row.locked is not None:
-                f["wsd_rank_locked"].add_metric(labels, float(row.locked))
+                text.add("wsd_rank_locked", labels, row.locked)
             if row.num_ubatches is not None:
-                f["wsd_rank_ubatches"].add_metric(labels, row.num_ubatches)
+                text.add("wsd_rank_ubatches", labels, row.num_ubatches)
             if row.step is not None:
-                f["wsd_rank_last_step"].add_metric(labels, row.step)
+                text.add("wsd_rank_last_step", labels, row.step)
         for state, count in view.states:
-            f["wsd_ranks"].add_metric([state], count)
+            text.add("wsd_ranks", (state,), count)
         for group, consistent in view.consistent:
-            f["wsd_group_consistent"].add_metric([str(group)], float(consistent))
+            text.add("wsd_group_consistent", (group,), consistent)
         for (action, outcome), count in view.commands:
-            f["wsd_commands_total"].add_metric([action, outcome], count)
+            text.add("wsd_commands_total", (action, outcome), count)
+        histogram = "wsd_command_duration_seconds"
+        lines = text.lines[histogram]
         for action, buckets, total in view.latency:
-            cumulative: list[tuple[str, float]] = []
             running = 0
+            quoted = _escape(action)
             for bound, count in zip((*map(str, COMMAND_BUCKETS), "+Inf"), buckets):
                 running += count
-                cumulative.append((bound, running))
-            families.histograms["wsd_command_duration_seconds"].add_metric([action], cumulative, total)
-        f["wsd_heartbeats_total"].add_metric([], view.heartbeats)
+                lines.append(f'{histogram}_bucket{{action="{quoted}",le="{bound}"}} {running}\n')
+            lines.append(f'{histogram}_count{{action="{quoted}"}} {running}\n')
+            lines.append(f'{histogram}_sum{{action="{quoted}"}} {_number(total)}\n')
+        text.add("wsd_heartbeats_total", (), view.heartbeats)
         for reason, count in view.refused:
-            f["wsd_agent_refusals_total"].add_metric([reason], count)
-        f["wsd_command_seq"].add_metric([], view.seq)
+            text.add("wsd_agent_refusals_total", (reason,), count)
+        text.add("wsd_command_seq", (), view.seq)
 
-    def _stats(self, view: StatsView, hosts: dict[int, str], f: dict[str, _Sampled]) -> None:
-        result: dict[str, Any] = msgpack.unpackb(view.result, raw=False)
-        for rank in result["ranks"]:
-            r, g = str(rank["rank"]), str(rank["tp_group"])
-            f["wsd_rank_workspace_bytes"].add_metric([r, g, hosts.get(rank["rank"], "")], rank["total_bytes"])
-            slots = rank["slots"]
-            places = [[r, g, str(u), str(lane)] for u, lane in zip(slots["ubatch"], slots["lane"])]
-            for name, column in _SLOT_FAMILIES.items():
-                family = f[name]
-                for labels, value in zip(places, slots[column]):
-                    family.add_metric(labels, value)
-        for group in result["groups"]:
-            if group["reporting"]:  # a group with no rank answering has no total to show
-                labels = [str(group["tp_group"])]
-                f["wsd_group_workspace_bytes"].add_metric(labels, group["total_bytes"])
-                f["wsd_group_skew_bytes"].add_metric(labels, group["skew_bytes"])
-        f["wsd_stats_age_seconds"].add_metric([], max(0.0, self._wall() - view.time))
+    def _stats(self, view: StatsView, hosts: dict[int, str], text: _Text) -> None:
+        since = max(0.0, self._wall() - view.time)  # the ages were measured when the view was made
+        oldest = 0.0
+        slot_lines = [text.lines[n.metric] for n in SLOT_NUMBERS]
+        for rank in view.ranks:
+            labels = (rank.rank, rank.tp_group, hosts.get(rank.rank, ""))
+            text.add("wsd_rank_workspace_bytes", labels, rank.total_bytes)
+            age = rank.age + since
+            oldest = max(oldest, age)
+            text.add("wsd_rank_stats_age_seconds", labels, age)
+            text.add("wsd_rank_stats_stale", labels, rank.stale)
+            # The bulk of a scrape: one line per slot and number, written as plainly as can be.
+            places = [f'rank="{rank.rank}",tp_group="{rank.tp_group}",ubatch="{u}",lane="{lane}"}} '
+                      for u, lane in zip(rank.columns["ubatch"], rank.columns["lane"])]
+            for number, lines in zip(SLOT_NUMBERS, slot_lines):
+                head = number.metric + "{"
+                values = rank.columns[number.name]
+                if number.kind is not int:  # an int formats as itself; a float needs NaN and Inf spelled
+                    values = list(map(_number, values))
+                lines += [f"{head}{place}{value}\n" for place, value in zip(places, values)]
+        for group in view.groups:
+            text.add("wsd_group_workspace_bytes", (group.tp_group,), group.total_bytes)
+            text.add("wsd_group_skew_bytes", (group.tp_group,), group.skew_bytes)
+        text.add("wsd_stats_age_seconds", (), oldest)
 
 
 class _Server(ThreadingMixIn, WSGIServer):
@@ -308,19 +345,32 @@ class _QuietHandler(WSGIRequestHandler):
         pass  # one line per scrape is noise; errors still reach the log through wsgiref
 
 
+def _app(collector: Collector) -> Callable[..., list[bytes]]:
+    """The WSGI application: ``/metrics`` (any path) is a fresh scrape."""
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        if environ.get("REQUEST_METHOD", "GET") not in ("GET", "HEAD"):
+            start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
+            return [b""]
+        body = collector.render()
+        start_response("200 OK", [("Content-Type", CONTENT_TYPE), ("Content-Length", str(len(body)))])
+        return [b"" if environ.get("REQUEST_METHOD") == "HEAD" else body]
+
+    return app
+
+
 class MetricsServer:
     """``/metrics`` over HTTP in a thread of its own, serving a fresh ``Collector`` scrape."""
 
     def __init__(self, source: Callable[[], Published], host: str, port: int, *,
                  wall: Callable[[], float] = time.time) -> None:
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(Collector(source, wall=wall))
+        collector = Collector(source, wall=wall)
         try:
             family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                           flags=socket.AI_PASSIVE)[0]
             server_class: type[_Server] = type("_MetricsServer", (_Server,), {"address_family": family})
             # address[0] is the host as a string for every stream family getaddrinfo returns.
-            self._server = make_server(str(address[0]), port, make_wsgi_app(registry), server_class,
+            self._server = make_server(str(address[0]), port, _app(collector), server_class,
                                        handler_class=_QuietHandler)
         except OSError as e:  # in use, not this host's, a privileged port: configuration
             raise BindError(f"cannot serve metrics on {host}:{port} ([coordinator] metrics_host, "

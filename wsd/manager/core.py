@@ -290,8 +290,11 @@ class WorkspaceManager:
         if bound is not None:
             return bound
         if total > slot.capacity_bytes:
-            if self._locked and self._fallback and not self._capturing():
+            if self._locked:
+                # Refused (or served by the fallback): counted before the violation is
+                # reported, so that the report and the snapshot it brings agree.
                 slot.peak_requested_bytes = max(slot.peak_requested_bytes, total)
+            if self._locked and self._fallback and not self._capturing():
                 self._refuse_locked(slot, total, "allocation")  # counted and reported
                 # A one-off buffer, never cached: the slot keeps its size, and
                 # the next request that does not fit is counted again.

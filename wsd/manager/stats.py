@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 __all__ = ["GROUP_COLUMNS", "PERSISTENT_COLUMNS", "SLOT_COLUMNS", "SLOT_KEY", "SLOT_NUMBERS", "VIOLATION_COLUMNS",
            "Combine", "GroupColumn", "LockViolation", "ManagerStats", "PersistentStats", "SlotNumber", "SlotStats",
-           "slot_rows"]
+           "apply_snapshot_delta", "slot_rows", "snapshot_delta"]
 
 # -- the per-slot statistics schema --------------------------------------------------
 
@@ -290,6 +290,73 @@ def slot_rows(columns: dict[str, Any]) -> list[dict[str, Any]]:
     for i, key, kind, nbytes in zip(*(persistent.get(c, ()) for c in PERSISTENT_COLUMNS)):
         rows[i]["persistent"].append({"key": key, "kind": kind, "nbytes": nbytes})
     return rows
+
+
+# -- deltas of the wire form: what an agent pushes when its snapshot changed ------------------
+
+# A snapshot's own values, besides its slots.
+_SCALARS = ("device", "num_ubatches", "num_lanes", "locked", "total_bytes")
+_NUMBER_COLUMNS = frozenset(n.name for n in SLOT_NUMBERS)
+_TABLES = ("last_violation", "persistent")
+_DELTA_KEYS = frozenset({"fields", "columns", "tables"})
+
+
+def snapshot_delta(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any] | None:
+    """What changed from one ``to_wire`` snapshot to the next, or None if its slots did
+    (their number or keys: after ``set-ubatches``), when the whole snapshot must go.
+
+    ``{"fields": {name: value}, "columns": {number: [[slot index, ...], [value, ...]]},
+    "tables": {name: table}}``: the snapshot's own values that changed, the entries of
+    each slot number that changed, and the sparse tables that changed, whole.
+    ``apply_snapshot_delta(old, delta) == new``.
+    """
+    olds, news = old["slots"], new["slots"]
+    if any(olds[c] != news[c] for c in SLOT_KEY):
+        return None
+    fields = {k: new[k] for k in _SCALARS if k in new and old.get(k) != new[k]}
+    columns = {}
+    for name in _NUMBER_COLUMNS:
+        a, b = olds[name], news[name]
+        if a != b:
+            changed = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+            columns[name] = [changed, [b[i] for i in changed]]
+    tables = {k: news[k] for k in _TABLES if olds.get(k) != news.get(k)}
+    return {"fields": fields, "columns": columns, "tables": tables}
+
+
+def apply_snapshot_delta(old: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
+    """The snapshot ``delta`` (from ``snapshot_delta``) makes of ``old``, which is left as it
+    was; ValueError naming what is wrong with a delta that does not fit it.
+
+    Checks the delta's shape and slot indices only: the values' types are the
+    whole snapshot's check (``wsd.coordinator.aggregate.read_snapshot``).
+    """
+    if not isinstance(delta, dict) or not set(delta) <= _DELTA_KEYS:
+        raise ValueError(f"delta: expected a map of {sorted(_DELTA_KEYS)}")
+    fields = delta.get("fields", {})
+    columns = delta.get("columns", {})
+    tables = delta.get("tables", {})
+    for where, value, known in (("fields", fields, _SCALARS), ("columns", columns, _NUMBER_COLUMNS),
+                                ("tables", tables, _TABLES)):
+        if not isinstance(value, dict):
+            raise ValueError(f"delta.{where}: expected a map")
+        unknown = [k for k in value if k not in known]
+        if unknown:
+            raise ValueError(f"delta.{where}: unknown {unknown[0]!r}")
+    slots = dict(old["slots"])
+    count = len(slots[SLOT_KEY[0]])
+    for name, change in columns.items():
+        if not (isinstance(change, list) and len(change) == 2 and isinstance(change[0], list)
+                and isinstance(change[1], list) and len(change[0]) == len(change[1])):
+            raise ValueError(f"delta.columns.{name}: expected [[slot index, ...], [value, ...]] of equal length")
+        column = list(slots[name])
+        for i, value in zip(*change):
+            if type(i) is not int or not 0 <= i < count:
+                raise ValueError(f"delta.columns.{name}: slot index {i!r} out of range 0..{count - 1}")
+            column[i] = value
+        slots[name] = column
+    slots.update(tables)
+    return {**old, **fields, "slots": slots}
 
 
 # SlotStats carries exactly the schema's columns, then the sparse parts: checked

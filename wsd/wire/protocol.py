@@ -71,6 +71,7 @@ class Op(StrEnum):
     HEARTBEAT = "heartbeat"
     ACK = "ack"
     STATS_REPLY = "stats_reply"
+    STATS_PUSH = "stats_push"
     EVENT = "event"
     GOODBYE = "goodbye"
     # coordinator -> agent
@@ -78,6 +79,7 @@ class Op(StrEnum):
     PULSE = "pulse"
     COMMAND = "command"
     STATS_REQUEST = "stats_request"
+    STATS_ACK = "stats_ack"
     REJECTED = "rejected"
 
 
@@ -114,8 +116,8 @@ class ErrorCode(StrEnum):
 COMMAND_OPS = frozenset(Op(name) for name in COMMANDS)
 READ_ONLY_OPS = frozenset({Op.PING, Op.STATUS, Op.RANKS, Op.STATS, Op.EVENTS})
 CLIENT_OPS = COMMAND_OPS | READ_ONLY_OPS
-AGENT_OPS = frozenset({Op.REGISTER, Op.HEARTBEAT, Op.ACK, Op.STATS_REPLY, Op.EVENT, Op.GOODBYE})
-COORDINATOR_OPS = frozenset({Op.REGISTERED, Op.PULSE, Op.COMMAND, Op.STATS_REQUEST, Op.REJECTED})
+AGENT_OPS = frozenset({Op.REGISTER, Op.HEARTBEAT, Op.ACK, Op.STATS_REPLY, Op.STATS_PUSH, Op.EVENT, Op.GOODBYE})
+COORDINATOR_OPS = frozenset({Op.REGISTERED, Op.PULSE, Op.COMMAND, Op.STATS_REQUEST, Op.STATS_ACK, Op.REJECTED})
 
 _INT_MAX = 2**63 - 1
 # Types whose values Field.check may accept on its fast path.
@@ -224,7 +226,9 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
     Op.PING: (),
     Op.STATUS: (),
     Op.RANKS: (),
-    Op.STATS: (_opt(_int("group", 0, 65535)), _opt(Field("timeout", (float,), low=0.0, high=3600.0))),
+    # Answered from the snapshots the ranks pushed; ``fresh``: ask every rank now instead.
+    Op.STATS: (_opt(_int("group", 0, 65535)), _opt(Field("timeout", (float,), low=0.0, high=3600.0)),
+               _opt(_f("fresh", bool), False)),
     Op.EVENTS: (_opt(_int("cursor"), 0), _opt(_int("limit", 1, 10_000), 100)),
     **{Op(spec.name): (*(_int(a.name, a.low, a.high) for a in spec.args), *_TARGET) for spec in COMMANDS.values()},
     Op.REGISTER: (
@@ -247,21 +251,34 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
         _opt(_str("instance", 64)),
         _opt(_str("proof", 128)),
     ),
-    Op.HEARTBEAT: (_RANK, _int("step"), _int("applied_seq"), _int("held_seq"), _STATE),
+    # ``stats_version``: the agent has just found its snapshot unchanged since the push
+    # of that version the coordinator acknowledged (so that version is fresh now).
+    Op.HEARTBEAT: (_RANK, _int("step"), _int("applied_seq"), _int("held_seq"), _STATE,
+                   _opt(_int("stats_version", 1))),
     Op.ACK: (_RANK, _int("seq", 1), _int("step"), _f("ok", bool), _opt(_str("error", 4096))),
     Op.STATS_REPLY: (_RANK, _int("request"), _map("stats", 64), _opt(_int("step"), 0)),
+    # A changed snapshot, pushed by the agent; also a heartbeat. ``base`` nil: ``stats`` is
+    # the whole snapshot; else ``delta`` holds what changed since the acknowledged push
+    # numbered ``base`` (wsd.manager.stats.snapshot_delta).
+    Op.STATS_PUSH: (_RANK, _int("version", 1), _opt(_int("base", 1)), _int("step"), _int("applied_seq"),
+                    _int("held_seq"), _STATE, _opt(_map("stats", 64)), _opt(_map("delta", 8))),
     Op.EVENT: (_RANK, _str("kind", 64), _opt(_map("detail", 32), {})),
     # A worker shutting down cleanly: its rank is stopped, not lost. No answer.
     Op.GOODBYE: (_RANK, _opt(_int("step"), 0), _opt(_int("applied_seq")), _opt(_int("held_seq")), _STATE),
     Op.REGISTERED: (_f("epoch", str), _int("baseline_seq"),
                     Field("heartbeat_interval", (float,), low=0.001, high=3600.0),
                     Field("heartbeat_timeout", (float,), low=0.001, high=3600.0),
+                    # Seconds between the agent's looks at its snapshot (it pushes what changed).
+                    _opt(Field("stats_interval", (float,), low=0.001, high=3600.0)),
                     # To a fresh process: its TP group's desired state at baseline_seq
                     # ({locked, num_ubatches, reserve_bytes}, each nil if never set).
                     _opt(_f("desired", dict))),
     Op.PULSE: (_f("epoch", str), _opt(_f("registered", bool), True)),
     Op.COMMAND: (_int("seq", 1), _f("action", str), _opt(_f("args", dict), {}), _opt(_int("group", 0, 65535))),
     Op.STATS_REQUEST: (_int("request"),),
+    # The push numbered ``version`` is the coordinator's now (``ok``), or it could not use
+    # it (a delta on another base, or invalid): the agent pushes its whole snapshot next.
+    Op.STATS_ACK: (_int("version", 1), _f("ok", bool)),
     Op.REJECTED: (_f("code", str), _f("message", str)),
 }
 
@@ -292,6 +309,7 @@ LIMITS: dict[Op, Limits] = {
     Op.ACK: Limits(8 << 10),  # an error of up to 4,096 characters, some of them multi-byte
     Op.EVENT: Limits(16 << 10, str_len=16 << 10),
     Op.STATS_REPLY: Limits(16 << 20, str_len=1 << 16, bin_len=16 << 20, array_len=1 << 16, map_len=1 << 16),
+    Op.STATS_PUSH: Limits(16 << 20, str_len=1 << 16, bin_len=16 << 20, array_len=1 << 16, map_len=1 << 16),
     # Coordinator to agent, which trusts its coordinator's sizes.
     Op.COMMAND: Limits(64 << 10),
     Op.REGISTERED: Limits(64 << 10),
@@ -548,8 +566,22 @@ class Reply:
 
 
 def decode_reply(frame: bytes) -> Reply:
-    """Validate a reply frame; ProtocolError if it is not one."""
-    data = _unpack(frame)
+    """Validate a reply frame; ProtocolError if it is not one.
+
+    A large reply (a ``stats`` answer of thousands of ranks holds hundreds of
+    thousands of objects) is decoded without the cyclic garbage collector, as
+    ``_loads`` does: msgpack's objects hold no cycles.
+    """
+    if len(frame) <= SMALL_FRAME:
+        data = _unpack(frame)
+    else:
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            data = _unpack(frame)
+        finally:
+            if collecting:
+                gc.enable()
     request_id = _envelope(data)
     ok = data.get("ok")
     if not isinstance(ok, bool):

@@ -1,0 +1,338 @@
+"""Stats pushed, not gathered: what the agents push rebuilds their snapshots in the coordinator.
+
+The I/O-free tier drives an agent's protocol logic (``AgentLink``) against
+the coordinator's memory (``LatestStats``) and core directly, with a clock we
+pass, through reconnections, lost pushes, lost acknowledgements and a
+coordinator that forgot. The real tier runs a coordinator on random loopback
+ports with simulated ranks on real sockets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import pytest
+from conftest import wait_until
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from wsd.agent.core import AgentLink
+from wsd.agent.simulated import SimulatedRanks
+from wsd.config import CoordinatorConfig
+from wsd.coordinator.core import CLIENT, CoordinatorCore
+from wsd.coordinator.latest import NO_SNAPSHOT, LatestStats
+from wsd.manager.stats import (
+    SLOT_NUMBERS,
+    LockViolation,
+    ManagerStats,
+    PersistentStats,
+    SlotStats,
+    apply_snapshot_delta,
+    snapshot_delta,
+)
+from wsd.wire import protocol as p
+from wsd.wire.protocol import Op
+from wsd_client.client import Client
+from wsd_client.rows import rank_columns
+
+INTERVAL = 1.0
+TIMEOUT = 5.0
+
+
+class Target:
+    """A rank's manager as the protocol sees it, whose snapshot the test sets."""
+
+    device = "cpu"
+
+    def __init__(self, stats: ManagerStats) -> None:
+        self.stats = stats
+
+    def state(self) -> dict[str, Any]:
+        return {"locked": self.stats.locked, "num_ubatches": self.stats.num_ubatches}
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.stats.to_wire()
+
+    def apply(self, action: str, args: dict[str, Any]) -> None:
+        raise AssertionError("no commands in these tests")
+
+
+_small = st.integers(0, 1 << 20)
+_violation = st.none() | st.builds(LockViolation, caller=st.sampled_from(["a.py:1:f", "b.py:9:g"]),
+                                   requested=_small, capacity=_small, time=st.floats(0, 1e9))
+_persistent = st.lists(st.builds(PersistentStats, key=st.sampled_from(["k", "moe"]),
+                                 kind=st.sampled_from(["tensor", "resource"]), nbytes=_small), max_size=2)
+
+
+@st.composite
+def snapshots(draw: st.DrawFn) -> ManagerStats:
+    ubatches = draw(st.integers(1, 4))
+    slots = tuple(SlotStats(
+        i, 0, *(draw(_small) for _ in SLOT_NUMBERS), last_violation=draw(_violation),
+        persistent=tuple(draw(_persistent))) for i in range(ubatches))
+    return ManagerStats("cpu", ubatches, 1, draw(st.booleans()), slots)
+
+
+def _roundtrip(frame: bytes) -> p.Message:
+    return p.decode(frame)
+
+
+class Pair:
+    """One agent's link and the coordinator's memory, and the frames between them."""
+
+    def __init__(self, stats: ManagerStats) -> None:
+        self.now = 0.0
+        self.target = Target(stats)
+        self.link = AgentLink(self.target, rank=0, world_size=1, heartbeat_interval=INTERVAL,
+                              heartbeat_timeout=TIMEOUT)
+        self.latest = LatestStats()
+        self.registered()
+
+    def registered(self) -> None:
+        """The agent registers (again): the coordinator forgets what it held of it."""
+        self.latest.forget(0)
+        self.link.on_frame(p.encode(Op.REGISTERED, {
+            "epoch": "e", "baseline_seq": 0, "heartbeat_interval": INTERVAL, "heartbeat_timeout": TIMEOUT,
+            "stats_interval": INTERVAL}), self.now)
+
+    def step(self, *, lose_push: bool = False, lose_ack: bool = False) -> None:
+        """Time passes to the agent's next look; its frames reach the coordinator (or not),
+        and the coordinator's heartbeat reaches the agent."""
+        self.now = max(self.now, self.link.due())
+        self.link.on_frame(p.encode(Op.PULSE, {"epoch": "e"}), self.now)
+        for frame in self.link.on_time(self.now):
+            message = _roundtrip(frame)
+            version = message.body.get("stats_version")
+            if message.op is Op.HEARTBEAT and version is not None and not self.latest.confirm(0, version, self.now):
+                self.link.on_frame(p.encode(Op.STATS_ACK, {"version": version, "ok": False}), self.now)
+            if message.op is not Op.STATS_PUSH or lose_push:
+                continue
+            ok = self.latest.push(0, 0, message.body, self.now)
+            if not lose_ack:
+                self.link.on_frame(p.encode(Op.STATS_ACK, {"version": message.body["version"], "ok": ok}),
+                                   self.now)
+
+    def settle(self) -> None:
+        """Enough quiet steps for whatever was lost to be pushed again."""
+        for _ in range(int(TIMEOUT / INTERVAL) + 4):
+            self.step()
+
+    def held(self) -> ManagerStats:
+        return ManagerStats.from_wire(self.latest.ranks[0].wire)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(first=snapshots(), changes=st.lists(st.tuples(
+    snapshots(), st.sampled_from(["push", "lose push", "lose ack", "reconnect", "coordinator forgot"])),
+    max_size=12))
+def test_pushed_deltas_rebuild_exactly_the_snapshot_the_agent_holds(first, changes):
+    """Whatever is lost on the way (a push, an acknowledgement, the agent's connection,
+    the coordinator's memory), once the frames flow again the coordinator holds exactly
+    the agent's snapshot, and while they flow it never holds one the agent did not."""
+    pair = Pair(first)
+    pair.settle()
+    assert pair.held() == first
+    seen = [first]
+    for stats, what in changes:
+        pair.target.stats = stats
+        seen.append(stats)
+        if what == "reconnect":
+            pair.registered()
+        elif what == "coordinator forgot":
+            pair.latest = LatestStats()
+        pair.step(lose_push=what == "lose push", lose_ack=what == "lose ack")
+        if 0 in pair.latest.ranks:
+            assert pair.held() in seen  # never a mix of two snapshots
+        pair.settle()
+        assert pair.held() == stats
+
+
+@settings(max_examples=200, deadline=None)
+@given(old=snapshots(), new=snapshots())
+def test_a_delta_applied_to_its_base_gives_the_new_snapshot(old, new):
+    a, b = old.to_wire(), new.to_wire()
+    delta = snapshot_delta(a, b)
+    if delta is None:  # the slots themselves changed: pushed whole
+        assert [s.ubatch for s in old.slots] != [s.ubatch for s in new.slots]
+        return
+    assert apply_snapshot_delta(a, delta) == b
+    assert a == old.to_wire()  # the base is left as it was
+    if a == b:
+        assert delta == {"fields": {}, "columns": {}, "tables": {}}
+
+
+def test_an_unchanged_snapshot_is_confirmed_by_heartbeats_not_pushed_again():
+    stats = ManagerStats("cpu", 1, 1, False, (SlotStats(0, 0, 64, 64, 1, 1, 0, None, ()),))
+    pair = Pair(stats)
+    pair.step()
+    assert pair.latest.ranks[0].confirmed == pair.now
+    version = pair.latest.ranks[0].version
+    for _ in range(3):
+        pair.now += INTERVAL
+        frames = [_roundtrip(f) for f in pair.link.on_time(pair.now)]
+        assert [m.op for m in frames] == [Op.HEARTBEAT]
+        assert frames[0].body["stats_version"] == version
+        pair.latest.confirm(0, version, pair.now)
+    assert pair.latest.ages(pair.now) == {0: 0.0}
+
+
+def test_a_command_applied_is_pushed_at_once_not_at_the_next_interval():
+    stats = ManagerStats("cpu", 1, 1, False, (SlotStats(0, 0, 64, 64, 1, 1, 0, None, ()),))
+    pair = Pair(stats)
+    pair.step()
+    pair.now += 0.2
+    pair.target.stats = ManagerStats("cpu", 1, 1, True, stats.slots)
+    pair.link.stats_urgent = True  # what apply_up_to and a lock violation set
+    assert pair.link.due() <= pair.now
+    pair.step()
+    assert pair.now < INTERVAL and pair.held().locked
+
+
+def test_invalid_pushes_are_refused_naming_why_and_the_rank_shows_missing():
+    latest = LatestStats()
+    body = {"rank": 0, "version": 1, "base": None, "step": 1, "applied_seq": 0, "held_seq": 0, "state": {},
+            "stats": {"device": "cpu", "slots": {}}}
+    with pytest.raises(ValueError, match="num_ubatches: missing"):
+        latest.push(0, 0, body, 1.0)
+    answer = msgpack.unpackb(latest.answer({0: [0]}, {}, 1.0, 3.0))
+    assert answer["missing"] == [{"rank": 0, "reason": "sent an invalid stats snapshot (num_ubatches: missing)"}]
+    good = ManagerStats("cpu", 1, 1, False, (SlotStats(0, 0, 64, 64, 1, 1, 0, None, ()),)).to_wire()
+    assert latest.push(0, 0, {**body, "stats": good}, 1.0)
+    for delta, why in (({"columns": {"requests": [[5], [1]]}}, "slot index 5 out of range"),
+                       ({"columns": {"ubatch": [[0], [1]]}}, "unknown 'ubatch'"),
+                       ({"fields": {"slots": {}}}, "unknown 'slots'"),
+                       ({"columns": {"requests": [[0], ["x"]]}}, r"slots.requests\[0\]: expected int")):
+        with pytest.raises(ValueError, match=why):
+            latest.push(0, 0, {**body, "version": 2, "base": 1, "stats": None, "delta": delta}, 2.0)
+        assert latest.ranks[0].wire == good  # what it held is untouched
+    assert not latest.push(0, 0, {**body, "version": 3, "base": 2, "stats": None, "delta": {}}, 2.0)  # a gap
+
+
+# -- the core: answers from memory, ages, stale, lost ---------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _core(tmp_path) -> tuple[CoordinatorCore, Clock]:
+    clock = Clock()
+    core = CoordinatorCore(CoordinatorConfig(state_file=str(tmp_path / "state"), world_size=2, tp_size=2,
+                                             heartbeat_interval=INTERVAL, heartbeat_timeout=TIMEOUT),
+                           clock=clock, wall=clock)
+    for rank in (0, 1):
+        core.handle_agent((b"p%d" % rank,), p.encode(Op.REGISTER, {
+            "rank": rank, "world_size": 2, "tp_size": 2, "tp_group": 0, "host": "h", "pid": rank,
+            "device": "cpu", "applied_seq": None, "acks": [], "step": 0, "idle": True, "state": {}}))
+    return core, clock
+
+
+def _ask(core: CoordinatorCore, **body: Any) -> dict[str, Any]:
+    out = core.handle_client((b"c", b""), p.encode(Op.STATS, body, 7))
+    (reply,) = [frame for kind, _, frame in out if kind == CLIENT]
+    message = msgpack.unpackb(reply)
+    assert message["ok"], message
+    return message["result"]
+
+
+def _push(core: CoordinatorCore, rank: int, capacity: int) -> list:
+    stats = ManagerStats("cpu", 1, 1, False, (SlotStats(0, 0, capacity, capacity, 1, 1, 0, None, ()),))
+    return core.handle_agent((b"p%d" % rank,), p.encode(Op.STATS_PUSH, {
+        "rank": rank, "version": 1, "base": None, "step": 5, "applied_seq": 0, "held_seq": 0, "state": {},
+        "stats": stats.to_wire()}))
+
+
+def test_a_stats_answer_comes_from_memory_with_each_ranks_age_and_asks_no_rank(tmp_path):
+    core, clock = _core(tmp_path)
+    answer = _ask(core)
+    assert answer["ranks"] == [] and not answer["complete"]
+    assert answer["missing"] == [{"rank": 0, "reason": NO_SNAPSHOT}, {"rank": 1, "reason": NO_SNAPSHOT}]
+    (ack,) = [msgpack.unpackb(f) for _, _, f in _push(core, 0, 4096)]
+    assert ack["op"] == "stats_ack" and ack["body"] == {"version": 1, "ok": True}
+    clock.now += 0.5
+    _push(core, 1, 1024)
+    clock.now += 0.25
+    out = core.handle_client((b"c", b""), p.encode(Op.STATS, {}, 7))
+    assert [kind for kind, _, _ in out] == [CLIENT]  # no stats_request to any rank
+    answer = msgpack.unpackb(out[0][2])["result"]
+    assert answer["complete"] and not answer["fresh"] and answer["stale"] == []
+    assert [(r["rank"], r["age"], r["stale"]) for r in answer["ranks"]] == [(0, 0.75, False), (1, 0.25, False)]
+    (group,) = answer["groups"]
+    assert group["slots"]["capacity_max"] == [4096] and group["skew_bytes"] == 4096 - 1024
+
+
+def test_a_silent_rank_is_stale_after_the_bound_then_lost(tmp_path):
+    core, clock = _core(tmp_path)
+    _push(core, 0, 64)
+    _push(core, 1, 64)
+    clock.now += 3 * INTERVAL + 0.1  # the default bound: three intervals
+    answer = _ask(core)
+    assert answer["stale"] == [0, 1] and not answer["complete"]
+    assert all(r["stale"] for r in answer["ranks"])
+    _push(core, 0, 64)  # rank 0 again; rank 1 stays silent
+    clock.now += TIMEOUT - 3 * INTERVAL
+    core.tick()
+    answer = _ask(core)
+    assert [r["rank"] for r in answer["ranks"]] == [0] and answer["stale"] == []
+    assert answer["missing"][0]["rank"] == 1 and answer["missing"][0]["reason"].startswith("lost")
+    (group,) = answer["groups"]
+    assert group["reporting"] == [0] and group["slots"]["ranks"] == [[0]]
+
+
+# -- real sockets ------------------------------------------------------------------------------------
+
+
+def _without_ages(doc: dict[str, Any]) -> dict[str, Any]:
+    return {"ranks": [{k: v for k, v in r.items() if k not in ("age", "stale")} for r in doc["ranks"]],
+            "groups": doc["groups"], "missing": doc["missing"], "total_bytes": doc["total_bytes"]}
+
+
+@pytest.fixture
+def cluster(start_coordinator):
+    coordinator = start_coordinator(world_size=4, tp_size=2, heartbeat_interval=0.2, heartbeat_timeout=2.0)
+    ranks = [SimulatedRanks(coordinator.agent_endpoint, [r], world_size=4, tp_size=2, num_ubatches=8,
+                            heartbeat_interval=0.2, heartbeat_timeout=2.0).start() for r in range(4)]
+    client = Client(coordinator.client_endpoint, timeout=10)
+    wait_until(lambda: client.stats()["complete"], 10, "every rank's snapshot pushed")
+    yield coordinator, ranks, client
+    client.close()
+    for sim in ranks:
+        sim.stop()
+
+
+def test_fresh_gives_the_same_numbers_as_the_pushed_view(cluster):
+    _, _, client = cluster
+    fresh = client.stats(fresh=True)
+    assert fresh["fresh"] and fresh["complete"] and all(r["age"] == 0.0 for r in fresh["ranks"])
+    pushed = client.stats()
+    assert not pushed["fresh"] and pushed["complete"]
+    assert _without_ages(pushed) == _without_ages(fresh)
+    assert all(r["age"] <= 0.2 + 0.1 for r in pushed["ranks"])  # confirmed every interval
+
+
+def test_aggregates_after_set_ubatches_drops_slots_and_a_rank_leaves_are_exact(cluster):
+    _, ranks, client = cluster
+    assert client.set_ubatches(3).complete
+    wait_until(lambda: (d := client.stats()) and all(r["num_ubatches"] == 3 for r in d["ranks"])
+               and len(d["slots"]["ubatch"]) == 3 * 4, 5, "the pushes after set-ubatches")
+    ranks[3].stop()  # gone: lost once silent for the heartbeat timeout
+    doc = wait_until(lambda: (d := client.stats()) and len(d["ranks"]) == 3 and d, 5, "rank 3 gone from the answer")
+    by_rank = {r["rank"]: r for r in doc["ranks"]}
+    slots = rank_columns(doc)
+    for group in doc["groups"]:
+        members = [by_rank[r] for r in group["reporting"]]
+        assert group["reporting"] == ([0, 1] if group["tp_group"] == 0 else [2])
+        for number in SLOT_NUMBERS:
+            per_slot = list(zip(*(slots[m["rank"]][number.name] for m in members)))
+            for column in number.group:
+                expected = {"min": min, "max": max, "sum": sum,
+                            "spread": lambda v: max(v) - min(v)}[column.combine.value]
+                assert group["slots"][column.name] == [expected(v) for v in per_slot], (group["tp_group"], column)
+        assert group["total_bytes"] == sum(m["total_bytes"] for m in members)
+    assert [m["rank"] for m in doc["missing"]] == [3] and doc["missing"][0]["reason"].startswith("lost")
+    assert doc["total_bytes"] == sum(r["total_bytes"] for r in doc["ranks"])

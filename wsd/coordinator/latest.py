@@ -1,0 +1,152 @@
+"""The latest snapshot of every rank, as its agent pushed it, and answers built from them.
+
+Agents push their snapshot when it changed (``Op.STATS_PUSH``): whole after
+they register or lose track, else as a delta against the push the coordinator
+last acknowledged. ``LatestStats`` keeps, per rank, the snapshot that makes
+(checked, and encoded for answers), its version and when it was last known
+current (a push, or a heartbeat saying it is unchanged). A ``stats`` answer is
+then spliced from memory: no rank is asked, and each rank carries its age.
+A TP group's summary is kept encoded until one of its members' snapshots, or
+its membership, changes. No sockets, no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from wsd.coordinator.aggregate import Snapshot, group_part, packed_answer, read_snapshot
+from wsd.coordinator.metrics import GroupFigures, RankFigures
+from wsd.manager.stats import apply_snapshot_delta
+
+__all__ = ["NO_SNAPSHOT", "Latest", "LatestStats"]
+
+NO_SNAPSHOT = "live, no snapshot pushed yet"
+"""Why a live rank is missing from an answer from memory: it has registered and not pushed yet."""
+
+
+class Latest:
+    """One rank's latest snapshot: the wire form, its checked reading, its version, when confirmed."""
+
+    __slots__ = ("confirmed", "snapshot", "version", "wire")
+
+    def __init__(self, version: int, wire: dict[str, Any], snapshot: Snapshot, confirmed: float) -> None:
+        self.version = version
+        self.wire = wire
+        self.snapshot = snapshot
+        self.confirmed = confirmed
+
+
+class LatestStats:
+    """Every rank's latest pushed snapshot, and ``stats`` answers from them."""
+
+    def __init__(self) -> None:
+        self.ranks: dict[int, Latest] = {}
+        # Why a rank's last push could not be used (an invalid snapshot), until one can.
+        self.invalid: dict[int, str] = {}
+        # Per TP group: what its encoded summary was built from, and the summary.
+        self._groups: dict[int, tuple[Any, bytes]] = {}
+
+    def push(self, rank: int, tp_group: int, body: dict[str, Any], now: float) -> bool:
+        """Take one ``stats_push`` body; True if it is the rank's snapshot now, False if it
+        was a delta on another version than the one held (the agent then pushes it whole).
+
+        Raises ValueError naming what is wrong with an invalid push; the snapshot held
+        stays as it was.
+        """
+        try:
+            return self._push(rank, tp_group, body, now)
+        except ValueError as e:
+            self.invalid[rank] = f"sent an invalid stats snapshot ({e})"
+            raise
+
+    def _push(self, rank: int, tp_group: int, body: dict[str, Any], now: float) -> bool:
+        if body["base"] is None:
+            wire = body["stats"]
+            if wire is None:
+                raise ValueError("stats_push: no base and no stats (a whole snapshot goes in stats)")
+        else:
+            held = self.ranks.get(rank)
+            if held is None or held.version != body["base"]:
+                return False  # a push lost, or ours forgotten: start again from a whole one
+            if body["delta"] is None:
+                raise ValueError("stats_push: a base and no delta")
+            wire = apply_snapshot_delta(held.wire, body["delta"])
+        snapshot = read_snapshot(rank, tp_group, body["step"], wire)
+        self.ranks[rank] = Latest(body["version"], wire, snapshot, now)
+        self.invalid.pop(rank, None)
+        return True
+
+    def confirm(self, rank: int, version: int, now: float) -> bool:
+        """A heartbeat said the rank's snapshot is still the one of ``version``; False if
+        that is not the one held (the agent must push it whole)."""
+        held = self.ranks.get(rank)
+        if held is None or held.version != version:
+            return False
+        held.confirmed = now
+        return True
+
+    def forget(self, rank: int) -> None:
+        """A registration: what the rank's agent pushed before is not its state now."""
+        self.ranks.pop(rank, None)
+        self.invalid.pop(rank, None)
+
+    def ages(self, now: float) -> dict[int, float]:
+        """Seconds since each remembered snapshot was known current."""
+        return {rank: max(0.0, now - held.confirmed) for rank, held in self.ranks.items()}
+
+    def answer(self, scope: dict[int, list[int]], missing: dict[int, str], now: float,
+               stale_after: float) -> bytes:
+        """The encoded ``stats`` result for the TP groups of ``scope`` (group -> expected ranks).
+
+        ``missing`` gives the reason for each expected rank that is not live; a live
+        rank with nothing pushed yet is missing too. A snapshot older than
+        ``stale_after`` seconds is in the answer, marked stale, and the answer is not
+        complete.
+        """
+        missing = dict(missing)
+        answered: list[tuple[Snapshot, float, bool]] = []
+        groups: list[bytes] = []
+        for group, expected in sorted(scope.items()):
+            members: list[Latest] = []
+            for rank in expected:
+                if rank in missing:
+                    continue
+                held = self.ranks.get(rank)
+                if held is None:
+                    missing[rank] = self.invalid.get(rank, NO_SNAPSHOT)
+                    continue
+                members.append(held)
+            group_missing = {r: missing[r] for r in expected if r in missing}
+            # Each push makes a new Latest: the members themselves (held here, so never
+            # reused) say whether the summary built from them still stands.
+            key = (tuple(expected), tuple(members), tuple(group_missing.items()))
+            cached = self._groups.get(group)
+            if cached is None or cached[0] != key:
+                cached = (key, group_part(group, [m.snapshot for m in members], expected, group_missing))
+                self._groups[group] = cached
+            groups.append(cached[1])
+            for held in members:
+                age = now - held.confirmed
+                answered.append((held.snapshot, round(max(age, 0.0), 3), age > stale_after))
+        return packed_answer(answered, groups, missing, fresh=False)
+
+    def figures(self, scope: dict[int, list[int]], missing: dict[int, str], now: float,
+                stale_after: float) -> tuple[tuple[RankFigures, ...], tuple[GroupFigures, ...]]:
+        """What the metrics show of the same answer, without encoding it: per live rank with a
+        snapshot, its figures and slot columns (shared, never changed); per group, totals."""
+        ranks: list[RankFigures] = []
+        groups: list[GroupFigures] = []
+        for group, expected in sorted(scope.items()):
+            totals = []
+            for rank in expected:
+                held = self.ranks.get(rank)
+                if rank in missing or held is None:
+                    continue
+                age = max(0.0, now - held.confirmed)
+                snapshot = held.snapshot
+                ranks.append(RankFigures(rank, group, snapshot.total_bytes, round(age, 3), age > stale_after,
+                                         snapshot.columns))
+                totals.append(snapshot.total_bytes)
+            if totals:  # a group with no rank reporting has no total to show
+                groups.append(GroupFigures(group, sum(totals), max(totals) - min(totals)))
+        return tuple(ranks), tuple(groups)

@@ -2,9 +2,11 @@
 
 A real coordinator (``wsd.coordinator.loop.Coordinator`` in a spawned process of its
 own, default heartbeats: 1 s interval, 5 s timeout, its metrics endpoint on) and
-simulated ranks (``wsd.agent.simulated``, 8 slots each, TP groups of 8, busy: every
-slot serves requests, so every rank pushes a changed snapshot every second) in two
-further processes, at 32, 128, 256, 512, 1,024 and 4,096 ranks. At each size:
+simulated ranks (``wsd.agent.simulated``, 8 slots each, TP groups of 8) in two
+further processes, at 32, 128, 256, 512, 1,024 and 4,096 ranks. Up to 1,024
+ranks they are busy (every slot serves requests, so every rank pushes a changed
+snapshot every second); at 4,096 they are steady (each confirms its snapshot
+with its heartbeat), unless ``--busy-all``. At each size:
 
 * every rank registers and pushes;
 * a soak window of pushes and heartbeats (at the largest size at least 60 s,
@@ -54,6 +56,7 @@ from wsd.agent.simulated import SimulatedRanks
 from wsd_client.client import Client
 
 SIZES = (32, 128, 256, 512, 1024, 4096)
+BUSY_UP_TO = 1024  # ranks pushing a changed snapshot every interval up to this size
 SLOTS = 8
 TP_SIZE = 8
 SIM_PROCESSES = 2
@@ -67,10 +70,10 @@ _CLIENT_TIMEOUT = 30.0
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _run_ranks(conn: Any, endpoint: str, first: int, count: int, world: int) -> None:
+def _run_ranks(conn: Any, endpoint: str, first: int, count: int, world: int, busy: bool) -> None:
     """Simulated ranks first..first+count-1 until told to stop; answers each request with its state."""
     with SimulatedRanks(endpoint, range(first, first + count), world_size=world, tp_size=TP_SIZE,
-                        num_ubatches=SLOTS, busy=True) as sim:
+                        num_ubatches=SLOTS, busy=busy) as sim:
         conn.send(sim.wait_registered(_REGISTER_TIMEOUT))
         while conn.recv() is not None:
             conn.send({"max_lag": sim.max_lag, "registered": sim.registered()})
@@ -123,6 +126,7 @@ def hiccups(client: Client, cursor: int) -> tuple[list[dict[str, Any]], int]:
 @dataclass(frozen=True)
 class SizeResult:
     n: int
+    busy: bool
     register_s: float
     soak_s: float
     cpu: float  # CPU seconds per second while every rank pushes (threads' run time)
@@ -141,7 +145,7 @@ class SizeResult:
     sim_lag_s: float
 
 
-def measure(n: int, *, soak: float, rounds: int, state_dir: str) -> SizeResult:
+def measure(n: int, *, soak: float, rounds: int, state_dir: str, busy: bool) -> SizeResult:
     """One coordinator and ``n`` simulated ranks: every figure of one row, checked."""
     coordinator = Helper(run_coordinator, str(Path(state_dir) / f"scale-{n}.state"),
                          {"world_size": n, "tp_size": TP_SIZE, "metrics_port": 0})
@@ -152,7 +156,7 @@ def measure(n: int, *, soak: float, rounds: int, state_dir: str) -> SizeResult:
         pid = coordinator.process.pid
         start = time.monotonic()
         share = -(-n // SIM_PROCESSES)
-        sims = [Helper(_run_ranks, agent_endpoint, first, min(share, n - first), n)
+        sims = [Helper(_run_ranks, agent_endpoint, first, min(share, n - first), n, busy)
                 for first in range(0, n, share)]
         helpers += sims
         if not all(sim.result(_REGISTER_TIMEOUT + 30) for sim in sims):
@@ -209,7 +213,7 @@ def measure(n: int, *, soak: float, rounds: int, state_dir: str) -> SizeResult:
         client.close()
         lags = [sim.ask("state") for sim in sims]
         return SizeResult(
-            n=n, register_s=register_s, soak_s=t1 - t0, cpu=(cpu1 - cpu0) / (t1 - t0),
+            n=n, busy=busy, register_s=register_s, soak_s=t1 - t0, cpu=(cpu1 - cpu0) / (t1 - t0),
             cpu_ticks=(ticks1 - ticks0) / (t1 - t0),
             stats_ms=statistics.median(stats_us) / 1e3, command_ms=statistics.median(command_us) / 1e3,
             stats_p99_ms=statistics.quantiles(stats_us, n=100)[98] / 1e3,
@@ -232,23 +236,24 @@ def _growth(results: dict[int, SizeResult], attr: str) -> float:
     return (getattr(large, attr) / large.n) / (getattr(small, attr) / small.n)
 
 
-def run(quick: bool = False, sizes: Sequence[int] = SIZES, state_dir: str | None = None) -> list[Row]:
+def run(quick: bool = False, sizes: Sequence[int] = SIZES, state_dir: str | None = None, *,
+        busy_all: bool = False) -> list[Row]:
     """Measure every size, print the table and return the rows for ``python -m bench``."""
     rounds = 50 if quick else 200
     state_dir = state_dir or ("/dev/shm" if Path("/dev/shm").is_dir() else None)
     load = os.getloadavg()[0]
-    print(f"coordinator at N simulated ranks ({SLOTS} slots, TP {TP_SIZE}, each pushing a changed "
-          f"snapshot every {INTERVAL:g} s, heartbeat timeout {HEARTBEAT_TIMEOUT:.0f} s), {SIM_PROCESSES} "
+    print(f"coordinator at N simulated ranks ({SLOTS} slots, TP {TP_SIZE}; N* busy: each pushing a changed "
+          f"snapshot every {INTERVAL:g} s; heartbeat timeout {HEARTBEAT_TIMEOUT:.0f} s), {SIM_PROCESSES} "
           f"simulation processes, {rounds} stats rounds; load average {load:.2f} on {os.cpu_count()} cores")
-    print(f"{'N':>5} {'register':>8} {'stats p50':>9} {'p99':>8} {'oldest':>6} {'scrape':>8} {'text':>8} "
+    print(f"{'N':>5} {'register':>9} {'stats p50':>9} {'p99':>8} {'oldest':>6} {'scrape':>8} {'text':>8} "
           f"{'command':>9} {'CPU':>7} {'(ticks)':>7} {'RSS':>8} {'soak':>5} {'lost':>4} {'silence':>7} "
           f"{'sim lag':>7} {'start-up':>8}")
     results: dict[int, SizeResult] = {}
     with tempfile.TemporaryDirectory(prefix="wsd-bench-", dir=state_dir) as d:
         for n in sizes:
             soak = (6.0 if n == max(sizes) else 4.0) if quick else (65.0 if n == max(sizes) else 15.0)
-            r = results[n] = measure(n, soak=soak, rounds=rounds, state_dir=d)
-            print(f"{n:>5} {r.register_s:>7.1f}s {r.stats_ms:>7.2f}ms {r.stats_p99_ms:>6.2f}ms "
+            r = results[n] = measure(n, soak=soak, rounds=rounds, state_dir=d, busy=busy_all or n <= BUSY_UP_TO)
+            print(f"{n:>5}{'*' if r.busy else ' '}{r.register_s:>7.1f}s {r.stats_ms:>7.2f}ms {r.stats_p99_ms:>6.2f}ms "
                   f"{r.oldest_age_s:>5.2f}s {r.scrape_ms:>6.1f}ms {r.scrape_kib:>5.0f}KiB {r.command_ms:>7.1f}ms "
                   f"{r.cpu:>7.2%} {r.cpu_ticks:>7.1%} {r.rss_mib:>5.0f}MiB {r.soak_s:>4.0f}s {r.lost:>4} "
                   f"{r.max_silence_s:>6.2f}s {r.sim_lag_s:>6.3f}s {r.startup_hiccups:>8}", flush=True)
@@ -277,7 +282,8 @@ def run(quick: bool = False, sizes: Sequence[int] = SIZES, state_dir: str | None
         ]
     at_4096 = results.get(4096)
     if at_4096 is not None:
-        rows.append(Row("scale stats p50 [4096]", at_4096.stats_ms, "absolute", STATS_P50_4096_MS, " ms"))
+        rows.append(Row(f"scale stats p50 [4096{', busy' if at_4096.busy else ''}]", at_4096.stats_ms,
+                        "absolute", STATS_P50_4096_MS, " ms"))
     rows += [
         Row(f"scale false losses [{large.n}], {large.soak_s:.0f} s", large.lost, "absolute", 0, ""),
         Row("scale oldest age, any size", max(r.oldest_age_s for r in results.values()), "absolute",
@@ -295,10 +301,12 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument("--quick", action="store_true", help="short soak windows and fewer rounds")
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES),
                         help=f"rank counts to measure (default: {' '.join(map(str, SIZES))})")
+    parser.add_argument("--busy-all", action="store_true",
+                        help=f"every size busy (by default only up to {BUSY_UP_TO} ranks)")
     args = parser.parse_args(argv)
     if any(n < TP_SIZE or n % TP_SIZE for n in args.sizes):
         parser.error(f"--sizes: each must be a positive multiple of the TP size {TP_SIZE}, got {args.sizes}")
-    return run(args.quick, sorted(set(args.sizes)))
+    return run(args.quick, sorted(set(args.sizes)), busy_all=args.busy_all)
 
 
 if __name__ == "__main__":

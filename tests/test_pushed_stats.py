@@ -146,6 +146,11 @@ def test_pushed_deltas_rebuild_exactly_the_snapshot_the_agent_holds(first, chang
             assert pair.held() in seen  # never a mix of two snapshots
         pair.settle()
         assert pair.held() == stats
+        # What was checked and encoded again from deltas answers as a whole snapshot would.
+        whole = LatestStats()
+        whole.push(0, 0, {"base": None, "stats": stats.to_wire(), "step": pair.link.steps, "version": 1}, pair.now)
+        assert (msgpack.unpackb(pair.latest.answer({0: [0]}, {}, pair.now, 1e9))
+                == msgpack.unpackb(whole.answer({0: [0]}, {}, pair.latest.ranks[0].confirmed, 1e9)))
 
 
 @settings(max_examples=200, deadline=None)

@@ -33,7 +33,7 @@ from wsd.manager.stats import (
     VIOLATION_COLUMNS,
 )
 
-__all__ = ["Snapshot", "StatsRound", "group_part", "packed_answer", "packed_entry", "read_snapshot"]
+__all__ = ["Snapshot", "StatsRound", "group_part", "packed_answer", "packed_entry", "read_changes", "read_snapshot"]
 
 _RANK_FIELDS = {"device": str, "num_ubatches": int, "num_lanes": int, "locked": bool, "slots": dict}
 # The sparse tables' columns and the type of each.
@@ -105,7 +105,8 @@ class Snapshot:
     __slots__ = ("columns", "entry", "locked", "num_ubatches", "rank", "tables", "total_bytes", "tp_group")
 
     def __init__(self, rank: int, tp_group: int, step: int, stats: dict[str, Any],
-                 columns: dict[str, list[Any]]) -> None:
+                 columns: dict[str, list[Any]], *, previous: Snapshot | None = None,
+                 changed: frozenset[str] = frozenset()) -> None:
         self.rank = rank
         self.tp_group = tp_group
         self.columns = columns
@@ -126,11 +127,20 @@ class Snapshot:
         }
         self.entry = b"".join(_packer.pack(k) + _packer.pack(v) for k, v in entry.items())
         slots = stats["slots"]
-        sparse = [(slots.get(name) or {}, names) for name, names in _SPARSE]
-        self.tables: tuple[tuple[int, tuple[bytes, ...]], ...] = (
-            _rows(rank, [columns[c] for c in SLOT_COLUMNS]),
-            *(_rows(rank, [table.get(c, []) for c in names]) for table, names in sparse),
-        )
+        if previous is None:
+            sparse = [(slots.get(name) or {}, names) for name, names in _SPARSE]
+            self.tables: tuple[tuple[int, tuple[bytes, ...]], ...] = (
+                _rows(rank, [columns[c] for c in SLOT_COLUMNS]),
+                *(_rows(rank, [table.get(c, []) for c in names]) for table, names in sparse),
+            )
+            return
+        # A delta on ``previous`` (same rank, same slots): only what changed is encoded again.
+        count, parts = previous.tables[0]
+        parts = (parts[0], *(_items(columns[c]) if c in changed else part
+                             for c, part in zip(SLOT_COLUMNS, parts[1:])))
+        self.tables = ((count, parts), *(
+            _rows(rank, [(slots.get(name) or {}).get(c, []) for c in names]) if name in changed else kept
+            for (name, names), kept in zip(_SPARSE, previous.tables[1:])))
 
 
 _ENTRY_KEYS = 10  # the keys Snapshot.entry holds
@@ -258,6 +268,29 @@ def read_snapshot(rank: int, tp_group: int, step: int, stats: dict[str, Any]) ->
     if columns is None:
         columns = _checked_columns(stats["slots"])
     return Snapshot(rank, tp_group, step, stats, columns)
+
+
+def read_changes(previous: Snapshot, step: int, stats: dict[str, Any], changed: frozenset[str]) -> Snapshot:
+    """``read_snapshot`` of a snapshot that differs from ``previous`` (the same rank's, whose
+    checks it passed) only in ``changed``: its own fields, and the slot columns and tables
+    named there (``wsd.manager.stats.apply_snapshot_delta`` made it). Only those are checked
+    and encoded again; ValueError naming the key otherwise."""
+    for key, kind in _RANK_FIELDS.items():
+        _need(key, stats.get(key, _MISSING), kind)
+    if "total_bytes" in stats:
+        _need("total_bytes", stats["total_bytes"], int)
+    slots = stats["slots"]
+    columns = dict(previous.columns)
+    count = len(columns[SLOT_KEY[0]])
+    for name in changed:
+        if name in _SLOT_KINDS:
+            columns[name] = _column(f"slots.{name}", slots.get(name, _MISSING), _SLOT_KINDS[name], count)
+        elif slots.get(name) is not None:
+            _table(f"slots.{name}", slots[name], _SPARSE_TYPES[name], count)
+    return Snapshot(previous.rank, previous.tp_group, step, stats, columns, previous=previous, changed=changed)
+
+
+_SPARSE_TYPES = {"last_violation": _VIOLATION_TYPES, "persistent": _PERSISTENT_TYPES}
 
 
 def _checked_columns(slots: dict[str, Any]) -> dict[str, list[Any]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from wsd.coordinator.aggregate import Snapshot, group_part, packed_answer, read_snapshot
+from wsd.coordinator.aggregate import Snapshot, group_part, packed_answer, read_changes, read_snapshot
 from wsd.coordinator.metrics import GroupFigures, RankFigures
 from wsd.manager.stats import apply_snapshot_delta
 
@@ -68,9 +68,16 @@ class LatestStats:
             held = self.ranks.get(rank)
             if held is None or held.version != body["base"]:
                 return False  # a push lost, or ours forgotten: start again from a whole one
-            if body["delta"] is None:
+            delta = body["delta"]
+            if delta is None:
                 raise ValueError("stats_push: a base and no delta")
-            wire = apply_snapshot_delta(held.wire, body["delta"])
+            wire = apply_snapshot_delta(held.wire, delta)
+            if held.snapshot.tp_group == tp_group:  # only what changed is checked and encoded again
+                changed = frozenset((*delta.get("columns", ()), *delta.get("tables", ())))
+                snapshot = read_changes(held.snapshot, body["step"], wire, changed)
+                self.ranks[rank] = Latest(body["version"], wire, snapshot, now)
+                self.invalid.pop(rank, None)
+                return True
         snapshot = read_snapshot(rank, tp_group, body["step"], wire)
         self.ranks[rank] = Latest(body["version"], wire, snapshot, now)
         self.invalid.pop(rank, None)

@@ -15,6 +15,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from wsd import __version__
 from wsd.config import flag_number
 from wsd.errors import ConfigError, StateFileError, WsdError
 
@@ -30,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="wsd", description="wsd: a distributed workspace service for GPU inference clusters."
     )
+    parser.add_argument("--version", action="version", version=f"wsd {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     demo = sub.add_parser(
         "demo", help="run one manager through warm-up, lock and steady state; print its stats"
@@ -44,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--nproc", type=flag_number(int, 1, MAX_LOCAL_WORKERS, what="an integer"), default=2,
                     help=f"worker processes, 1..{MAX_LOCAL_WORKERS} (default: 2)")
     up.add_argument("--config", help="TOML configuration file (default: $WSD_CONFIG or defaults)")
+    up.add_argument("--fresh", action="store_true",
+                    help="start from an empty state: remove this cluster's state file and journal first")
     coordinator = sub.add_parser(
         "coordinator", help="run the coordinator alone in the foreground, until SIGTERM or Ctrl-C"
     )
@@ -64,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "up":
             from wsd.launch import up
 
-            return up(args.nproc, args.config)
+            return up(args.nproc, args.config, fresh=args.fresh)
         if args.command == "coordinator":
             from wsd.config import load_config
             from wsd.launch import serve_coordinator

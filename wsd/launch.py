@@ -8,31 +8,38 @@ embedded mode of the worker and ``wsd up`` both use it. ``up`` runs a whole
 local cluster: a coordinator and ``torchrun --standalone`` workers, each in a
 session of its own, so that Ctrl-C reaches only ``wsd up``, which then stops
 the workers first and the coordinator last, with bounded waits and a kill.
+Its state file lies in the user's state folder, one per cluster (``up_state_file``),
+unless the configuration names one; ``--fresh`` removes it first.
 
 Imports no torch: the coordinator runs where there is none.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
 import secrets
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
-from wsd.config import WsdConfig, load_config
-from wsd.errors import ConfigError, LaunchError
+from wsd.config import WsdConfig, load_config, read_toml
+from wsd.errors import ConfigError, LaunchError, StateFileError
 from wsd.security import AGENT_TOKEN_ENV, load_agent_token
 
-__all__ = ["READY", "CoordinatorProcess", "serve_coordinator", "stop_process_group", "up"]
+__all__ = ["READY", "CoordinatorProcess", "forget_state", "recovery_line", "serve_coordinator",
+           "state_folder", "stop_process_group", "up", "up_state_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +56,8 @@ _TORCHRUN_GRACE = 35.0
 _WORKER_GRACE = 15.0
 _COORDINATOR_GRACE = 10.0
 _KILL_WAIT = 5.0
+STATE_FILE_ENV = "WSD_COORDINATOR_STATE_FILE"
+"""The variable through which ``wsd up`` hands its coordinator the state file it chose."""
 
 
 @contextmanager
@@ -224,9 +233,127 @@ def _say(line: str) -> None:
     print(line, flush=True)  # flushed: whoever reads our stdout through a pipe sees it now
 
 
-def up(nproc: int, config_path: str | None, *, out: Callable[[str], object] = _say) -> int:
-    """A local cluster: a coordinator and ``nproc`` torchrun workers, until Ctrl-C or SIGTERM."""
-    load_config(config_path)  # fail now, with the file and key, not in every worker
+def state_folder(env: Mapping[str, str] | None = None) -> str:
+    """``$XDG_STATE_HOME/wsd``, else ``~/.local/state/wsd`` (a relative XDG_STATE_HOME is
+    ignored, as the XDG base directory specification says)."""
+    env = os.environ if env is None else env
+    base = env.get("XDG_STATE_HOME", "")
+    if not os.path.isabs(base):
+        home = env.get("HOME") or os.path.expanduser("~")
+        base = os.path.join(home, ".local", "state")
+    return os.path.join(base, "wsd")
+
+
+def up_state_file(config: WsdConfig, env: Mapping[str, str] | None = None) -> tuple[str, bool]:
+    """The state file of ``wsd up``'s coordinator, and whether the configuration chose it.
+
+    The configuration's ``[coordinator] state_file`` (in the file or
+    ``WSD_COORDINATOR_STATE_FILE``) when it sets one. Otherwise one file per
+    cluster in ``state_folder``: ``default.state`` without a configuration file,
+    else named after the file and a hash of its real path, so that two clusters
+    never replay each other's desired state (``./wsd-coordinator.state``, the
+    coordinator's own default, was shared by whatever ran in that folder).
+    """
+    env = os.environ if env is None else env
+    if STATE_FILE_ENV in env:
+        return config.coordinator.state_file, True
+    if config.source != "<defaults>":
+        section = read_toml(config.source).get("coordinator", {})
+        if "state_file" in section:
+            return config.coordinator.state_file, True
+        real = os.path.realpath(config.source)
+        stem = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.splitext(os.path.basename(real))[0]) or "config"
+        digest = hashlib.sha256(real.encode(errors="surrogateescape")).hexdigest()[:12]
+        name = f"{stem}-{digest}.state"
+    else:
+        name = "default.state"
+    return os.path.join(state_folder(env), name), False
+
+
+def forget_state(path: str) -> list[str]:
+    """Remove the state file at ``path`` and its journal; the paths removed.
+
+    StateFileError naming the file if one exists and cannot be removed.
+    """
+    removed = []
+    for name in (path, f"{path}.journal"):
+        try:
+            os.remove(name)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise StateFileError(f"{name}: cannot remove it for --fresh: {e.strerror}") from e
+        removed.append(name)
+    return removed
+
+
+def recovery_line(path: str, capacity: int) -> str:
+    """What a coordinator starting from ``path`` will recover, in one line for ``wsd up``.
+
+    Loads a copy of the snapshot and journal in a temporary folder: loading
+    folds the journal into a new snapshot, which must not happen to the real
+    files before the coordinator itself loads them. A state the copy cannot
+    load is left for the coordinator to refuse, with its own message naming
+    the real file.
+    """
+    from wsd.coordinator.commandlog import CommandLog
+
+    shown = os.path.abspath(path)
+    if not any(os.path.exists(p) for p in (path, f"{path}.journal")):
+        return f"no earlier state in {shown}: starting empty"
+    with tempfile.TemporaryDirectory(prefix="wsd-up-") as folder:
+        copy = os.path.join(folder, "state")
+        for suffix in ("", ".journal"):
+            if os.path.exists(path + suffix):
+                shutil.copyfile(path + suffix, copy + suffix)
+        log = CommandLog(copy, capacity)
+        try:
+            if not log.load():
+                return f"no earlier state in {shown}: starting empty"
+        except StateFileError:
+            return f"the state in {shown} cannot be loaded; the coordinator will say why"
+    differ = sorted(g for g, d in log.groups.items() if d != log.default)
+    groups = f" (TP groups {', '.join(map(str, differ))} differ)" if differ else ""
+    return (f"recovered seq {log.seq}, desired: {describe_desired(log.default)}{groups} from {shown}; "
+            "wsd up --fresh starts empty")
+
+
+def describe_desired(desired: Mapping[str, Any]) -> str:
+    """``{"locked": True, "num_ubatches": 4, ...}`` -> ``"locked, 4 ubatches"``; ``"nothing set"``."""
+    from wsd.fmt import format_bytes
+
+    parts = []
+    if desired.get("locked") is not None:
+        parts.append("locked" if desired["locked"] else "unlocked")
+    if desired.get("num_ubatches") is not None:
+        parts.append(f"{desired['num_ubatches']} ubatches")
+    if desired.get("reserve_bytes") is not None:
+        parts.append(f"reserve {format_bytes(int(desired['reserve_bytes']))}")
+    return ", ".join(parts) or "nothing set"
+
+
+def up(nproc: int, config_path: str | None, *, fresh: bool = False,
+       out: Callable[[str], object] = _say) -> int:
+    """A local cluster: a coordinator and ``nproc`` torchrun workers, until Ctrl-C or SIGTERM.
+
+    ``fresh``: remove the cluster's state file and journal first, so that the
+    coordinator starts with no desired state and seq 0.
+    """
+    config = load_config(config_path)  # fail now, with the file and key, not in every worker
+    env = dict(os.environ)
+    state_file, chosen = up_state_file(config, env)
+    if not chosen:
+        try:
+            os.makedirs(os.path.dirname(state_file), mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise StateFileError(f"{state_file}: cannot create its folder: {e.strerror}: set "
+                                 f"XDG_STATE_HOME, or [coordinator] state_file") from e
+        env[STATE_FILE_ENV] = state_file
+    if fresh:
+        removed = forget_state(state_file)
+        out(f"wsd up: --fresh: removed {' and '.join(map(os.path.abspath, removed))}" if removed
+            else f"wsd up: --fresh: no state to remove at {os.path.abspath(state_file)}")
+    out(f"wsd up: {recovery_line(state_file, config.coordinator.log_capacity)}")
     stop = threading.Event()
     got: list[int] = []
 
@@ -234,7 +361,6 @@ def up(nproc: int, config_path: str | None, *, out: Callable[[str], object] = _s
         got.append(signum)
         stop.set()
 
-    env = dict(os.environ)
     env.setdefault("WSD_COORDINATOR_WORLD_SIZE", str(nproc))
     # The coordinator admits only registrations that prove they hold this token,
     # which only the workers started here are given (see docs/security.md).

@@ -1,0 +1,141 @@
+"""``wsd up``'s state file: where it lies, ``--fresh``, the line saying what it recovered; ``wsd --version``."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+from procs import coordinator_section, spawn, worker_env, write_config  # noqa: F401  (spawn is a fixture)
+
+import wsd
+from wsd import launch
+from wsd.config import load_config
+from wsd.coordinator.commandlog import CommandLog
+from wsd.errors import LaunchError
+from wsd_client.client import Client
+
+
+def _seed(path: str) -> None:
+    """A state file as a cluster leaves it after ``wsctl lock`` and ``wsctl set-ubatches 4``."""
+    log = CommandLog(path, 64)
+    log.append("lock", {}, None, 0.0)
+    log.append("set_ubatches", {"n": 4}, None, 0.0)
+
+
+def test_state_folder_follows_xdg_state_home_else_home(tmp_path):
+    """Without it, wsd up would write its state wherever it is started (the old ./wsd-coordinator.state)."""
+    assert launch.state_folder({"XDG_STATE_HOME": str(tmp_path / "x"), "HOME": "/h"}) == str(tmp_path / "x" / "wsd")
+    assert launch.state_folder({"HOME": "/h"}) == "/h/.local/state/wsd"
+    # The XDG specification: a relative path is invalid and ignored.
+    assert launch.state_folder({"XDG_STATE_HOME": "rel", "HOME": "/h"}) == "/h/.local/state/wsd"
+
+
+def test_state_file_is_one_per_cluster_unless_the_configuration_names_one(tmp_path, monkeypatch):
+    """Two clusters (two config files) never share a state file, so neither replays the other's
+    desired state; a file reached by another path is the same cluster; an explicit
+    state_file, in the file or the environment, wins."""
+    env = {"XDG_STATE_HOME": str(tmp_path / "state")}
+    folder = str(tmp_path / "state" / "wsd")
+    assert launch.up_state_file(load_config(None, env=env), env) == (os.path.join(folder, "default.state"), False)
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = write_config(tmp_path / "a" / "wsd.toml", {"workload": {"max_tokens": 32}})
+    b = write_config(tmp_path / "b" / "wsd.toml", {"workload": {"max_tokens": 32}})
+    path_a, chosen = launch.up_state_file(load_config(a, env=env), env)
+    path_b, _ = launch.up_state_file(load_config(b, env=env), env)
+    assert not chosen and path_a != path_b
+    assert os.path.dirname(path_a) == folder and os.path.basename(path_a).startswith("wsd-")
+    monkeypatch.chdir(tmp_path / "a")
+    os.symlink(a, tmp_path / "link.toml")
+    for other in ("wsd.toml", str(tmp_path / "link.toml")):
+        assert launch.up_state_file(load_config(other, env=env), env)[0] == path_a
+
+    named = write_config(tmp_path / "named.toml", {"coordinator": {"state_file": str(tmp_path / "mine.state")}})
+    assert launch.up_state_file(load_config(named, env=env), env) == (str(tmp_path / "mine.state"), True)
+    env_named = {**env, "WSD_COORDINATOR_STATE_FILE": str(tmp_path / "env.state")}
+    assert launch.up_state_file(load_config(a, env=env_named), env_named) == (str(tmp_path / "env.state"), True)
+
+
+def test_forget_state_removes_the_snapshot_and_its_journal(tmp_path):
+    path = str(tmp_path / "s.state")
+    _seed(path)
+    assert os.path.exists(path + ".journal")
+    assert launch.forget_state(path) == [path, path + ".journal"]
+    assert not os.path.exists(path) and not os.path.exists(path + ".journal")
+    assert launch.forget_state(path) == []  # nothing left: not an error
+
+
+def test_recovery_line_says_what_the_coordinator_will_replay_and_leaves_the_files_alone(tmp_path):
+    """The line is what an operator needs to notice a replayed lock; reading it must not fold
+    the journal of the real files (the coordinator loads them next)."""
+    path = str(tmp_path / "s.state")
+    assert launch.recovery_line(path, 64) == f"no earlier state in {path}: starting empty"
+    _seed(path)
+    files = [tmp_path / "s.state", tmp_path / "s.state.journal"]
+    before = [f.read_bytes() for f in files]
+    assert launch.recovery_line(path, 64) == (
+        f"recovered seq 2, desired: locked, 4 ubatches from {path}; wsd up --fresh starts empty")
+    assert [f.read_bytes() for f in files] == before
+    files[0].write_bytes(b"not a state file")
+    assert "cannot be loaded; the coordinator will say why" in launch.recovery_line(path, 64)
+
+
+def test_up_fresh_removes_the_state_and_hands_the_coordinator_its_path(tmp_path, monkeypatch):
+    """wsd up --fresh says what it removed and that it starts empty; the coordinator is given the
+    per-user state file through the environment (without it, it would use ./wsd-coordinator.state)."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    monkeypatch.delenv("WSD_COORDINATOR_STATE_FILE", raising=False)
+    monkeypatch.delenv("WSD_CONFIG", raising=False)
+    path = str(tmp_path / "wsd" / "default.state")
+    os.makedirs(os.path.dirname(path))
+    _seed(path)
+    seen: list[dict[str, str]] = []
+
+    def start(self, timeout):
+        seen.append(dict(self.env))
+        raise LaunchError("stopped here by the test")
+
+    monkeypatch.setattr(launch.CoordinatorProcess, "start", start)
+    lines: list[str] = []
+    with pytest.raises(LaunchError):
+        launch.up(1, None, fresh=True, out=lines.append)
+    assert lines == [f"wsd up: --fresh: removed {path} and {path}.journal",
+                     f"wsd up: no earlier state in {path}: starting empty"]
+    assert seen[0]["WSD_COORDINATOR_STATE_FILE"] == path
+    assert not os.path.exists(path)
+
+
+def test_wsd_version():
+    result = subprocess.run([sys.executable, "-m", "wsd.cli", "--version"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and result.stdout == f"wsd {wsd.__version__}\n", result
+
+
+def test_wsd_up_recovers_its_clusters_state_from_the_user_state_folder(tmp_path, spawn):  # noqa: F811
+    """End to end: the state seeded in $XDG_STATE_HOME/wsd is the one the coordinator loads (seq 2,
+    locked, 4 ubatches), and wsd up's first line says so."""
+    section = {k: v for k, v in coordinator_section(tmp_path).items() if k != "state_file"}
+    config = write_config(tmp_path / "wsd.toml", {
+        "coordinator": section,
+        "workload": {"hidden_size": 32, "ffn_size": 64, "max_tokens": 32, "warmup_steps": 4, "pace": 0.05},
+    })
+    env = {k: v for k, v in worker_env(XDG_STATE_HOME=str(tmp_path / "xdg")).items()
+           if k not in ("WSD_COORDINATOR_STATE_FILE", "WSD_CONFIG")}
+    path, chosen = launch.up_state_file(load_config(config, env=env), env)
+    assert not chosen
+    os.makedirs(os.path.dirname(path))
+    _seed(path)
+    up = spawn(["wsd", "up", "--nproc", "1", "--config", config], env=env, name="wsd up")
+    up.wait_for(re.escape(f"wsd up: recovered seq 2, desired: locked, 4 ubatches from {path}"), 30)
+    endpoint = up.wait_for(r"wsd up: clients on (\S+)", 60).group(1)
+    with Client(endpoint, timeout=5) as client:
+        status = client.status()
+    assert status["recovered"] is True and status["seq"] == 2, status
+    assert status["desired"]["locked"] is True and status["desired"]["num_ubatches"] == 4, status
+    up.send(signal.SIGTERM)
+    assert up.wait(60) == 0, up.output()

@@ -2,31 +2,95 @@
 
 One method per operation; every call has a timeout. Read-only operations are
 retried with a fresh socket when no reply comes (the "lazy pirate" pattern);
-state-changing ones are not, since each would be a new command. Errors are
-raised as ``ClientError`` with the coordinator's code.
+state-changing ones are not, since each would be a new command. A call's
+timeout is one deadline across its attempts, and ``Client.deadline`` puts
+several calls under one. Before the first request on a new connection to a
+tcp endpoint, the port is probed with a plain TCP connect, so that a port
+nothing listens on is ``Unavailable`` at once instead of after every attempt
+(ZeroMQ connects lazily and would only wait). Errors are raised as
+``ClientError`` with the coordinator's code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
 
 from wsd.commands import COMMANDS, CommandResult
-from wsd.errors import ClientError, ConfigError, Unavailable
+from wsd.errors import ClientError, ConfigError, TransportError, Unavailable
 from wsd.wire import protocol as p
+from wsd.wire import transport
 from wsd.wire.curve import ClientKeys
 from wsd.wire.protocol import ErrorCode, Op
 
-__all__ = ["DEFAULT_ENDPOINT", "Client", "ClientError", "CommandResult", "Unavailable"]
+__all__ = ["DEFAULT_ENDPOINT", "BadEndpoint", "Client", "ClientError", "CommandResult", "Unavailable",
+           "endpoint_problem"]
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7601"
 # Of a call's timeout, what the coordinator may spend waiting on ranks, so that
 # its partial answer arrives before the client gives up.
 _SERVER_SHARE = 0.8
+# Longest wait for the TCP probe of the port; a coordinator's kernel accepts in
+# well under a millisecond, so only a dropped packet (a firewall) takes this long,
+# and then the request is tried as usual.
+_PROBE_TIMEOUT = 0.5
+
+
+class BadEndpoint(ClientError, ValueError):
+    """The endpoint is malformed: give one such as tcp://127.0.0.1:7601 (--endpoint, WSD_ENDPOINT).
+
+    Not ``Unavailable``: no retry helps; the message names the endpoint and what is allowed.
+    """
+
+
+def endpoint_problem(endpoint: str) -> str | None:
+    """What is wrong with ``endpoint`` to connect to ("must be ..., got ..."), or None."""
+    try:
+        transport.check_endpoint(endpoint, bind=False)
+    except ValueError as e:
+        hint = f"; did you mean 'tcp://{endpoint}'?" if isinstance(endpoint, str) and "://" not in endpoint else ""
+        return f"{e}{hint}"
+    return None
+
+
+def _probe(endpoint: str, seconds: float) -> str | None:
+    """Why nothing can answer at ``endpoint`` (refused, unresolvable, unreachable), or None.
+
+    None also when the probe is inconclusive (a timeout: the packets may be
+    dropped by a firewall while ZeroMQ still gets through), or not tcp.
+    """
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+    try:
+        addresses = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return f"cannot resolve host {host!r}: {e.strerror}"
+    deadline = time.monotonic() + seconds
+    reasons = []
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as s:
+            s.settimeout(max(deadline - time.monotonic(), 0.001))
+            try:
+                s.connect(address)
+            except ConnectionRefusedError:
+                reasons.append(f"connection refused: nothing listens on {where}")
+            except OSError as e:  # a timeout, unreachable network or host: not proof enough alone
+                if isinstance(e, TimeoutError):
+                    return None
+                reasons.append(f"cannot reach {where}: {e.strerror or e}")
+            else:
+                return None
+    return reasons[0] if reasons else None
 
 
 class Client:
@@ -48,6 +112,10 @@ class Client:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         self.endpoint = endpoint or os.environ.get("WSD_ENDPOINT") or DEFAULT_ENDPOINT
+        problem = endpoint_problem(self.endpoint)
+        if problem is not None:
+            source = "endpoint" if endpoint else "environment variable WSD_ENDPOINT"
+            raise BadEndpoint(ErrorCode.BAD_FIELD, f"{source} {problem}")
         server_key = curve_server_key or os.environ.get("WSD_CURVE_SERVER_KEY")
         client_key = curve_client_key or os.environ.get("WSD_CURVE_CLIENT_KEY")
         if bool(server_key) != bool(client_key):
@@ -60,6 +128,7 @@ class Client:
         self._context = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._ids = itertools.count(1)
+        self._deadline: tuple[float, float] | None = None  # (monotonic time, its length in seconds)
 
     def __enter__(self) -> Client:
         return self
@@ -72,6 +141,18 @@ class Client:
             self._sock.close(linger=0)
             self._sock = None
 
+    @contextlib.contextmanager
+    def deadline(self, seconds: float) -> Iterator[None]:
+        """Every call inside ends within ``seconds`` from now, all together, retries included."""
+        outer = self._deadline
+        self._deadline = (time.monotonic() + seconds, seconds)
+        if outer is not None and outer[0] < self._deadline[0]:
+            self._deadline = outer
+        try:
+            yield
+        finally:
+            self._deadline = outer
+
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
             sock = self._context.socket(zmq.DEALER)
@@ -79,25 +160,43 @@ class Client:
             if self._curve is not None:
                 self._curve.apply(sock)
             try:
-                sock.connect(self.endpoint)
-            except zmq.ZMQError as e:
+                transport.connect(sock, self.endpoint)  # IPv6 enabled for tcp://[...]
+            except TransportError as e:
                 sock.close(linger=0)
-                raise ClientError(ErrorCode.UNAVAILABLE, f"cannot connect to {self.endpoint}: {e}") from e
+                raise Unavailable(ErrorCode.UNAVAILABLE, str(e)) from e
             self._sock = sock
         return self._sock
 
-    def call(self, op: Op, body: dict[str, Any] | None = None, *, timeout: float | None = None) -> Any:
-        """Send one request and return its result, or raise ClientError/Unavailable."""
-        timeout = self.timeout if timeout is None else timeout
+    def call(self, op: Op, body: dict[str, Any] | None = None, *, timeout: float | None = None,
+             server_wait: bool = False) -> Any:
+        """Send one request and return its result, or raise ClientError/Unavailable.
+
+        ``timeout``: seconds for the whole call, every attempt included (and no
+        later than an enclosing ``deadline``). ``server_wait``: the body gets a
+        ``timeout`` for the coordinator's own wait, a share of each attempt's.
+        """
+        seconds = self.timeout if timeout is None else timeout
+        end = time.monotonic() + seconds
+        if self._deadline is not None and self._deadline[0] < end:
+            end, seconds = self._deadline
         attempts = 1 + (self.retries if op in p.READ_ONLY_OPS else 0)
-        for _ in range(attempts):
+        if self._sock is None:  # a new connection: is anything there at all?
+            reason = _probe(self.endpoint, min(_PROBE_TIMEOUT, max(end - time.monotonic(), 0.001)))
+            if reason is not None:
+                raise Unavailable(ErrorCode.UNAVAILABLE, f"no reply from {self.endpoint} to {op}: {reason}")
+        tried = 0
+        while tried < attempts and (left := end - time.monotonic()) > 0:
+            wait = left / (attempts - tried)  # the time left, shared by the attempts left
+            tried += 1
             request_id = next(self._ids)
             sock = self._socket()
+            if server_wait:
+                body = {**(body or {}), "timeout": wait * _SERVER_SHARE}
             try:
                 sock.send(p.encode(op, body, request_id), zmq.NOBLOCK)
             except zmq.Again:
                 pass  # no connection yet: wait for the reply we will not get, then retry
-            reply = self._await(sock, request_id, time.monotonic() + timeout)
+            reply = self._await(sock, request_id, time.monotonic() + wait)
             if reply is not None:
                 if not reply.ok:
                     raise ClientError(reply.code or ErrorCode.INTERNAL, reply.message)
@@ -105,8 +204,8 @@ class Client:
             self.close()  # lazy pirate: a fresh socket for the next attempt
         raise Unavailable(
             ErrorCode.UNAVAILABLE,
-            f"no reply from {self.endpoint} to {op} within {timeout:g} s "
-            f"({attempts} attempt{'s' if attempts > 1 else ''})",
+            f"no reply from {self.endpoint} to {op} within {seconds:g} s "
+            f"({tried} attempt{'s' if tried != 1 else ''})",
         )
 
     @staticmethod
@@ -150,9 +249,7 @@ class Client:
         columns. ``wsd_client.rows.stats_rows(answer)`` gives one map per slot
         (the shape ``wsctl stats --json`` prints).
         """
-        timeout = self.timeout if timeout is None else timeout
-        return self.call(Op.STATS, {"group": group, "timeout": timeout * _SERVER_SHARE, "fresh": fresh},
-                         timeout=timeout)
+        return self.call(Op.STATS, {"group": group, "fresh": fresh}, timeout=timeout, server_wait=True)
 
     def events(self, cursor: int = 0, limit: int = 100) -> dict[str, Any]:
         """Events after ``cursor``; pass back the returned ``cursor`` to follow."""
@@ -162,9 +259,8 @@ class Client:
 
     def _command(self, op: Op, extra: dict[str, Any], group: int | None, wait: bool,
                  timeout: float | None) -> CommandResult:
-        timeout = self.timeout if timeout is None else timeout
-        body = {**extra, "group": group, "wait": wait, "timeout": timeout * _SERVER_SHARE}
-        return CommandResult.from_dict(self.call(op, body, timeout=timeout))
+        body = {**extra, "group": group, "wait": wait}
+        return CommandResult.from_dict(self.call(op, body, timeout=timeout, server_wait=True))
 
     def command(self, action: str, group: int | None = None, *, wait: bool = True, timeout: float | None = None,
                 **args: Any) -> CommandResult:

@@ -25,7 +25,8 @@ Keys (no coordinator involved)::
 
 Options taken by every command, before or after its name: ``--endpoint``
 (default ``$WSD_ENDPOINT``, else ``tcp://127.0.0.1:7601``), ``--timeout`` seconds
-per request (default 5, at most 3600), ``--json``; with CURVE, ``--curve-server-key FILE`` (the
+for the whole command, retries included (for ``watch`` and ``events --follow``:
+each round; default 5, at most 3600), ``--json``; with CURVE, ``--curve-server-key FILE`` (the
 coordinator's public certificate, default ``$WSD_CURVE_SERVER_KEY``) and
 ``--curve-client-key FILE`` (your NAME.key_secret, default ``$WSD_CURVE_CLIENT_KEY``).
 
@@ -34,6 +35,8 @@ per line, keys sorted; nothing on stdout when the command fails.
 
 Every document's keys are in docs/wsctl.md, in one place (a copy here had
 drifted from it).
+
+``wsctl --version`` prints ``wsctl VERSION``.
 
 Exit codes: 0 ok; 1 error (the coordinator refused, is unreachable, or a rank
 failed to apply a command); 2 usage; 3 partial (stats incomplete, some ranks
@@ -58,15 +61,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from wsd import __version__
 from wsd.commands import COMMANDS as COMMAND_TABLE
 from wsd.commands import CommandSpec
 from wsd.config import MAX_EVENT_CAPACITY, flag_number, parse_size
 from wsd.errors import ConfigError
 from wsd.wire.curve import keygen
 from wsd.wire.protocol import SCHEMAS, Op
-from wsd.wire.transport import check_endpoint
 from wsd_client import render
-from wsd_client.client import Client, ClientError, CommandResult
+from wsd_client.client import Client, ClientError, CommandResult, endpoint_problem
 from wsd_client.rows import stats_rows
 
 __all__ = ["COMMANDS", "Exit", "main"]
@@ -82,6 +85,19 @@ _MAX_COUNT = 1_000_000_000
 _EVENT_PAGE = 1000
 # ANSI: cursor home, clear screen; ``watch`` redraws in place on a terminal.
 _CLEAR = "\x1b[H\x1b[2J"
+_EXAMPLES = """\
+examples:
+  wsctl status                        the cluster at a glance (tcp://127.0.0.1:7601)
+  wsctl --endpoint tcp://head:7601 ranks
+                                      every rank of the coordinator on host "head"
+  wsctl stats --group 0 --json        one TP group's numbers, for a script
+  wsctl watch --interval 2            live capacity and peak, every 2 s
+  wsctl events -f                     follow the event log
+  wsctl lock --timeout 30             lock every workspace, waiting up to 30 s
+
+--timeout bounds the whole command, retries included (watch, events -f: each round).
+Exit codes: 0 ok, 1 error or unreachable, 2 usage, 3 partial, 130 interrupted.
+"""
 
 
 class Exit(enum.IntEnum):
@@ -148,7 +164,8 @@ def _watch(client: Client, args: argparse.Namespace, out: Output) -> Exit:
     code, rounds = Exit.OK, 0
     try:
         while True:
-            doc = stats_rows(client.stats(args.group, fresh=args.fresh))
+            with client.deadline(args.timeout):  # --timeout bounds each round
+                doc = stats_rows(client.stats(args.group, fresh=args.fresh))
             rounds += 1
             code = Exit.OK if doc["complete"] else Exit.PARTIAL
             of = f"/{args.count}" if args.count else ""
@@ -178,8 +195,9 @@ def _read_events(client: Client, cursor: int) -> tuple[list[dict[str, Any]], int
 
 
 def _events(client: Client, args: argparse.Namespace, out: Output) -> Exit:
-    epoch = client.ping()["epoch"] if args.follow else None
-    backlog, cursor = _read_events(client, args.since or 0)
+    with client.deadline(args.timeout):  # the whole command, or with --follow its first round
+        epoch = client.ping()["epoch"] if args.follow else None
+        backlog, cursor = _read_events(client, args.since or 0)
     if args.since is None:  # no cursor given: the last few, as tail does
         backlog = backlog[max(len(backlog) - args.last, 0):]
     if not args.follow:
@@ -192,13 +210,14 @@ def _events(client: Client, args: argparse.Namespace, out: Output) -> Exit:
     try:
         while args.count is None or shown < args.count:
             if not queue:
-                page = client.events(cursor, _EVENT_PAGE)
-                queue.extend(page["events"])
-                cursor = page["cursor"]
-                if not queue:
+                with client.deadline(args.timeout):  # --timeout bounds each round
+                    page = client.events(cursor, _EVENT_PAGE)
+                    queue.extend(page["events"])
+                    cursor = page["cursor"]
                     # A restarted coordinator numbers its events from 1 again:
                     # start over from its beginning instead of waiting forever.
-                    now = client.ping()["epoch"]
+                    now = client.ping()["epoch"] if not queue else epoch
+                if not queue:
                     if now != epoch:
                         epoch, cursor = now, 0
                     else:
@@ -276,10 +295,9 @@ def _size(low: int, high: int) -> Callable[[str], int]:
 
 
 def _endpoint(text: str) -> str:
-    try:
-        check_endpoint(text, bind=False)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    problem = endpoint_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
     return text
 
 
@@ -350,6 +368,9 @@ class Spec:
     options: tuple[Callable[[argparse.ArgumentParser], None], ...] = ()
     client: bool = True
     """Talks to a coordinator (``run`` gets a Client); False: ``run`` gets None."""
+    rounds: bool = False
+    """Runs in rounds until stopped (``watch``, ``events``): ``run`` puts each round under
+    ``--timeout`` itself; else ``--timeout`` bounds the whole command."""
 
 
 COMMANDS: dict[str, Spec] = {
@@ -358,9 +379,9 @@ COMMANDS: dict[str, Spec] = {
     "ranks": Spec("every rank: state, host, pid, step, lock and slot count", _ranks),
     "stats": Spec("per rank, slot and TP group: capacity, peak, skew", _stats, (_group, _fresh)),
     "events": Spec("the coordinator's event log", _events,
-                   (_events_options, _count_interval(0.5, "events"))),
+                   (_events_options, _count_interval(0.5, "events")), rounds=True),
     "watch": Spec("live per-rank, per-slot capacity and peak", _watch,
-                  (_group, _fresh, _count_interval(1.0, "rounds"))),
+                  (_group, _fresh, _count_interval(1.0, "rounds")), rounds=True),
     # The state-changing commands, from the command table.
     **{spec.cli: Spec(spec.help, _send(spec), (_arguments(spec), _target)) for spec in COMMAND_TABLE.values()},
     "keygen": Spec("write a CURVE key pair (NAME.key, NAME.key_secret)", _keygen,
@@ -382,7 +403,8 @@ def _common(p: argparse.ArgumentParser, top: bool) -> None:
                         "(default: $WSD_ENDPOINT, else tcp://127.0.0.1:7601)")
     p.add_argument("--timeout", metavar="SECONDS", type=_seconds,
                    default=default(DEFAULT_TIMEOUT),
-                   help=f"seconds to wait for each reply, at most {_wire(Op.STATS, 'timeout')[1]:g} "
+                   help=f"seconds for the whole command, retries included (watch, events -f: "
+                        f"each round), at most {_wire(Op.STATS, 'timeout')[1]:g} "
                         f"(default: {DEFAULT_TIMEOUT:g})")
     p.add_argument("--json", action="store_true", default=default(False),
                    help="one JSON document per result per line on stdout (stable keys, see docs/wsctl.md)")
@@ -394,7 +416,9 @@ def _common(p: argparse.ArgumentParser, top: bool) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wsctl", description="Query and steer a wsd coordinator.")
+    parser = argparse.ArgumentParser(prog="wsctl", description="Query and steer a wsd coordinator.",
+                                     epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"wsctl {__version__}")
     _common(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, spec in COMMANDS.items():
@@ -414,17 +438,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec = COMMANDS[args.command]
     from_env = os.environ.get("WSD_ENDPOINT")
     if spec.client and args.endpoint is None and from_env:  # --endpoint was checked by argparse
-        try:
-            check_endpoint(from_env, bind=False)
-        except ValueError as e:
-            print(f"wsctl: environment variable WSD_ENDPOINT {e}", file=sys.stderr)
+        problem = endpoint_problem(from_env)
+        if problem is not None:
+            print(f"wsctl: environment variable WSD_ENDPOINT {problem}", file=sys.stderr)
             return Exit.USAGE
     try:
         if not spec.client:
             return int(spec.run(None, args, out))  # type: ignore[arg-type]
         with Client(args.endpoint, timeout=args.timeout, curve_server_key=args.curve_server_key,
                     curve_client_key=args.curve_client_key) as client:
-            return int(spec.run(client, args, out))
+            if spec.rounds:
+                return int(spec.run(client, args, out))
+            with client.deadline(args.timeout):
+                return int(spec.run(client, args, out))
     except ConfigError as e:  # a key file missing, unreadable or open to others
         print(f"wsctl: {e}", file=sys.stderr)
         return Exit.USAGE

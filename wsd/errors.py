@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AgentError",
+    "BadEndpoint",
     "BindError",
     "ClientError",
     "ConfigError",
@@ -234,6 +235,13 @@ class ClientError(WsdError):
 
 class Unavailable(ClientError):
     """No reply in time: check the coordinator runs and the endpoint (WSD_ENDPOINT)."""
+
+
+class BadEndpoint(ClientError, ValueError):
+    """The endpoint is malformed: give one such as tcp://127.0.0.1:7601 (--endpoint, WSD_ENDPOINT).
+
+    Not ``Unavailable``: no retry helps; the message names the endpoint and what is allowed.
+    """
 
 
 # -- workers and engines -------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Any
 import zmq
 
 from wsd.commands import COMMANDS, CommandResult
-from wsd.errors import ClientError, ConfigError, TransportError, Unavailable
+from wsd.errors import BadEndpoint, ClientError, ConfigError, TransportError, Unavailable
 from wsd.wire import protocol as p
 from wsd.wire import transport
 from wsd.wire.curve import ClientKeys
@@ -41,13 +41,6 @@ _SERVER_SHARE = 0.8
 # well under a millisecond, so only a dropped packet (a firewall) takes this long,
 # and then the request is tried as usual.
 _PROBE_TIMEOUT = 0.5
-
-
-class BadEndpoint(ClientError, ValueError):
-    """The endpoint is malformed: give one such as tcp://127.0.0.1:7601 (--endpoint, WSD_ENDPOINT).
-
-    Not ``Unavailable``: no retry helps; the message names the endpoint and what is allowed.
-    """
 
 
 def endpoint_problem(endpoint: str) -> str | None:

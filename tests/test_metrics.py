@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+import msgpack
 import pytest
 from conftest import wait_until
 from prometheus_client.parser import text_string_to_metric_families
@@ -533,3 +534,35 @@ def test_scrape_of_real_workers_matches_wsctl_stats(start_coordinator, tmp_path,
         assert violations == {0: [0, 0], 1: [0, 1]}
         for rank in (0, 1):
             workers.send(rank, "stop")
+
+
+def test_a_group_that_drifts_from_its_desired_state_says_so_in_status_and_metrics(tmp_path):
+    """Consistent (the ranks agree with each other) is not enough: ranks that all report
+    locked after a desired unlock (an engine locking by itself) drift from what was asked."""
+    core, clock = make_core(tmp_path, metrics_port=0)
+    core.handle_client((b"c", b""), p.encode(Op.UNLOCK, {"wait": False}, 1))
+
+    def heartbeats(locked: bool, applied: int) -> None:
+        for rank in (0, 1):
+            core.handle_agent((b"p%d" % rank,), p.encode(Op.HEARTBEAT, {
+                "rank": rank, "step": 9, "applied_seq": applied, "held_seq": 1,
+                "state": {"locked": locked, "num_ubatches": 2}}))
+
+    def status_group() -> dict[str, Any]:
+        out = core.handle_client((b"c", b""), p.encode(Op.STATUS, {}, 2))
+        return msgpack.unpackb(out[0][2])["result"]["groups"][0]
+
+    heartbeats(locked=True, applied=0)  # the unlock not applied yet: no drift to speak of
+    assert status_group()["drift"] == []
+    heartbeats(locked=True, applied=1)
+    group = status_group()
+    assert group["consistent"] and group["drift"] == ["locked: desired False, ranks report True"]
+    core.tick()
+    _, s = collect(core.published, wall=clock.now)
+    assert by(s, "wsd_group_drift", "tp_group") == {"0": 1}
+    heartbeats(locked=False, applied=1)
+    assert status_group()["drift"] == []
+    clock.now += 1.0
+    core.tick()
+    _, s = collect(core.published, wall=clock.now)
+    assert by(s, "wsd_group_drift", "tp_group") == {"0": 0}

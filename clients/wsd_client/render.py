@@ -93,12 +93,12 @@ def status(doc: dict[str, Any], endpoint: str) -> str:
     rows = [
         [g["tp_group"], _ints(g["ranks"]), _ints(g["live"]), _missing(g["missing"]) or "-",
          _set(g["locked"]), _set(g["num_ubatches"]), _ints(g["applied_seq"]),
-         _opt(g["consistent"]), _desired(g["desired"])]
+         _opt(g["consistent"]), _desired(g["desired"]), "; ".join(g.get("drift") or []) or "-"]
         for g in doc["groups"]
     ]
     if rows:
         lines += ["", table(["GROUP", "RANKS", "LIVE", "MISSING", "LOCKED", "UBATCHES",
-                             "APPLIED SEQ", "CONSISTENT", "DESIRED"], rows)]
+                             "APPLIED SEQ", "CONSISTENT", "DESIRED", "DRIFT"], rows)]
     return "\n".join(lines)
 
 

@@ -622,8 +622,28 @@ class CoordinatorCore:
         """Give the metrics endpoint a fresh copy of the registry and counters (replaced whole)."""
         view = core_view(self.registry, seq=self.log.seq, heartbeats=self.heartbeats,
                          inconsistent=self._inconsistent, commands=self.command_stats,
-                         refused=self.gate.refused)
+                         refused=self.gate.refused,
+                         drifting={g for g in self.registry.groups() if self._drift(g)})
         self.published = replace(self.published, core=view)
+
+    def _drift(self, group: int) -> list[str]:
+        """How a settled TP group's live ranks differ from its desired state (``["locked: desired
+        false, ranks report true"]``); none while a command is on its way or nothing is desired.
+
+        Consistency says the ranks agree with each other; this says they agree with what was
+        asked (an engine that locks by itself after warm-up drifts from a desired unlock).
+        """
+        desired = self.log.desired(group)
+        live = self.registry.live(group)
+        if not desired or not live or any(i.applied_seq != self.log.seq for i in live):
+            return []
+        out = []
+        for key in ("locked", "num_ubatches"):
+            want = desired.get(key)
+            seen = sorted({i.manager_state.get(key) for i in live}, key=str)
+            if want is not None and seen != [want]:
+                out.append(f"{key}: desired {want}, ranks report {', '.join(map(str, seen))}")
+        return out
 
     def _events(self, route: Route, message: p.Message) -> list[Out]:
         events, cursor = self.events.since(message.body["cursor"], message.body["limit"])
@@ -637,7 +657,8 @@ class CoordinatorCore:
 
     def _status(self, route: Route, message: p.Message) -> list[Out]:
         groups = [{**self.registry.group_status(g), "desired": self.log.desired(g),
-                   "consistent": g not in self._inconsistent} for g in self.registry.groups()]
+                   "consistent": g not in self._inconsistent, "drift": self._drift(g)}
+                  for g in self.registry.groups()]
         result = {
             "epoch": self.epoch,
             "started": self.started,

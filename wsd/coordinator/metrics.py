@@ -57,6 +57,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "wsd_group_workspace_bytes": ("gauge", _GROUP),
     "wsd_group_skew_bytes": ("gauge", _GROUP),
     "wsd_group_consistent": ("gauge", _GROUP),
+    "wsd_group_drift": ("gauge", _GROUP),
     "wsd_command_duration_seconds": ("histogram", ("action",)),
     "wsd_commands_total": ("counter", ("action", "result")),
     "wsd_ranks": ("gauge", ("state",)),
@@ -80,6 +81,8 @@ _HELP = {
     "wsd_group_workspace_bytes": "Workspace bytes summed over the TP group's reporting ranks.",
     "wsd_group_skew_bytes": "Largest minus smallest rank workspace total in the TP group.",
     "wsd_group_consistent": "1 if the TP group's live ranks agree on lock state and slot count.",
+    "wsd_group_drift": "1 if the TP group's live ranks, with every command applied, report a lock state or slot "
+                       "count other than the desired one.",
     "wsd_command_duration_seconds": "Seconds from numbering a command to its result.",
     "wsd_commands_total": "Commands finished, by action and result (complete, partial, failed).",
     "wsd_ranks": "Expected ranks by state (live, lost, stopped, never_registered).",
@@ -160,6 +163,7 @@ class CoreView:
     commands: tuple[tuple[tuple[str, str], int], ...]
     latency: tuple[tuple[str, tuple[int, ...], float], ...]
     refused: tuple[tuple[str, int], ...] = ()
+    drift: tuple[tuple[int, bool], ...] = ()
 
 
 class RankFigures(NamedTuple):
@@ -201,7 +205,8 @@ class Published:
 
 
 def core_view(registry: Registry, *, seq: int, heartbeats: int, inconsistent: set[int],
-              commands: CommandStats, refused: dict[str, int] | None = None) -> CoreView:
+              commands: CommandStats, refused: dict[str, int] | None = None,
+              drifting: set[int] | None = None) -> CoreView:
     """Copy what the metrics need of the registry and counters (on the loop thread)."""
     rows = [RankRow(i.rank, i.tp_group, i.host, i.state is RankState.LIVE, i.manager_state.get("locked"),
                     i.manager_state.get("num_ubatches"), i.step) for i in registry.ranks.values()]
@@ -211,6 +216,7 @@ def core_view(registry: Registry, *, seq: int, heartbeats: int, inconsistent: se
     counts, latency = commands.snapshot()
     return CoreView(seq=seq, heartbeats=heartbeats, ranks=tuple(sorted(rows + never)), states=states,
                     consistent=tuple((g, g not in inconsistent) for g in registry.groups()),
+                    drift=tuple((g, g in (drifting or set())) for g in registry.groups()),
                     commands=counts, latency=latency, refused=tuple(sorted((refused or {}).items())))
 
 
@@ -296,6 +302,8 @@ class Collector:
             text.add("wsd_ranks", (state,), count)
         for group, consistent in view.consistent:
             text.add("wsd_group_consistent", (group,), consistent)
+        for group, drifting in view.drift:
+            text.add("wsd_group_drift", (group,), drifting)
         for (action, outcome), count in view.commands:
             text.add("wsd_commands_total", (action, outcome), count)
         histogram = "wsd_command_duration_seconds"

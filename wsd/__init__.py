@@ -26,22 +26,6 @@ from wsd.manager.stats import LockViolation, ManagerStats, PersistentStats, Slot
 
 __version__ = "0.1.0"
 
-_MANAGER_NAMES = frozenset(
-    {
-        "WorkspaceManager",
-        "current_lane",
-        "current_ubatch",
-        "current_workspace_manager",
-        "init_workspace_manager",
-        "is_workspace_manager_initialized",
-        "lock_workspace",
-        "reset_workspace_manager",
-        "unlock_workspace",
-        "use_lane",
-        "use_ubatch",
-    }
-)
-
 if TYPE_CHECKING:
     from wsd.manager.core import (
         WorkspaceManager,
@@ -59,8 +43,10 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    if name in _MANAGER_NAMES:
-        return getattr(importlib.import_module("wsd.manager.core"), name)
+    # The manager's names, imported on first use: wsd.manager lists them and loads them lazily.
+    manager = importlib.import_module("wsd.manager")
+    if name in manager.__all__:
+        return getattr(manager, name)
     raise AttributeError(f"module 'wsd' has no attribute {name!r}")
 
 

@@ -20,8 +20,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import msgpack
-
 from wsd.commands import start_actions
 from wsd.fmt import cut
 from wsd.manager.stats import snapshot_delta
@@ -56,9 +54,9 @@ class RankTarget(Protocol):
         """``{"locked": bool, "num_ubatches": int}`` for heartbeats."""
         ...
 
-    def snapshot(self) -> dict[str, Any] | bytes:
+    def snapshot(self) -> dict[str, Any]:
         """``ManagerStats.to_wire()`` of the rank's manager, a new map each time it changed
-        (never changed in place afterwards), or that map already msgpack-encoded."""
+        (never changed in place afterwards)."""
         ...
 
     def apply(self, action: str, args: dict[str, Any]) -> None:
@@ -213,8 +211,7 @@ class AgentLink:
             return None, False
         self.stats_urgent = False  # before looking: a change from now on sets it again
         self.next_stats = now + self.stats_interval
-        stats = self.target.snapshot()
-        snapshot: dict[str, Any] = msgpack.unpackb(stats) if isinstance(stats, bytes) else stats
+        snapshot = self.target.snapshot()
         if self._acked is not None and snapshot == self._acked[1]:
             return None, True
         self._stats_version += 1
@@ -325,10 +322,7 @@ class AgentLink:
 
     def _on_stats_request(self, body: dict[str, Any], now: float) -> list[bytes]:
         reply = {"rank": self.rank, "request": body["request"], "step": self.steps}
-        stats = self.target.snapshot()
-        if isinstance(stats, bytes):
-            return [p.encode(Op.STATS_REPLY, reply, packed={"stats": stats})]
-        return [p.encode(Op.STATS_REPLY, {**reply, "stats": stats})]
+        return [p.encode(Op.STATS_REPLY, {**reply, "stats": self.target.snapshot()})]
 
     def _on_stats_ack(self, body: dict[str, Any], now: float) -> list[bytes]:
         inflight = self._inflight

@@ -60,6 +60,8 @@ class LatestStats:
             raise
 
     def _push(self, rank: int, tp_group: int, body: dict[str, Any], now: float) -> bool:
+        previous: Snapshot | None = None  # the snapshot a delta changed, when only that needs checking
+        changed: frozenset[str] = frozenset()
         if body["base"] is None:
             wire = body["stats"]
             if wire is None:
@@ -72,13 +74,13 @@ class LatestStats:
             if delta is None:
                 raise ValueError("stats_push: a base and no delta")
             wire = apply_snapshot_delta(held.wire, delta)
-            if held.snapshot.tp_group == tp_group:  # only what changed is checked and encoded again
+            if held.snapshot.tp_group == tp_group:
+                previous = held.snapshot
                 changed = frozenset((*delta.get("columns", ()), *delta.get("tables", ())))
-                snapshot = read_changes(held.snapshot, body["step"], wire, changed)
-                self.ranks[rank] = Latest(body["version"], wire, snapshot, now)
-                self.invalid.pop(rank, None)
-                return True
-        snapshot = read_snapshot(rank, tp_group, body["step"], wire)
+        if previous is not None:  # only what the delta changed is checked and encoded again
+            snapshot = read_changes(previous, body["step"], wire, changed)
+        else:
+            snapshot = read_snapshot(rank, tp_group, body["step"], wire)
         self.ranks[rank] = Latest(body["version"], wire, snapshot, now)
         self.invalid.pop(rank, None)
         return True

@@ -34,7 +34,7 @@ from wsd.manager.stats import (
 )
 from wsd.wire import protocol as p
 from wsd.wire.protocol import ErrorCode, Op
-from wsd_client.rows import rank_columns
+from wsd_client.rows import group_columns, group_slots, rank_columns
 
 WALL0 = 1_700_000_000.0
 MONO0 = 500.0
@@ -631,12 +631,15 @@ def test_stats_aggregated_per_rank_slot_and_group(h):
     assert (g0["tp_group"], g0["ranks"], g0["reporting"]) == (0, [0, 1], [0, 1])
     assert (g0["total_bytes"], g0["rank_bytes_min"], g0["rank_bytes_max"], g0["skew_bytes"]) == (
         11256, 4000, 7256, 3256)
-    s = g0["slots"]
-    assert (s["ubatch"], s["lane"], s["ranks"]) == ([0, 1], [0, 0], [[0, 1], [0, 1]])
+    summaries = group_columns(result)
+    s = summaries[0]
+    assert result["group_slots"]["tp_group"] == [0, 0, 1, 1]  # every group's rows, one table
+    assert (s["ubatch"], s["lane"]) == ([0, 1], [0, 0])
+    assert [row["ranks"] for row in group_slots(result, 0)] == [[0, 1], [0, 1]]
     assert (s["capacity_min"], s["capacity_max"], s["capacity_total"], s["skew_bytes"]) == (
         [1000, 3000], [4000, 3000], [5000, 6000], [3000, 0])
     assert s["requests"] == [2, 2] and s["peak_requested_max"] == [4000, 3000]
-    assert g1["slots"]["capacity_max"] == [512, 0] and g1["slots"]["skew_bytes"] == [512, 0]
+    assert summaries[1]["capacity_max"] == [512, 0] and summaries[1]["skew_bytes"] == [512, 0]
     assert g0["locked_consistent"] is True and g1["locked_consistent"] is False
     assert g1["skew_bytes"] == 512
 
@@ -651,8 +654,8 @@ def test_stats_group_with_ranks_disagreeing_on_slots(h):
     stats_reply(h, 0, request, snapshot([100, 200, 300]))
     result = only_reply(stats_reply(h, 1, request, snapshot([50, 400]))).result
     [g0] = result["groups"]
-    s = g0["slots"]
-    assert (s["ubatch"], s["ranks"]) == ([0, 1, 2], [[0, 1], [0, 1], [0]])
+    s = group_columns(result)[0]
+    assert s["ubatch"] == [0, 1, 2] and [row["ranks"] for row in group_slots(result, 0)] == [[0, 1], [0, 1], [0]]
     assert (s["capacity_min"], s["capacity_max"], s["skew_bytes"]) == ([50, 200, 300], [100, 400, 300], [50, 200, 0])
     assert g0["num_ubatches_consistent"] is False
 

@@ -34,7 +34,7 @@ from wsd.manager.stats import (
 from wsd.wire import protocol as p
 from wsd.wire.protocol import Op
 from wsd_client.client import Client
-from wsd_client.rows import rank_columns
+from wsd_client.rows import group_columns, group_slots, rank_columns
 
 INTERVAL = 1.0
 TIMEOUT = 5.0
@@ -268,7 +268,7 @@ def test_a_stats_answer_comes_from_memory_with_each_ranks_age_and_asks_no_rank(t
     assert answer["complete"] and not answer["fresh"] and answer["stale"] == []
     assert [(r["rank"], r["age"], r["stale"]) for r in answer["ranks"]] == [(0, 0.75, False), (1, 0.25, False)]
     (group,) = answer["groups"]
-    assert group["slots"]["capacity_max"] == [4096] and group["skew_bytes"] == 4096 - 1024
+    assert group_columns(answer)[0]["capacity_max"] == [4096] and group["skew_bytes"] == 4096 - 1024
 
 
 def test_a_silent_rank_is_stale_after_the_bound_then_lost(tmp_path):
@@ -286,7 +286,7 @@ def test_a_silent_rank_is_stale_after_the_bound_then_lost(tmp_path):
     assert [r["rank"] for r in answer["ranks"]] == [0] and answer["stale"] == []
     assert answer["missing"][0]["rank"] == 1 and answer["missing"][0]["reason"].startswith("lost")
     (group,) = answer["groups"]
-    assert group["reporting"] == [0] and group["slots"]["ranks"] == [[0]]
+    assert group["reporting"] == [0] and [row["ranks"] for row in group_slots(answer, 0)] == [[0]]
 
 
 # -- real sockets ------------------------------------------------------------------------------------
@@ -294,7 +294,8 @@ def test_a_silent_rank_is_stale_after_the_bound_then_lost(tmp_path):
 
 def _without_ages(doc: dict[str, Any]) -> dict[str, Any]:
     return {"ranks": [{k: v for k, v in r.items() if k not in ("age", "stale")} for r in doc["ranks"]],
-            "groups": doc["groups"], "missing": doc["missing"], "total_bytes": doc["total_bytes"]}
+            "groups": doc["groups"], "group_slots": doc["group_slots"], "missing": doc["missing"],
+            "total_bytes": doc["total_bytes"]}
 
 
 @pytest.fixture
@@ -329,6 +330,7 @@ def test_aggregates_after_set_ubatches_drops_slots_and_a_rank_leaves_are_exact(c
     doc = wait_until(lambda: (d := client.stats()) and len(d["ranks"]) == 3 and d, 5, "rank 3 gone from the answer")
     by_rank = {r["rank"]: r for r in doc["ranks"]}
     slots = rank_columns(doc)
+    summaries = group_columns(doc)
     for group in doc["groups"]:
         members = [by_rank[r] for r in group["reporting"]]
         assert group["reporting"] == ([0, 1] if group["tp_group"] == 0 else [2])
@@ -337,7 +339,8 @@ def test_aggregates_after_set_ubatches_drops_slots_and_a_rank_leaves_are_exact(c
             for column in number.group:
                 expected = {"min": min, "max": max, "sum": sum,
                             "spread": lambda v: max(v) - min(v)}[column.combine.value]
-                assert group["slots"][column.name] == [expected(v) for v in per_slot], (group["tp_group"], column)
+                assert summaries[group["tp_group"]][column.name] == [expected(v) for v in per_slot], \
+                    (group["tp_group"], column)
         assert group["total_bytes"] == sum(m["total_bytes"] for m in members)
     assert [m["rank"] for m in doc["missing"]] == [3] and doc["missing"][0]["reason"].startswith("lost")
     assert doc["total_bytes"] == sum(r["total_bytes"] for r in doc["ranks"])

@@ -26,7 +26,7 @@ from wsd.manager.stats import (
     SlotStats,
 )
 from wsd_client import render
-from wsd_client.rows import stats_rows
+from wsd_client.rows import group_columns, group_slots, stats_rows
 
 
 def _snapshot(rng: random.Random, slots: int) -> ManagerStats:
@@ -45,7 +45,7 @@ def _answer(snapshots: dict[int, ManagerStats], tp_group: int = 0) -> dict:
 def test_slot_stats_carries_exactly_the_schemas_columns():
     assert [f.name for f in fields(SlotStats)] == [*SLOT_COLUMNS, "last_violation", "persistent"]
     assert SLOT_COLUMNS == (*SLOT_KEY, *(n.name for n in SLOT_NUMBERS))
-    assert GROUP_COLUMNS == (*SLOT_KEY, "ranks", *(c.name for n in SLOT_NUMBERS for c in n.group))
+    assert GROUP_COLUMNS == (*SLOT_KEY, *(c.name for n in SLOT_NUMBERS for c in n.group))
     assert len(set(GROUP_COLUMNS)) == len(GROUP_COLUMNS)
 
 
@@ -55,26 +55,28 @@ def test_each_group_column_is_its_numbers_combine_over_the_ranks(ranks):
     schema declares: a column derived by position, or from the wrong number, differs."""
     rng = random.Random(ranks)
     snapshots = {r: _snapshot(rng, 4) for r in range(ranks)}
-    (group,) = _answer(snapshots)["groups"]
+    answer = _answer(snapshots)
+    (columns,) = group_columns(answer).values()
     for number in SLOT_NUMBERS:
         per_slot = [[getattr(snapshots[r].slots[i], number.name) for r in range(ranks)] for i in range(4)]
         for column in number.group:
             expected = {Combine.MIN: min, Combine.MAX: max, Combine.SUM: sum,
                         Combine.SPREAD: lambda v: max(v) - min(v)}[column.combine]
-            assert group["slots"][column.name] == [expected(v) for v in per_slot], column.name
-    assert group["slots"]["ranks"] == [list(range(ranks))] * 4
+            assert columns[column.name] == [expected(v) for v in per_slot], column.name
+    assert [row["ranks"] for row in group_slots(answer, 0)] == [list(range(ranks))] * 4
 
 
 def test_groups_whose_ranks_hold_different_slots_are_matched_by_key():
     rng = random.Random(5)
     short, long = _snapshot(rng, 2), _snapshot(rng, 3)
-    (group,) = _answer({0: short, 1: long})["groups"]
-    assert group["slots"]["ubatch"] == [0, 1, 2]
-    assert group["slots"]["ranks"] == [[0, 1], [0, 1], [1]]
+    answer = _answer({0: short, 1: long})
+    columns = group_columns(answer)[0]
+    assert columns["ubatch"] == [0, 1, 2]
+    assert [row["ranks"] for row in group_slots(answer, 0)] == [[0, 1], [0, 1], [1]]
     for number in SLOT_NUMBERS:
         only = getattr(long.slots[2], number.name)
         for column in number.group:
-            assert group["slots"][column.name][2] == (0 if column.combine is Combine.SPREAD else only)
+            assert columns[column.name][2] == (0 if column.combine is Combine.SPREAD else only)
 
 
 def test_aggregation_reads_the_columns_by_name_not_by_position():
@@ -86,7 +88,7 @@ def test_aggregation_reads_the_columns_by_name_not_by_position():
     b = StatsRound({0: [0]})
     b.add(read_snapshot(0, 0, 1, reordered))
     first, second = (msgpack.unpackb(r.finish({0: [0]}, {})) for r in (a, b))
-    assert first["groups"] == second["groups"]
+    assert first["groups"] == second["groups"] and first["group_slots"] == second["group_slots"]
     assert first["ranks"][0]["capacity_bytes"] == sum(snapshot["slots"]["capacity_bytes"])
 
 

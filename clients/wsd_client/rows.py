@@ -6,10 +6,12 @@ slots as rows of one table, ``slots``, a map of equal-length columns whose
 ``rank`` column says whose each row is (``{"rank": [0, 0, 1, 1], "ubatch":
 [0, 1, 0, 1], "capacity_bytes": [4096, 0, ...], ...}``); the last violations
 and persistent buffers likewise (``last_violation`` and ``persistent``, whose
-``slot`` is the index of the slot among its rank's). Each TP group's per-slot
-summary is columns too. ``stats_rows`` turns it into one map per slot under
-each rank and group, the shape ``wsctl``'s JSON and tables show; the one place
-that does. Imports no torch.
+``slot`` is the index of the slot among its rank's). Each TP group is an entry
+of ``groups``, and every group's per-slot summary rows of one table too,
+``group_slots``, whose ``tp_group`` column says whose each row is.
+``stats_rows`` turns it into one map per slot under each rank and group, the
+shape ``wsctl``'s JSON and tables show; the one place that does. Imports no
+torch.
 """
 
 from __future__ import annotations
@@ -17,22 +19,23 @@ from __future__ import annotations
 from itertools import groupby
 from typing import Any
 
-from wsd.manager.stats import SLOT_COLUMNS, slot_rows
+from wsd.manager.stats import GROUP_COLUMNS, SLOT_COLUMNS, SLOT_KEY, slot_rows
 
-__all__ = ["group_slots", "rank_columns", "rank_slots", "stats_rows"]
+__all__ = ["group_columns", "group_slots", "rank_columns", "rank_slots", "stats_rows"]
 
-_TABLES = ("slots", "last_violation", "persistent")
+_TABLES = ("slots", "last_violation", "persistent", "group_slots")
 
 
-def _split(table: dict[str, list[Any]]) -> dict[int, dict[str, list[Any]]]:
-    """A table of every rank's rows, split by its ``rank`` column (each rank's rows are together)."""
+def _split(table: dict[str, list[Any]], owner: str = "rank") -> dict[int, dict[str, list[Any]]]:
+    """A table of every rank's (or group's) rows, split by its ``owner`` column (each one's
+    rows are together)."""
     out: dict[int, dict[str, list[Any]]] = {}
-    ranks = table.get("rank", [])
-    columns = {name: column for name, column in table.items() if name != "rank"}
+    owners = table.get(owner, [])
+    columns = {name: column for name, column in table.items() if name != owner}
     start = 0
-    for rank, rows in groupby(ranks):
+    for key, rows in groupby(owners):
         end = start + sum(1 for _ in rows)
-        out[rank] = {name: column[start:end] for name, column in columns.items()}
+        out[key] = {name: column[start:end] for name, column in columns.items()}
         start = end
     return out
 
@@ -40,7 +43,7 @@ def _split(table: dict[str, list[Any]]) -> dict[int, dict[str, list[Any]]]:
 def rank_columns(doc: dict[str, Any]) -> dict[int, dict[str, Any]]:
     """Each rank's slots as one rank's snapshot holds them (``ManagerStats.to_wire()["slots"]``:
     columns, with its last violations and persistent buffers as tables keyed by slot index)."""
-    slots, violations, persistent = (_split(doc.get(name) or {}) for name in _TABLES)
+    slots, violations, persistent = (_split(doc.get(name) or {}) for name in _TABLES[:3])
     empty: dict[str, list[Any]] = {c: [] for c in SLOT_COLUMNS}
     return {r["rank"]: {**slots.get(r["rank"], empty), "last_violation": violations.get(r["rank"], {}),
                         "persistent": persistent.get(r["rank"], {})} for r in doc["ranks"]}
@@ -52,21 +55,43 @@ def rank_slots(doc: dict[str, Any], rank: int) -> list[dict[str, Any]]:
     return slot_rows(rank_columns(doc)[rank])
 
 
-def group_slots(group: dict[str, Any]) -> list[dict[str, Any]]:
+def group_columns(doc: dict[str, Any]) -> dict[int, dict[str, list[Any]]]:
+    """Each TP group's per-slot summary as columns (``GROUP_COLUMNS``), by group; a group
+    with no rank reporting has empty ones."""
+    tables = _split(doc.get("group_slots") or {}, "tp_group")
+    empty: dict[str, list[Any]] = {c: [] for c in GROUP_COLUMNS}
+    return {g["tp_group"]: tables.get(g["tp_group"], empty) for g in doc["groups"]}
+
+
+def group_slots(doc: dict[str, Any], tp_group: int) -> list[dict[str, Any]]:
     """One TP group's per-slot summary as ``[{ubatch, lane, ranks, capacity_min,
     capacity_max, capacity_total, skew_bytes, peak_requested_max, requests,
-    resizes, lock_violations}]``."""
-    columns = group["slots"]
-    names = list(columns)
-    return [dict(zip(names, values)) for values in zip(*columns.values())]
+    resizes, lock_violations}]``, ``ranks`` being the reporting ranks that have the slot."""
+    return _group_rows(doc, tp_group, group_columns(doc)[tp_group], rank_columns(doc))
+
+
+def _group_rows(doc: dict[str, Any], tp_group: int, columns: dict[str, list[Any]],
+                ranks: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    [group] = (g for g in doc["groups"] if g["tp_group"] == tp_group)
+    ubatch, lane = SLOT_KEY
+    holding = {r: set(zip(ranks[r][ubatch], ranks[r][lane])) for r in group["reporting"] if r in ranks}
+    rows = []
+    for values in zip(*(columns[c] for c in GROUP_COLUMNS)):
+        row = dict(zip(GROUP_COLUMNS, values))
+        key = (row[ubatch], row[lane])
+        rows.append({ubatch: key[0], lane: key[1], "ranks": [r for r, held in holding.items() if key in held],
+                     **{c: row[c] for c in GROUP_COLUMNS[len(SLOT_KEY):]}})
+    return rows
 
 
 def stats_rows(doc: dict[str, Any]) -> dict[str, Any]:
     """A copy of a ``stats`` answer with each rank's slots as rows under it, each group's likewise."""
     columns = rank_columns(doc)
+    groups = group_columns(doc)
     rows = {k: v for k, v in doc.items() if k not in _TABLES}
     return {
         **rows,
         "ranks": [{**r, "slots": slot_rows(columns[r["rank"]])} for r in doc["ranks"]],
-        "groups": [{**g, "slots": group_slots(g)} for g in doc["groups"]],
+        "groups": [{**g, "slots": _group_rows(doc, g["tp_group"], groups[g["tp_group"]], columns)}
+                   for g in doc["groups"]],
     }

@@ -2,8 +2,8 @@
 
 Input is what agents send (``ManagerStats.to_wire()``: each rank's slots as
 equal-length columns); output is plain lists and maps, ready for msgpack or
-JSON, with the slots of every rank and of every group as columns too (the
-``stats`` answer; ``wsd_client.stats_rows`` expands it into rows). Every
+JSON, with the slots of every rank and of every group as tables (the
+``stats`` answer; ``wsd_client.rows.stats_rows`` expands it into rows). Every
 column is read by name and checked against its type, and a group's columns
 are derived, from the schema (``wsd.manager.stats.SLOT_NUMBERS``). No
 sockets, no torch.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from itertools import chain
 from operator import itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -33,7 +33,8 @@ from wsd.manager.stats import (
     VIOLATION_COLUMNS,
 )
 
-__all__ = ["Snapshot", "StatsRound", "group_part", "packed_answer", "packed_entry", "read_changes", "read_snapshot"]
+__all__ = ["GroupPart", "Snapshot", "StatsRound", "group_part", "packed_answer", "packed_entry", "read_changes",
+           "read_snapshot"]
 
 _RANK_FIELDS = {"device": str, "num_ubatches": int, "num_lanes": int, "locked": bool, "slots": dict}
 # The sparse tables' columns and the type of each.
@@ -147,6 +148,7 @@ _ENTRY_KEYS = 10  # the keys Snapshot.entry holds
 _SPARSE = (("last_violation", VIOLATION_COLUMNS), ("persistent", PERSISTENT_COLUMNS))
 # The answer's tables: every rank's rows of each, one after the other, ``rank`` first.
 _TABLES = (("slots", ("rank", *SLOT_COLUMNS)), *((name, ("rank", *names)) for name, names in _SPARSE))
+_GROUP_TABLE = ("tp_group", *GROUP_COLUMNS)
 
 
 def _items(values: list[Any]) -> bytes:
@@ -156,10 +158,23 @@ def _items(values: list[Any]) -> bytes:
     return packed[1 if n < 16 else 3 if n < 1 << 16 else 5:]
 
 
-def _rows(rank: int, columns: list[list[Any]]) -> tuple[int, tuple[bytes, ...]]:
-    """A rank's rows of one table: their number, and each column's items (``rank`` first)."""
+def _rows(owner: int, columns: list[list[Any]]) -> tuple[int, tuple[bytes, ...]]:
+    """A rank's (or group's) rows of one table: their number, and each column's items, the
+    owner's column (``rank`` or ``tp_group``) first."""
     n = len(columns[0])
-    return n, (_items([rank] * n), *map(_items, columns))
+    return n, (_items([owner] * n), *map(_items, columns))
+
+
+def _spliced_table(name: str, columns: tuple[str, ...], parts: list[tuple[int, tuple[bytes, ...]]]) -> list[bytes]:
+    """One table of the answer, ``name`` and a map of ``columns``, spliced from the owners'
+    rows (``_rows``) one after the other."""
+    pack = _packer.pack
+    rows = sum(n for n, _ in parts)
+    items = [p for n, p in parts if n]
+    out = [pack(name), _packer.pack_map_header(len(columns))]
+    for c, column in enumerate(columns):
+        out += [pack(column), _packer.pack_array_header(rows), *map(itemgetter(c), items)]
+    return out
 
 
 def packed_entry(snapshot: Snapshot, age: float, stale: bool) -> bytes:
@@ -169,19 +184,31 @@ def packed_entry(snapshot: Snapshot, age: float, stale: bool) -> bytes:
                      _packer.pack("age"), _packer.pack(age), _packer.pack("stale"), _packer.pack(stale)))
 
 
-def group_part(group: int, members: list[Snapshot], expected: list[int], missing: dict[int, str]) -> bytes:
-    """A TP group's entry of the ``stats`` answer, encoded."""
-    return _packer.pack(_group_summary(group, members, expected, missing))
+class GroupPart(NamedTuple):
+    """A TP group's part of the ``stats`` answer, encoded: its entry of ``groups`` and its
+    rows of the ``group_slots`` table (their number, and each column's items)."""
+
+    entry: bytes
+    rows: tuple[int, tuple[bytes, ...]]
 
 
-def packed_answer(members: list[tuple[Snapshot, float, bool]], groups: list[bytes], missing: dict[int, str], *,
-                  fresh: bool) -> bytes:
+def group_part(group: int, members: list[Snapshot], expected: list[int], missing: dict[int, str]) -> GroupPart:
+    """A TP group's part of the ``stats`` answer: its summary and its per-slot rows."""
+    slots = _group_slots(members)
+    return GroupPart(_packer.pack(_group_summary(group, members, expected, missing)),
+                     _rows(group, [slots[c] for c in GROUP_COLUMNS]))
+
+
+def packed_answer(members: list[tuple[Snapshot, float, bool]], groups: list[GroupPart], missing: dict[int, str],
+                  *, fresh: bool) -> bytes:
     """The encoded ``stats`` result (a msgpack map) of ``members`` (snapshot, age, stale), by rank.
 
     Each rank is an entry of ``ranks``; every rank's slots are rows of one
     table, ``slots`` (a map of equal-length columns, ``rank`` first), and so
     are the last violations and persistent buffers (``slot`` is the index of
-    the slot among its rank's). One table rather than columns per rank: a
+    the slot among its rank's). Each TP group is an entry of ``groups``, and
+    every group's per-slot summary rows of one table too, ``group_slots``
+    (``tp_group`` first). Tables rather than columns per rank or group: a
     client decodes a few long lists much faster than thousands of short ones.
     msgpack frames a map or an array as a header followed by its items, so
     the parts encoded as each snapshot arrived are spliced in behind headers.
@@ -189,7 +216,7 @@ def packed_answer(members: list[tuple[Snapshot, float, bool]], groups: list[byte
     pack = _packer.pack
     stale = [s.rank for s, _, is_stale in members if is_stale]
     out = [
-        _packer.pack_map_header(10),
+        _packer.pack_map_header(11),
         pack("complete"), pack(not missing and not stale),
         pack("fresh"), pack(fresh),
         pack("total_bytes"), pack(sum(s.total_bytes for s, _, _ in members)),
@@ -197,14 +224,10 @@ def packed_answer(members: list[tuple[Snapshot, float, bool]], groups: list[byte
         *(packed_entry(s, age, is_stale) for s, age, is_stale in members),
     ]
     for i, (name, columns) in enumerate(_TABLES):
-        parts = [s.tables[i] for s, _, _ in members]
-        rows = sum(n for n, _ in parts)
-        items = [p for n, p in parts if n]
-        out += [pack(name), _packer.pack_map_header(len(columns))]
-        for c, column in enumerate(columns):
-            out += [pack(column), _packer.pack_array_header(rows), *map(itemgetter(c), items)]
+        out += _spliced_table(name, columns, [s.tables[i] for s, _, _ in members])
     out += [
-        pack("groups"), _packer.pack_array_header(len(groups)), *groups,
+        pack("groups"), _packer.pack_array_header(len(groups)), *(g.entry for g in groups),
+        *_spliced_table("group_slots", _GROUP_TABLE, [g.rows for g in groups]),
         pack("missing"), pack([{"rank": rank, "reason": reason} for rank, reason in sorted(missing.items())]),
         pack("stale"), pack(stale),
     ]
@@ -312,32 +335,29 @@ def _group_slots(members: list[Snapshot]) -> dict[str, list[Any]]:
 
     The usual case (every member has the same slots in the same order) is a
     column-wise pass over the members' columns; otherwise slots are matched by
-    (ubatch, lane), a rank lacking one missing from its ``ranks``.
+    (ubatch, lane), over the members that have each.
     """
     if not members:
         return {c: [] for c in GROUP_COLUMNS}
     first = members[0].columns
     ubatch, lane = SLOT_KEY
     if all(m.columns[ubatch] == first[ubatch] and m.columns[lane] == first[lane] for m in members):
-        slots = len(first[ubatch])
-        out: dict[str, list[Any]] = {ubatch: first[ubatch], lane: first[lane],
-                                     "ranks": [[m.rank for m in members]] * slots}
+        out: dict[str, list[Any]] = {ubatch: first[ubatch], lane: first[lane]}
         for number in SLOT_NUMBERS:
             per_slot = list(zip(*(m.columns[number.name] for m in members)))
             for column in number.group:
                 out[column.name] = column.combine.column(per_slot)
         return out
-    by_slot: dict[tuple[int, int], tuple[list[int], dict[str, list[Any]]]] = {}
+    by_slot: dict[tuple[int, int], dict[str, list[Any]]] = {}
     for m in members:
         for i, key in enumerate(zip(m.columns[ubatch], m.columns[lane])):
-            ranks, values = by_slot.setdefault(key, ([], {n.name: [] for n in SLOT_NUMBERS}))
-            ranks.append(m.rank)
+            values = by_slot.setdefault(key, {n.name: [] for n in SLOT_NUMBERS})
             for name, held in values.items():
                 held.append(m.columns[name][i])
     keys = sorted(by_slot)
-    out = {ubatch: [k[0] for k in keys], lane: [k[1] for k in keys], "ranks": [by_slot[k][0] for k in keys]}
+    out = {ubatch: [k[0] for k in keys], lane: [k[1] for k in keys]}
     for number in SLOT_NUMBERS:
-        matched = [by_slot[k][1][number.name] for k in keys]
+        matched = [by_slot[k][number.name] for k in keys]
         for column in number.group:
             out[column.name] = column.combine.column(matched)
     return out
@@ -357,7 +377,6 @@ def _group_summary(group: int, members: list[Snapshot], expected: list[int],
         "skew_bytes": (max(totals) - min(totals)) if totals else 0,
         "locked_consistent": len({m.locked for m in members}) <= 1,
         "num_ubatches_consistent": len({m.num_ubatches for m in members}) <= 1,
-        "slots": _group_slots(members),
     }
 
 
@@ -375,7 +394,7 @@ class StatsRound:
         self.expected = expected
         self.replies: dict[int, Snapshot] = {}
         self._owed = {g: set(ranks) for g, ranks in expected.items()}
-        self._packed: dict[int, bytes] = {}
+        self._packed: dict[int, GroupPart] = {}
 
     def add(self, snapshot: Snapshot) -> None:
         self.replies[snapshot.rank] = snapshot

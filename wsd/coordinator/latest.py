@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from wsd.coordinator.aggregate import Snapshot, group_part, packed_answer, read_changes, read_snapshot
+from wsd.coordinator.aggregate import GroupPart, Snapshot, group_part, packed_answer, read_changes, read_snapshot
 from wsd.coordinator.metrics import GroupFigures, RankFigures
 from wsd.manager.stats import apply_snapshot_delta
 
@@ -44,7 +44,7 @@ class LatestStats:
         # Why a rank's last push could not be used (an invalid snapshot), until one can.
         self.invalid: dict[int, str] = {}
         # Per TP group: what its encoded summary was built from, and the summary.
-        self._groups: dict[int, tuple[Any, bytes]] = {}
+        self._groups: dict[int, tuple[Any, GroupPart]] = {}
 
     def push(self, rank: int, tp_group: int, body: dict[str, Any], now: float) -> bool:
         """Take one ``stats_push`` body; True if it is the rank's snapshot now, False if it
@@ -114,7 +114,7 @@ class LatestStats:
         """
         missing = dict(missing)
         answered: list[tuple[Snapshot, float, bool]] = []
-        groups: list[bytes] = []
+        groups: list[GroupPart] = []
         for group, expected in sorted(scope.items()):
             members: list[Latest] = []
             for rank in expected:

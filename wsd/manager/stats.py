@@ -126,8 +126,9 @@ attribute of ``SlotStats`` and the ``Slot`` counter that counts it."""
 
 SLOT_COLUMNS = SLOT_KEY + tuple(n.name for n in SLOT_NUMBERS)
 """The columns of a slot table on the wire, one entry per slot, in slot order."""
-GROUP_COLUMNS = (*SLOT_KEY, "ranks", *(c.name for n in SLOT_NUMBERS for c in n.group))
-"""The columns of a TP group's per-slot summary (``ranks``: the ranks that have the slot)."""
+GROUP_COLUMNS = (*SLOT_KEY, *(c.name for n in SLOT_NUMBERS for c in n.group))
+"""The columns of a TP group's per-slot summary, as the ``stats`` answer's ``group_slots`` table
+carries them (which ranks have each slot is in the ranks' own ``slots`` table)."""
 
 # The sparse tables: one entry per violation or persistent buffer, ``slot``
 # being the index of the slot it belongs to in the columns above.

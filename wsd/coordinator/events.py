@@ -92,14 +92,19 @@ class EventLog:
         return event
 
     def since(self, cursor: int, limit: int) -> tuple[list[dict[str, Any]], int]:
-        """Events with id > cursor (at most ``limit``) and the cursor to ask with next."""
+        """Events with id > cursor (at most ``limit``) and the cursor to ask with next.
+
+        A cursor past the newest event is the tail: nothing, and the newest id as the
+        cursor, so that a client can start following from now (ids are consecutive, so
+        ``tail - n`` also finds the last ``n`` events without reading the whole log).
+        """
         out = []
         for event, _ in self._events:
             if event["id"] > cursor:
                 out.append(event)
                 if len(out) >= limit:
                     break
-        return out, (out[-1]["id"] if out else cursor)
+        return out, (out[-1]["id"] if out else min(cursor, self.last_id))
 
     def __len__(self) -> int:
         return len(self._events)

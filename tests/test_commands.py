@@ -79,7 +79,7 @@ def test_the_reply_type_is_shared_and_keeps_every_field_it_is_given():
     added on one side was silently dropped on the other."""
     full = CommandResult(seq=4, action="lock", group=1, waited=True, complete=False,
                          acked=({"rank": 2, "step": 9, "ok": True, "error": None},), failed=(),
-                         same_step={"1": True}, pending=(3,), lost=(), missing=({"rank": 5, "reason": "x"},))
+                         same_step={1: True}, pending=(3,), lost=(), missing=({"rank": 5, "reason": "x"},))
     assert CommandResult.from_dict(full.to_dict()) == full
     assert CommandResult.from_dict({**full.to_dict(), "a_later_field": 1}) == full  # a newer coordinator's
     numbered = CommandResult(seq=5, action="trim", group=None, waited=False)

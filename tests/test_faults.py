@@ -269,7 +269,7 @@ def test_engine_step_rate_holds_while_the_coordinator_is_stopped(tmp_path, spawn
             assert d["max_step"] < HEARTBEAT_INTERVAL, (r, d)  # never waited for the coordinator
         wait_until(lambda: live(client) == 2, HEARTBEAT_TIMEOUT + 5, "both ranks live again")
         unlocked = client.unlock()
-        assert unlocked.complete and unlocked.same_step == {"0": True}, unlocked
+        assert unlocked.complete and unlocked.same_step == {0: True}, unlocked
 
 
 @pytest.mark.timeout(90)

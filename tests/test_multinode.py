@@ -117,7 +117,7 @@ def test_two_launchers_form_one_job_with_a_tp_group_across_them(tmp_path, spawn)
         steps = result.steps()
         assert sorted(steps) == list(range(WORLD)), steps
         assert len(set(steps.values())) == 1, f"applied at different steps: {steps}"
-        assert result.same_step == {"0": True}, result
+        assert result.same_step == {0: True}, result
         # Each rank pushes its snapshot at once after applying: the coordinator's answer follows.
         wait_until(lambda: [r["num_ubatches"] for r in client.stats(timeout=5)["ranks"]] == [3] * WORLD, 5,
                    "every rank's snapshot after set-ubatches")
@@ -211,7 +211,7 @@ def test_slurm_script_runs_a_coordinator_and_one_torchrun_per_node(tmp_path, spa
         # and made the job a token, which every worker on every node proved it holds
         assert status["agents_authenticated"] is True and status["agents_refused"] == {}
         result = client.set_ubatches(3, timeout=15)
-        assert result.complete and result.same_step == {"0": True, "1": True}, result
+        assert result.complete and result.same_step == {0: True, 1: True}, result
     # The coordinator's state went where the script put it, beside the job's logs.
     assert (tmp_path / "wsd-4242" / "coordinator.state").exists()
     assert list((tmp_path / "wsd-4242" / "logs").rglob("stderr.log")), "no per-rank logs"

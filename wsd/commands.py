@@ -190,8 +190,10 @@ class CommandResult:
     acked: tuple[dict[str, Any], ...] = ()
     """``{rank, step, ok, error}`` per acknowledging rank."""
     failed: tuple[int, ...] = ()
-    same_step: dict[str, bool] | None = None
-    """Per TP group: did all its ranks apply it at the same step."""
+    same_step: dict[int, bool] | None = None
+    """Per TP group (keyed by its number, as ``steps()`` by rank): did all its ranks apply it
+    at the same step. On the wire the keys are strings (msgpack maps from peers are read
+    with string keys only)."""
     pending: tuple[int, ...] = ()
     lost: tuple[int, ...] = ()
     missing: tuple[dict[str, Any], ...] = ()
@@ -204,7 +206,10 @@ class CommandResult:
         """
         if not self.waited:
             return {"seq": self.seq, "action": self.action, "group": self.group, "waited": False}
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.same_step is not None:
+            out["same_step"] = {str(g): same for g, same in self.same_step.items()}
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CommandResult:
@@ -215,6 +220,8 @@ class CommandResult:
             if f.name in d:
                 value = d[f.name]
                 values[f.name] = tuple(value) if isinstance(value, list) else value
+        if values.get("same_step") is not None:
+            values["same_step"] = {int(g): same for g, same in values["same_step"].items()}
         return cls(**values)
 
     def steps(self) -> dict[int, int]:

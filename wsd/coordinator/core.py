@@ -563,7 +563,7 @@ class CoordinatorCore:
             seq=seq, action=command.action, group=command.group, waited=pending.route is not None,
             complete=not waiting and not pending.lost and not pending.missing,
             acked=tuple(acks), failed=tuple(a["rank"] for a in acks if not a["ok"]),
-            same_step={str(g): len(s) == 1 for g, s in sorted(steps_by_group.items())},
+            same_step={g: len(s) == 1 for g, s in sorted(steps_by_group.items())},
             pending=waiting, lost=tuple(sorted(pending.lost)),
             missing=tuple({"rank": r, "reason": why} for r, why in sorted(pending.missing.items())),
         )

@@ -8,7 +8,18 @@ where the client and ``wsctl`` must agree.
 
 from __future__ import annotations
 
+import json
+import socket
+
+import pytest
+import zmq
+from conftest import wait_until
+
+from wsd.agent.simulated import SimulatedRanks
 from wsd.coordinator.events import EventKind, EventLog
+from wsd_client import wsctl
+from wsd_client.client import TAIL, Client, Events, Pong, Ranks, Stats, Status, Unavailable
+from wsd_client.results import RankCounts
 
 
 def test_a_cursor_past_the_newest_event_is_the_tail():
@@ -22,3 +33,106 @@ def test_a_cursor_past_the_newest_event_is_the_tail():
     assert [e["rank"] for e in events] == [3, 4] and cursor == 5
     log.add(EventKind.LOST, 0.0, rank=4)
     assert [e["id"] for e in log.since(5, 100)[0]] == [6]
+
+
+# -- against a real coordinator -------------------------------------------------------------
+
+RANKS = 8
+
+
+@pytest.fixture
+def cluster(start_coordinator):
+    """A coordinator expecting 8 ranks in TP groups of 4, and 8 simulated ranks (2 slots each)
+    whose first snapshots have all arrived."""
+    coordinator = start_coordinator(world_size=RANKS, tp_size=4)
+    sim = SimulatedRanks(coordinator.agent_endpoint, range(RANKS), world_size=RANKS, tp_size=4,
+                         num_ubatches=2, heartbeat_interval=0.2, heartbeat_timeout=3.0).start()
+    try:
+        assert sim.wait_registered(10), f"only {sim.registered()} of {RANKS} ranks registered"
+        wait_until(lambda: len(coordinator.core.latest.ranks) == RANKS, 10, "every rank's first snapshot")
+        yield coordinator
+    finally:
+        sim.stop(timeout=10)
+
+
+def test_read_calls_return_typed_answers_that_still_read_as_maps(cluster):
+    """Fails if a read call returns a bare map again, a typed property disagrees with the
+    answer it reads, or indexing (the old way) stops working."""
+    with Client(cluster.client_endpoint, timeout=5) as client:
+        pong, status, ranks, stats = client.ping(), client.status(), client.ranks(), client.stats()
+    assert isinstance(pong, Pong) and pong.epoch == cluster.core.epoch == pong["epoch"] and pong.seq == 0
+    assert isinstance(status, Status) and (status.world_size, status.tp_size) == (RANKS, 4)
+    assert status.counts == RankCounts(live=RANKS, lost=0, stopped=0, missing=0) and status.counts.absent == 0
+    assert [g["tp_group"] for g in status.groups] == [0, 1] and status["seq"] == 0
+    assert isinstance(ranks, Ranks) and [r["rank"] for r in ranks.ranks] == list(range(RANKS))
+    assert ranks.missing == []
+    assert isinstance(stats, Stats) and stats.complete and stats.missing == [] and stats.stale == []
+    assert stats.total_bytes == sum(r["total_bytes"] for r in stats.ranks) == stats["total_bytes"]
+    assert dict(stats) == stats.doc and set(stats) >= {"ranks", "slots", "groups", "group_slots"}
+
+
+def test_stats_is_not_expanded_until_rows_are_asked_for(cluster):
+    """Fails if ``Client.stats()`` builds rows eagerly (it is benchmarked: the answer must be
+    what the coordinator sent, slots as columns), or ``rows()`` does not expand them."""
+    with Client(cluster.client_endpoint, timeout=5) as client:
+        stats = client.stats()
+    assert "slots" not in stats.ranks[0] and stats["slots"]["rank"] == [r for r in range(RANKS) for _ in (0, 1)]
+    rows = stats.rows()
+    assert [len(r["slots"]) for r in rows["ranks"]] == [2] * RANKS and "slots" not in rows
+    assert rows["ranks"][3]["slots"] == stats.rank_slots(3)
+    assert [s["ranks"] for s in rows["groups"][1]["slots"]] == [[4, 5, 6, 7]] * 2 == \
+        [s["ranks"] for s in stats.group_slots(1)]
+
+
+def test_rows_are_exactly_what_wsctl_stats_json_prints(cluster, capsys):
+    """Fails if the client's rows and ``wsctl stats --json`` differ in shape or content
+    (issue 17: the client returned columns, wsctl rows)."""
+    with Client(cluster.client_endpoint, timeout=5) as client:
+        rows = client.stats(fresh=True).rows()  # fresh: every age 0, so two answers compare equal
+    assert wsctl.main(["stats", "--fresh", "--json", "--endpoint", cluster.client_endpoint]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(json.dumps(rows))
+
+
+def test_same_step_is_keyed_by_group_number_as_steps_by_rank(cluster):
+    """Fails if ``same_step`` is keyed by strings again while ``steps()`` is keyed by ints."""
+    with Client(cluster.client_endpoint, timeout=5) as client:
+        result = client.lock()
+    assert result.complete and sorted(result.steps()) == list(range(RANKS))
+    assert result.same_step == {0: True, 1: True}
+
+
+def test_reserve_is_reserve_bytes_and_the_old_name_still_works_with_a_warning(cluster):
+    """Fails if ``reserve_bytes`` does not reserve, or ``reserve`` is gone or silent."""
+    with Client(cluster.client_endpoint, timeout=5) as client:
+        assert client.reserve_bytes(1 << 20, group=0).complete
+        with pytest.warns(DeprecationWarning, match="reserve_bytes"):
+            assert client.reserve(2 << 20, group=1).complete
+        assert [r["reserve_bytes"] for r in (client.status().groups[g]["desired"] for g in (0, 1))] == [
+            1 << 20, 2 << 20]
+
+
+def test_events_from_the_tail_give_only_what_happens_next(cluster):
+    """Fails if ``events(TAIL)`` returns old events, or its cursor misses the next ones
+    (issue 17: ``events(cursor=0)`` was the only start, the oldest events)."""
+    with Client(cluster.client_endpoint, timeout=5) as client:
+        everything = client.events(0, 1000)
+        tail = client.events(TAIL)
+        assert isinstance(tail, Events) and tail.events == [] and tail.epoch == cluster.core.epoch
+        assert tail.cursor == everything.cursor == everything.events[-1]["id"]  # nothing new meanwhile
+        client.unlock()
+        after = wait_until(lambda: client.events(tail.cursor).events, 5, "the unlock's events")
+    assert after[0]["id"] == tail.cursor + 1 and after[0]["kind"] == "command"
+
+
+def test_every_unavailability_is_unavailable():
+    """Fails if a socket that cannot be made (its context gone) leaks a raw ZMQError instead
+    of ``Unavailable``, the one error a caller catches to say the coordinator is out of reach."""
+    with socket.socket() as s:  # something listens, so the probe passes and the send is tried
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        context = zmq.Context()
+        client = Client(f"tcp://127.0.0.1:{s.getsockname()[1]}", timeout=1, context=context)
+        context.term()
+        with pytest.raises(Unavailable, match="cannot open a socket"):
+            client.ping()

@@ -50,7 +50,7 @@ def test_idle_agents_apply_commands_on_receipt(start_coordinator, agents):
         assert not a0.manager.is_locked()
         result = client.set_ubatches(4)
         assert result.complete and a1.manager.num_ubatches == 4
-        assert client.reserve(4096).complete
+        assert client.reserve_bytes(4096).complete
         assert all(s.capacity_bytes == 4096 for s in a0.manager.stats().slots)
         assert client.trim().complete
         assert a0.manager.stats().total_bytes == 0

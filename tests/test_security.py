@@ -122,7 +122,7 @@ def test_viewer_key_reads_and_every_state_changing_op_is_forbidden(keys, serve):
         commands = {
             Op.LOCK: lambda c: c.lock(wait=False), Op.UNLOCK: lambda c: c.unlock(wait=False),
             Op.SET_UBATCHES: lambda c: c.set_ubatches(4, wait=False),
-            Op.RESERVE: lambda c: c.reserve(4096, wait=False),
+            Op.RESERVE: lambda c: c.reserve_bytes(4096, wait=False),
             Op.EQUALIZE: lambda c: c.equalize(wait=False), Op.TRIM: lambda c: c.trim(wait=False),
         }
         assert set(commands) == COMMAND_OPS  # a new command op must be added here

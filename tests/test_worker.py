@@ -250,7 +250,7 @@ def test_idle_worker_serves_the_manager_and_applies_on_receipt(tmp_path, spawn, 
     with Client(coordinator.client_endpoint, timeout=5) as client:
         wait_until(lambda: client.status()["ranks"]["live"] == 1, 60, "the idle rank to register")
         assert client.set_ubatches(4, timeout=10).complete
-        assert client.reserve(4096, timeout=10).complete
+        assert client.reserve_bytes(4096, timeout=10).complete
         rank = stats_rows(client.stats(fresh=True))["ranks"][0]
         assert rank["num_ubatches"] == 4 and [s["capacity_bytes"] for s in rank["slots"]] == [4096] * 4
         assert all(s["requests"] == 0 for s in rank["slots"])  # nothing computed

@@ -128,12 +128,12 @@ def test_an_endpoint_without_tcp_in_the_environment_is_a_usage_error(capsys, mon
 
 
 def test_the_client_refuses_a_malformed_endpoint_as_its_own_error(monkeypatch):
-    """Fails if a malformed endpoint is ``Unavailable`` (worth a retry) or is not a ClientError."""
+    """Fails if a malformed endpoint escapes ``except Unavailable`` (issue 17: ``Unavailable``
+    for every unavailability), or is not also a ValueError naming the fix."""
     with pytest.raises(BadEndpoint) as raised:
         Client("127.0.0.1:7601")
     error = raised.value
-    assert isinstance(error, ClientError) and isinstance(error, ValueError)
-    assert not isinstance(error, Unavailable)
+    assert isinstance(error, Unavailable) and isinstance(error, ClientError) and isinstance(error, ValueError)
     assert "endpoint must be a ZeroMQ endpoint: tcp://HOST:PORT" in str(error)
     assert "did you mean 'tcp://127.0.0.1:7601'?" in str(error)
     monkeypatch.setenv("WSD_ENDPOINT", "tcp://127.0.0.1:99999")

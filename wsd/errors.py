@@ -234,13 +234,17 @@ class ClientError(WsdError):
 
 
 class Unavailable(ClientError):
-    """No reply in time: check the coordinator runs and the endpoint (WSD_ENDPOINT)."""
+    """The coordinator could not be reached: no reply in time, nothing listening, a socket
+    that failed, a malformed endpoint. Check the coordinator runs and the endpoint
+    (--endpoint, WSD_ENDPOINT), then retry."""
 
 
-class BadEndpoint(ClientError, ValueError):
+class BadEndpoint(Unavailable, ValueError):
     """The endpoint is malformed: give one such as tcp://127.0.0.1:7601 (--endpoint, WSD_ENDPOINT).
 
-    Not ``Unavailable``: no retry helps; the message names the endpoint and what is allowed.
+    ``Unavailable``, as everything that keeps a call from reaching the coordinator is, so
+    that one ``except Unavailable`` covers them all; a ``ValueError`` too, since no retry
+    helps. The message names the endpoint and what is allowed.
     """
 
 

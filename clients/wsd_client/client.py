@@ -8,7 +8,10 @@ several calls under one. Before the first request on a new connection to a
 tcp endpoint, the port is probed with a plain TCP connect, so that a port
 nothing listens on is ``Unavailable`` at once instead of after every attempt
 (ZeroMQ connects lazily and would only wait). Errors are raised as
-``ClientError`` with the coordinator's code.
+``ClientError`` with the coordinator's code; whatever keeps a call from reaching
+the coordinator (a malformed endpoint included, ``BadEndpoint``) is
+``Unavailable``, one of them. Read calls return typed answers
+(``wsd_client.results``), commands a ``CommandResult``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import itertools
 import os
 import socket
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,9 +33,10 @@ from wsd.wire import protocol as p
 from wsd.wire import transport
 from wsd.wire.curve import ClientKeys
 from wsd.wire.protocol import ErrorCode, Op
+from wsd_client.results import Events, Pong, Ranks, Stats, Status
 
-__all__ = ["DEFAULT_ENDPOINT", "BadEndpoint", "Client", "ClientError", "CommandResult", "Unavailable",
-           "endpoint_problem"]
+__all__ = ["DEFAULT_ENDPOINT", "TAIL", "BadEndpoint", "Client", "ClientError", "CommandResult", "Events", "Pong",
+           "Ranks", "Stats", "Status", "Unavailable", "endpoint_problem"]
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7601"
 # Of a call's timeout, what the coordinator may spend waiting on ranks, so that
@@ -41,6 +46,10 @@ _SERVER_SHARE = 0.8
 # well under a millisecond, so only a dropped packet (a firewall) takes this long,
 # and then the request is tried as usual.
 _PROBE_TIMEOUT = 0.5
+TAIL = None
+"""``events(cursor=TAIL)``: no events, and the cursor of the newest one, to follow from now."""
+# What the coordinator is asked for the tail: a cursor past any id (the protocol's largest).
+_PAST_EVERY_ID = 2**63 - 1
 
 
 def endpoint_problem(endpoint: str) -> str | None:
@@ -148,7 +157,10 @@ class Client:
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
-            sock = self._context.socket(zmq.DEALER)
+            try:
+                sock = self._context.socket(zmq.DEALER)
+            except zmq.ZMQError as e:  # the context was terminated
+                raise Unavailable(ErrorCode.UNAVAILABLE, f"cannot open a socket to {self.endpoint}: {e}") from e
             sock.setsockopt(zmq.LINGER, 0)
             if self._curve is not None:
                 self._curve.apply(sock)
@@ -189,6 +201,9 @@ class Client:
                 sock.send(p.encode(op, body, request_id), zmq.NOBLOCK)
             except zmq.Again:
                 pass  # no connection yet: wait for the reply we will not get, then retry
+            except zmq.ZMQError as e:  # the socket or its context is gone
+                self.close()
+                raise Unavailable(ErrorCode.UNAVAILABLE, f"cannot send {op} to {self.endpoint}: {e}") from e
             reply = self._await(sock, request_id, time.monotonic() + wait)
             if reply is not None:
                 if not reply.ok:
@@ -220,16 +235,16 @@ class Client:
 
     # -- read-only ---------------------------------------------------------------
 
-    def ping(self) -> dict[str, Any]:
-        return self.call(Op.PING)
+    def ping(self) -> Pong:
+        return Pong(self.call(Op.PING))
 
-    def status(self) -> dict[str, Any]:
-        return self.call(Op.STATUS)
+    def status(self) -> Status:
+        return Status(self.call(Op.STATUS))
 
-    def ranks(self) -> dict[str, Any]:
-        return self.call(Op.RANKS)
+    def ranks(self) -> Ranks:
+        return Ranks(self.call(Op.RANKS))
 
-    def stats(self, group: int | None = None, *, timeout: float | None = None, fresh: bool = False) -> dict[str, Any]:
+    def stats(self, group: int | None = None, *, timeout: float | None = None, fresh: bool = False) -> Stats:
         """Per rank, slot and TP group; ``complete`` is False and ``missing`` says who is absent.
 
         From the snapshots the ranks pushed, as the coordinator remembers them:
@@ -238,15 +253,19 @@ class Client:
         older than ``[coordinator] stats_stale_after``. ``fresh``: every live rank
         is asked now instead, and the answer waits for the slowest (``age`` 0).
 
-        The coordinator's compact answer: each rank's and group's ``slots`` are
-        columns. ``wsd_client.rows.stats_rows(answer)`` gives one map per slot
-        (the shape ``wsctl stats --json`` prints).
+        The coordinator's compact answer, as it came (slots as columns): ``rows()``
+        gives one map per slot, the document ``wsctl stats --json`` prints.
         """
-        return self.call(Op.STATS, {"group": group, "fresh": fresh}, timeout=timeout, server_wait=True)
+        return Stats(self.call(Op.STATS, {"group": group, "fresh": fresh}, timeout=timeout, server_wait=True))
 
-    def events(self, cursor: int = 0, limit: int = 100) -> dict[str, Any]:
-        """Events after ``cursor``; pass back the returned ``cursor`` to follow."""
-        return self.call(Op.EVENTS, {"cursor": cursor, "limit": limit})
+    def events(self, cursor: int | None = 0, limit: int = 100) -> Events:
+        """Events after ``cursor`` (0: from the oldest the coordinator holds); pass back the
+        returned ``cursor`` to follow. ``cursor=TAIL`` (None): none, and the newest event's id
+        as the cursor, to follow from now; ids are consecutive, so ``cursor - n`` then gives
+        the last ``n``."""
+        if cursor is TAIL:
+            return Events(self.call(Op.EVENTS, {"cursor": _PAST_EVERY_ID, "limit": 1}))
+        return Events(self.call(Op.EVENTS, {"cursor": cursor, "limit": limit}))
 
     # -- state-changing ------------------------------------------------------------
 
@@ -272,9 +291,18 @@ class Client:
                      timeout: float | None = None) -> CommandResult:
         return self._command(Op.SET_UBATCHES, {"n": n}, group, wait, timeout)
 
+    def reserve_bytes(self, nbytes: int, group: int | None = None, *, wait: bool = True,
+                      timeout: float | None = None) -> CommandResult:
+        """Grow every slot to at least ``nbytes``: the manager's ``reserve_bytes`` on every rank."""
+        return self._command(Op.RESERVE, {"bytes": nbytes}, group, wait, timeout)
+
     def reserve(self, nbytes: int, group: int | None = None, *, wait: bool = True,
                 timeout: float | None = None) -> CommandResult:
-        return self._command(Op.RESERVE, {"bytes": nbytes}, group, wait, timeout)
+        """Deprecated: ``reserve_bytes``, named as the manager's method it calls (the manager's
+        ``reserve`` takes shapes and dtypes, not bytes)."""
+        warnings.warn("Client.reserve(nbytes) is deprecated: use Client.reserve_bytes(nbytes)",
+                      DeprecationWarning, stacklevel=2)
+        return self.reserve_bytes(nbytes, group, wait=wait, timeout=timeout)
 
     def equalize(self, group: int | None = None, *, wait: bool = True, timeout: float | None = None) -> CommandResult:
         return self._command(Op.EQUALIZE, {}, group, wait, timeout)

@@ -70,8 +70,7 @@ from wsd.errors import ConfigError
 from wsd.wire.curve import keygen
 from wsd.wire.protocol import SCHEMAS, Op
 from wsd_client import render
-from wsd_client.client import Client, ClientError, CommandResult, endpoint_problem
-from wsd_client.rows import stats_rows
+from wsd_client.client import TAIL, Client, ClientError, CommandResult, Events, endpoint_problem
 
 __all__ = ["COMMANDS", "Exit", "main"]
 
@@ -138,23 +137,20 @@ def _ping(client: Client, args: argparse.Namespace, out: Output) -> Exit:
 
 
 def _status(client: Client, args: argparse.Namespace, out: Output) -> Exit:
-    doc = client.status()
-    out.emit(doc, lambda: render.status(doc, client.endpoint))
-    counts = doc["ranks"]
-    # A stopped rank is missing as a lost one is (an older coordinator counts no stopped ones).
-    missing = counts["lost"] + counts.get("stopped", 0) + counts["never_registered"]
-    return Exit.PARTIAL if missing else Exit.OK
+    status = client.status()
+    out.emit(status.doc, lambda: render.status(status.doc, client.endpoint))
+    return Exit.PARTIAL if status.counts.absent else Exit.OK  # a stopped rank is absent as a lost one is
 
 
 def _ranks(client: Client, args: argparse.Namespace, out: Output) -> Exit:
-    doc = client.ranks()
-    out.emit(doc, lambda: render.ranks(doc))
-    gone = any(r["state"] != "live" for r in doc["ranks"])  # lost or stopped
-    return Exit.PARTIAL if gone or doc["never_registered"] else Exit.OK
+    ranks = client.ranks()
+    out.emit(ranks.doc, lambda: render.ranks(ranks.doc))
+    gone = any(r["state"] != "live" for r in ranks.ranks)  # lost or stopped
+    return Exit.PARTIAL if gone or ranks.missing else Exit.OK
 
 
 def _stats(client: Client, args: argparse.Namespace, out: Output) -> Exit:
-    doc = stats_rows(client.stats(args.group, fresh=args.fresh))
+    doc = client.stats(args.group, fresh=args.fresh).rows()
     out.emit(doc, lambda: render.stats(doc))
     return Exit.OK if doc["complete"] else Exit.PARTIAL
 
@@ -166,7 +162,7 @@ def _watch(client: Client, args: argparse.Namespace, out: Output) -> Exit:
     try:
         while True:
             with client.deadline(args.timeout):  # --timeout bounds each round
-                doc = stats_rows(client.stats(args.group, fresh=args.fresh))
+                doc = client.stats(args.group, fresh=args.fresh).rows()
             rounds += 1
             # When the frame was taken, ISO 8601 with the local zone's offset, on the frame and the JSON.
             doc["time"] = datetime.now(timezone.utc).astimezone().isoformat(timespec="milliseconds")
@@ -186,45 +182,46 @@ def _watch(client: Client, args: argparse.Namespace, out: Output) -> Exit:
     return code  # the last round's
 
 
-def _read_events(client: Client, cursor: int) -> tuple[list[dict[str, Any]], int]:
-    """Every event after ``cursor`` the coordinator still holds, page by page."""
+def _read_events(client: Client, cursor: int) -> tuple[list[dict[str, Any]], Events]:
+    """Every event after ``cursor`` the coordinator still holds, page by page, and the last page."""
     events: list[dict[str, Any]] = []
     while True:
         page = client.events(cursor, _EVENT_PAGE)
-        events += page["events"]
-        cursor = page["cursor"]
-        if len(page["events"]) < _EVENT_PAGE:
-            return events, cursor
+        events += page.events
+        cursor = page.cursor
+        if len(page.events) < _EVENT_PAGE:
+            return events, page
 
 
 def _events(client: Client, args: argparse.Namespace, out: Output) -> Exit:
     with client.deadline(args.timeout):  # the whole command, or with --follow its first round
-        epoch = client.ping()["epoch"] if args.follow else None
-        backlog, cursor = _read_events(client, args.since or 0)
-    if args.since is None:  # no cursor given: the last few, as tail does
-        backlog = backlog[max(len(backlog) - args.last, 0):]
+        # No cursor given: the last few, as tail does; ids are consecutive, so they
+        # start --last before the tail (no need to read the whole log for them).
+        start = args.since if args.since is not None else max(client.events(TAIL).cursor - args.last, 0)
+        backlog, last = _read_events(client, start)
     if not args.follow:
-        doc = {"events": backlog, "cursor": cursor}
+        if args.since is None:  # events that came in meanwhile do not count among the last N
+            backlog = backlog[max(len(backlog) - args.last, 0):]
+        doc = {"events": backlog, "cursor": last.cursor}
         out.emit(doc, lambda: render.events(backlog))
         return Exit.OK
     if not out.as_json:
         print(render.events_header(), file=out.stream, flush=True)
-    queue, shown = deque(backlog), 0
+    queue, shown, cursor, epoch = deque(backlog), 0, last.cursor, last.epoch
     try:
         while args.count is None or shown < args.count:
             if not queue:
                 with client.deadline(args.timeout):  # --timeout bounds each round
                     page = client.events(cursor, _EVENT_PAGE)
-                    queue.extend(page["events"])
-                    cursor = page["cursor"]
+                if page.epoch != epoch:
                     # A restarted coordinator numbers its events from 1 again:
                     # start over from its beginning instead of waiting forever.
-                    now = client.ping()["epoch"] if not queue else epoch
+                    epoch, cursor = page.epoch, 0
+                    continue
+                queue.extend(page.events)
+                cursor = page.cursor
                 if not queue:
-                    if now != epoch:
-                        epoch, cursor = now, 0
-                    else:
-                        time.sleep(args.interval)  # the polling pace
+                    time.sleep(args.interval)  # the polling pace
                     continue
             event = queue.popleft()
             out.emit(event, functools.partial(render.event_line, event))

@@ -1,0 +1,210 @@
+"""What the client's read calls return: typed views over the coordinator's answers.
+
+Each is the decoded answer as it came (``doc``), read through typed properties,
+and a read-only mapping of it too (``stats["ranks"]``), so that code written
+when the calls returned plain maps keeps working. Nothing is copied or expanded
+when one is made: ``Client.stats()`` at 4,096 ranks costs what decoding costs
+(rows are built only when asked for, by ``Stats.rows()``); the lists and maps a
+property gives are the answer's own, to read, not to change. Commands return
+``wsd.commands.CommandResult``. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from wsd_client import rows as _rows
+
+__all__ = ["Answer", "Events", "Pong", "RankCounts", "Ranks", "Stats", "Status"]
+
+
+class Answer(Mapping[str, Any]):
+    """One answer of the coordinator: its document (``doc``), read-only by key or property."""
+
+    __slots__ = ("doc",)
+
+    def __init__(self, doc: dict[str, Any]) -> None:
+        self.doc = doc
+
+    def __getitem__(self, key: str) -> Any:
+        return self.doc[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.doc)
+
+    def __len__(self) -> int:
+        return len(self.doc)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.doc!r})"
+
+
+class Pong(Answer):
+    """``ping``: who answered and where its command sequence stands."""
+
+    @property
+    def epoch(self) -> str:
+        """The coordinator's incarnation: a new one after each start."""
+        return str(self.doc["epoch"])
+
+    @property
+    def seq(self) -> int:
+        return int(self.doc["seq"])
+
+    @property
+    def time(self) -> float:
+        """The coordinator's wall clock, Unix seconds."""
+        return float(self.doc["time"])
+
+
+@dataclass(frozen=True)
+class RankCounts:
+    """Expected ranks by state. ``missing``: never registered (the state ``ranks`` shows
+    as ``missing``), under either name the coordinator gives it."""
+
+    live: int
+    lost: int
+    stopped: int
+    missing: int
+
+    @classmethod
+    def from_wire(cls, counts: dict[str, int]) -> RankCounts:
+        missing = counts.get("missing", counts.get("never_registered", 0))
+        return cls(live=counts["live"], lost=counts["lost"], stopped=counts.get("stopped", 0), missing=missing)
+
+    @property
+    def absent(self) -> int:
+        """Expected ranks not live: lost, stopped or missing."""
+        return self.lost + self.stopped + self.missing
+
+
+class Status(Answer):
+    """``status``: the world, the desired state and every TP group at a glance."""
+
+    @property
+    def epoch(self) -> str:
+        return str(self.doc["epoch"])
+
+    @property
+    def seq(self) -> int:
+        return int(self.doc["seq"])
+
+    @property
+    def world_size(self) -> int | None:
+        """None: an open world (no ``world_size`` configured)."""
+        return self.doc["world_size"]
+
+    @property
+    def tp_size(self) -> int | None:
+        return self.doc["tp_size"]
+
+    @property
+    def desired(self) -> dict[str, Any]:
+        """The default desired state: ``{locked, num_ubatches, reserve_bytes}``, None where never set."""
+        return self.doc["desired"]
+
+    @property
+    def counts(self) -> RankCounts:
+        return RankCounts.from_wire(self.doc["ranks"])
+
+    @property
+    def groups(self) -> list[dict[str, Any]]:
+        """Per TP group: ``{tp_group, ranks, live, missing, locked, num_ubatches, applied_seq,
+        consistent, desired, drift}`` (docs/wsctl.md)."""
+        return self.doc["groups"]
+
+
+class Ranks(Answer):
+    """``ranks``: every rank known, and the expected ones that never registered."""
+
+    @property
+    def ranks(self) -> list[dict[str, Any]]:
+        """``{rank, state, tp_group, host, pid, device, idle, step, applied_seq, ...}`` per rank
+        that registered; ``state`` is ``live``, ``lost`` or ``stopped``."""
+        return self.doc["ranks"]
+
+    @property
+    def missing(self) -> list[dict[str, Any]]:
+        """``{rank, reason}`` per expected rank that never registered (state ``missing``)."""
+        return self.doc.get("missing", self.doc.get("never_registered", []))
+
+
+class Stats(Answer):
+    """``stats``: per rank, slot and TP group, as the coordinator sends it (slots as columns,
+    see ``wsd_client.rows``); ``rows()`` gives the one row shape ``wsctl stats --json`` prints."""
+
+    @property
+    def complete(self) -> bool:
+        """Every expected rank reported, and none is stale."""
+        return bool(self.doc["complete"])
+
+    @property
+    def fresh(self) -> bool:
+        """Every rank was asked now (``fresh=True``) rather than read from its last push."""
+        return bool(self.doc["fresh"])
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.doc["total_bytes"])
+
+    @property
+    def missing(self) -> list[dict[str, Any]]:
+        """``{rank, reason}`` per expected rank absent from the answer."""
+        return self.doc["missing"]
+
+    @property
+    def stale(self) -> list[int]:
+        """Ranks whose snapshot is older than ``[coordinator] stats_stale_after``."""
+        return self.doc["stale"]
+
+    @property
+    def ranks(self) -> list[dict[str, Any]]:
+        """Per reporting rank, its figures without its slots (``rank_columns``, ``rows()``)."""
+        return self.doc["ranks"]
+
+    @property
+    def groups(self) -> list[dict[str, Any]]:
+        """Per TP group, its totals and skew without its per-slot summary (``group_columns``)."""
+        return self.doc["groups"]
+
+    def rows(self) -> dict[str, Any]:
+        """The answer with each rank's and group's slots as rows under it: exactly the
+        document ``wsctl stats --json`` prints (built on each call)."""
+        return _rows.stats_rows(self.doc)
+
+    def rank_columns(self) -> dict[int, dict[str, Any]]:
+        """Each rank's slots as columns, by rank (``wsd_client.rows.rank_columns``)."""
+        return _rows.rank_columns(self.doc)
+
+    def rank_slots(self, rank: int) -> list[dict[str, Any]]:
+        """One rank's slots as rows."""
+        return _rows.rank_slots(self.doc, rank)
+
+    def group_columns(self) -> dict[int, dict[str, list[Any]]]:
+        """Each TP group's per-slot summary as columns, by group."""
+        return _rows.group_columns(self.doc)
+
+    def group_slots(self, tp_group: int) -> list[dict[str, Any]]:
+        """One TP group's per-slot summary as rows, each with the ranks that have the slot."""
+        return _rows.group_slots(self.doc, tp_group)
+
+
+class Events(Answer):
+    """``events``: a page of the event log and the cursor to ask with next."""
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """``{id, time, kind, ...}`` per event, oldest first."""
+        return self.doc["events"]
+
+    @property
+    def cursor(self) -> int:
+        """The id of the last event given (or the newest one, at the tail)."""
+        return int(self.doc["cursor"])
+
+    @property
+    def epoch(self) -> str | None:
+        """The coordinator's incarnation: a new one means ids began again."""
+        return self.doc.get("epoch")

@@ -108,7 +108,7 @@ def test_status_and_ranks(cluster, capsys):
     assert doc["world_size"] == 2 and doc["ranks"] == {"live": 2, "lost": 0, "stopped": 0, "never_registered": 0}
     assert [(g["tp_group"], g["live"]) for g in doc["groups"]] == [(0, [0]), (1, [1])]
     code, out, _ = run(capsys, ep, "status")
-    assert code == 0 and "2 live, 0 lost, 0 stopped, 0 never registered" in out
+    assert code == 0 and "2 live, 0 lost, 0 stopped, 0 missing" in out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])]
     assert [r[:3] for r in rows] == [["0", "0", "0"], ["1", "1", "1"]]  # group, ranks, live
 
@@ -233,7 +233,7 @@ def test_a_stopped_rank_is_shown_stopped_and_missing(cluster, capsys):
                            5, "rank 1 to be stopped")
     assert code == 3 and doc["ranks"] == {"live": 1, "lost": 0, "stopped": 1, "never_registered": 0}
     code, out, _ = run(capsys, ep, "status")
-    assert code == 3 and "1 live, 0 lost, 1 stopped, 0 never registered" in out
+    assert code == 3 and "1 live, 0 lost, 1 stopped, 0 missing" in out
     assert "rank 1 (stopped (said goodbye at " in out
     code, doc = run_json(capsys, ep, "ranks")
     assert code == 3 and [(r["rank"], r["state"]) for r in doc["ranks"]] == [(0, "live"), (1, "stopped")]

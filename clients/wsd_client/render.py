@@ -2,9 +2,12 @@
 
 Pure functions of the coordinator's plain-data results (the same documents
 ``--json`` prints; for ``stats`` and ``watch``, the answer expanded into rows
-by ``wsd_client.rows.stats_rows``), so that what a human reads and what a
-script parses never drift apart. Sizes are shown in B/KiB/MiB/GiB, tables are aligned
-(``wsd.fmt``). Imports no torch.
+by ``Stats.rows()`` and narrowed by ``wsd_client.select``), so that what a
+human reads and what a script parses never drift apart. Sizes are shown in
+B/KiB/MiB/GiB, rank lists as ranges (``0-7``); tables are aligned and, given a
+``width``, fitted to it (``wsd_client.layout``). Above ``SUMMARY_ABOVE`` slot
+rows, ``stats`` and ``watch`` show one line per TP group instead of one per
+slot. Imports no torch.
 """
 
 from __future__ import annotations
@@ -16,9 +19,16 @@ from typing import Any
 from wsd.commands import DESIRED_FIELDS
 from wsd.fmt import format_bytes, format_time, table
 from wsd.manager.stats import SLOT_NUMBERS
+from wsd_client.layout import Column, fit
+from wsd_client.results import RankCounts
+from wsd_client.select import complete, ranges
 
-__all__ = ["command", "event_line", "events", "events_header", "ping", "ranks", "stats", "status",
-           "watch"]
+__all__ = ["SUMMARY_ABOVE", "command", "event_line", "events", "events_header", "groups", "ping", "ranks",
+           "stats", "status", "watch"]
+
+SUMMARY_ABOVE = 256
+"""Most slot rows ``stats`` and ``watch`` show one by one (32 ranks of 8 slots); above it,
+one line per TP group, unless asked otherwise (``--by-slot``, ``--by-group``)."""
 
 # Event and desired-state keys that hold byte counts, shown as sizes.
 _BYTE_KEYS = frozenset({"requested", "capacity", "bytes", "reserve_bytes"})
@@ -42,11 +52,26 @@ def _set(values: Iterable[Any]) -> str:
 
 
 def _ints(values: Iterable[int]) -> str:
-    return ",".join(str(v) for v in values) or "-"
+    return ranges(values)
 
 
 def _missing(missing: list[dict[str, Any]]) -> str:
-    return "; ".join(f"rank {m['rank']} ({m['reason']})" for m in missing)
+    """Missing ranks by reason: ``ranks 8-15 (never registered); rank 3 (lost at ...)``."""
+    by_reason: dict[str, list[int]] = {}
+    for m in missing:
+        by_reason.setdefault(m["reason"], []).append(m["rank"])
+    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {ranges(r)} ({why})" for why, r in by_reason.items())
+
+
+def _spread(parts: list[str], width: int | None, sep: str = "  ") -> list[str]:
+    """``parts`` ``sep`` apart on one line, or on as many as ``width`` needs."""
+    lines = [parts[0]]
+    for part in parts[1:]:
+        if width is not None and len(lines[-1]) + len(sep) + len(part) > width:
+            lines.append(part)
+        else:
+            lines[-1] += sep + part
+    return lines
 
 
 def _size(value: int | None) -> str:
@@ -72,16 +97,16 @@ def _desired(desired: dict[str, Any]) -> str:
     return " ".join(f"{label}={show(desired.get(field))}" for field, (label, show) in zip(DESIRED_FIELDS, shown))
 
 
-def status(doc: dict[str, Any], endpoint: str) -> str:
-    counts = doc["ranks"]
+def status(doc: dict[str, Any], endpoint: str, width: int | None = None) -> str:
+    counts = RankCounts.from_wire(doc["ranks"])
     world = "open world" if doc["world_size"] is None else f"world {doc['world_size']} ranks"
     tp = "" if doc["tp_size"] is None else f", TP size {doc['tp_size']}"
+    head = [f"coordinator {endpoint}", f"epoch {doc['epoch'][:8]}", f"seq {doc['seq']}",
+            f"started {format_time(doc['started'], date=True)}", *(["(state recovered)"] if doc["recovered"] else [])]
     lines = [
-        f"coordinator {endpoint}  epoch {doc['epoch'][:8]}  seq {doc['seq']}  "
-        f"started {format_time(doc['started'], date=True)}"
-        + ("  (state recovered)" if doc["recovered"] else ""),
-        f"{world}{tp}: {counts['live']} live, {counts['lost']} lost, "
-        f"{counts.get('stopped', 0)} stopped, {counts['never_registered']} never registered",
+        *_spread(head, width),
+        f"{world}{tp}: {counts.live} live, {counts.lost} lost, "
+        f"{counts.stopped} stopped, {counts.missing} missing",
         f"desired (default): {_desired(doc['desired'])}",
         f"pending commands: {_ints(doc['pending_commands'])}",
     ]
@@ -97,24 +122,30 @@ def status(doc: dict[str, Any], endpoint: str) -> str:
         for g in doc["groups"]
     ]
     if rows:
-        lines += ["", table(["GROUP", "RANKS", "LIVE", "MISSING", "LOCKED", "UBATCHES",
-                             "APPLIED SEQ", "CONSISTENT", "DESIRED", "DRIFT"], rows)]
+        lines += ["", fit(_STATUS_COLUMNS, rows, width)]
     return "\n".join(lines)
 
 
-def ranks(doc: dict[str, Any]) -> str:
+_STATUS_COLUMNS = (Column("GROUP"), Column("RANKS", drop=3), Column("LIVE", drop=4), Column("MISSING", cut_to=16),
+                   Column("LOCKED"), Column("UBATCHES"), Column("APPLIED SEQ", drop=2), Column("CONSISTENT"),
+                   Column("DESIRED", drop=1, cut_to=16), Column("DRIFT", cut_to=16))
+_RANKS_COLUMNS = (Column("RANK"), Column("STATE"), Column("GROUP"), Column("HOST", cut_to=12), Column("PID", drop=2),
+                  Column("DEVICE", drop=3), Column("IDLE", drop=4), Column("STEP"), Column("APPLIED SEQ", drop=1),
+                  Column("LOCKED"), Column("UBATCHES"))
+
+
+def ranks(doc: dict[str, Any], width: int | None = None) -> str:
     rows = [
         [r["rank"], r["state"], r["tp_group"], r["host"], r["pid"], r["device"], _opt(r["idle"]),
          r["step"], r["applied_seq"], _opt(r["locked"]), _opt(r["num_ubatches"])]
         for r in doc["ranks"]
     ]
     rows += [[m["rank"], "missing", "-", "-", "-", "-", "-", "-", "-", "-", "-"]
-             for m in doc["never_registered"]]
+             for m in doc.get("missing", doc.get("never_registered", []))]
     if not rows:
         return "no ranks registered"
     rows.sort(key=lambda row: row[0])
-    return table(["RANK", "STATE", "GROUP", "HOST", "PID", "DEVICE", "IDLE", "STEP", "APPLIED SEQ",
-                  "LOCKED", "UBATCHES"], rows)
+    return fit(_RANKS_COLUMNS, rows, width)
 
 
 def _violation(slot: dict[str, Any]) -> str:
@@ -148,53 +179,153 @@ def _summary(doc: dict[str, Any]) -> str:
     line = f"{reporting}/{expected} ranks reporting"
     if doc["stale"]:
         line += f" ({len(doc['stale'])} stale)"
-    line += f", total {format_bytes(doc['total_bytes'])}"
+    selected = "selection" in doc  # the total of the ranks shown, not of the whole answer
+    line += f", total {format_bytes(sum(r['total_bytes'] for r in doc['ranks']) if selected else doc['total_bytes'])}"
     if doc["fresh"]:
         line += ", asked now"
-    return line + ("" if doc["complete"] else "  (INCOMPLETE)")
+    if doc.get("selection"):
+        line += f", selected: {_selection(doc['selection'])}"
+    return line + ("" if complete(doc) else "  (INCOMPLETE)")
 
 
-def stats(doc: dict[str, Any]) -> str:
+def _selection(selection: dict[str, Any]) -> str:
+    parts = [f"{what} {_ints(selection[key])}" for key, what in (("ranks", "ranks"), ("groups", "groups"))
+             if selection[key] is not None]
+    if selection["states"]:
+        parts.append("state " + ",".join(selection["states"]))
+    return " ".join(parts)
+
+
+def by_group(doc: dict[str, Any], choice: bool | None) -> bool:
+    """Whether ``doc`` is shown one line per TP group: as chosen, else when it has more
+    than ``SUMMARY_ABOVE`` slot rows."""
+    return choice if choice is not None else sum(len(r["slots"]) for r in doc["ranks"]) > SUMMARY_ABOVE
+
+
+# The slot numbers that never give way to fit a width (the others go after the lanes).
+_KEPT_NUMBERS = frozenset({"capacity_bytes", "peak_requested_bytes", "lock_violations", "capacity_min",
+                           "capacity_max", "skew_bytes", "peak_requested_max"})
+
+
+def _numbers(names_and_headers: Iterable[tuple[str, str]]) -> list[Column]:
+    return [Column(header, drop=0 if name in _KEPT_NUMBERS else 5) for name, header in names_and_headers]
+
+
+_RANK_COLUMNS = (Column("RANK"), Column("GROUP"), Column("STEP", drop=3), Column("AGE"), Column("DEVICE", drop=4),
+                 Column("UBATCHES", drop=2), Column("LANES", drop=6), Column("LOCKED"), Column("CAPACITY"),
+                 Column("TOTAL", drop=1), Column("VIOLATIONS"))
+_SLOT_COLUMNS = (Column("RANK"), Column("UBATCH"), Column("LANE", drop=4),
+                 *_numbers((n.name, n.header) for n in SLOT_NUMBERS),
+                 Column("PERSISTENT", drop=6), Column("LAST VIOLATION", drop=3, cut_to=24))
+_GROUP_COLUMNS = (Column("GROUP"), Column("RANKS", drop=2, cut_to=8), Column("REPORTING", drop=3, cut_to=8),
+                  Column("TOTAL"), Column("MIN RANK", drop=1), Column("MAX RANK", drop=1), Column("SKEW"),
+                  Column("LOCKED SAME", drop=4), Column("UBATCHES SAME", drop=4))
+_GROUP_SLOT_COLUMNS = (Column("GROUP"), Column("UBATCH"), Column("LANE", drop=4), Column("RANKS", drop=3, cut_to=8),
+                       *_numbers((c.name, str(c.header)) for c in _GROUP_SHOWN))
+
+
+def stats(doc: dict[str, Any], width: int | None = None, *, grouped: bool | None = None) -> str:
+    """The ``stats`` answer in rows: per rank, per slot and per TP group, or one line per
+    TP group (``grouped``; None: above ``SUMMARY_ABOVE`` slot rows)."""
     lines = [_summary(doc)]
-    if doc["ranks"]:
-        lines += ["", table(
-            ["RANK", "GROUP", "STEP", "AGE", "DEVICE", "UBATCHES", "LANES", "LOCKED", "CAPACITY", "TOTAL",
-             "VIOLATIONS"],
-            [[r["rank"], r["tp_group"], r["step"], _age(r), r["device"], r["num_ubatches"], r["num_lanes"],
-              _opt(r["locked"]), format_bytes(r["capacity_bytes"]), format_bytes(r["total_bytes"]),
-              r["lock_violations"]] for r in doc["ranks"]],
-        )]
-        lines += ["", table(
-            ["RANK", "UBATCH", "LANE", *(n.header for n in SLOT_NUMBERS), "PERSISTENT", "LAST VIOLATION"],
-            [[r["rank"], s["ubatch"], s["lane"], *(_number(n.name, s[n.name]) for n in SLOT_NUMBERS),
-              format_bytes(sum(p["nbytes"] for p in s["persistent"])), _violation(s)]
-             for r in doc["ranks"] for s in r["slots"]],
-        )]
-    if doc["groups"]:
-        lines += ["", table(
-            ["GROUP", "RANKS", "REPORTING", "TOTAL", "MIN RANK", "MAX RANK", "SKEW", "LOCKED SAME",
-             "UBATCHES SAME"],
-            [[g["tp_group"], _ints(g["ranks"]), _ints(g["reporting"]),
-              format_bytes(g["total_bytes"]),
-              format_bytes(g["rank_bytes_min"]), format_bytes(g["rank_bytes_max"]),
-              format_bytes(g["skew_bytes"]), _opt(g["locked_consistent"]),
-              _opt(g["num_ubatches_consistent"])] for g in doc["groups"]],
-        )]
-        slot_rows = [
-            [g["tp_group"], s["ubatch"], s["lane"], _ints(s["ranks"]),
-             *(_number(c.name, s[c.name]) for c in _GROUP_SHOWN)]
-            for g in doc["groups"] for s in g["slots"]
-        ]
-        if slot_rows:
-            lines += ["", table(["GROUP", "UBATCH", "LANE", "RANKS", *(str(c.header) for c in _GROUP_SHOWN)],
-                                slot_rows)]
+    if by_group(doc, grouped):
+        if doc["groups"]:
+            lines += ["", groups(doc, width=width)]
+        if grouped is None:
+            lines.append(_summary_hint(doc, width))
+    else:
+        lines += _stats_tables(doc, width)
     if doc["missing"]:
         lines += ["", f"missing: {_missing(doc['missing'])}"]
     return "\n".join(lines)
 
 
-def watch(doc: dict[str, Any], previous: dict[str, Any] | None, header: str) -> str:
-    """One ``wsctl watch`` frame: per rank and slot, capacity, peak, growth since ``previous``."""
+def _summary_hint(doc: dict[str, Any], width: int | None) -> str:
+    slots = sum(len(r["slots"]) for r in doc["ranks"])
+    parts = [f"({slots} slots: one line per TP group above {SUMMARY_ABOVE};", "select with --rank, --group, --state,",
+             "or see every slot with --by-slot)"]
+    return "\n".join(_spread(parts, width, " "))
+
+
+def _stats_tables(doc: dict[str, Any], width: int | None) -> list[str]:
+    lines = []
+    if doc["ranks"]:
+        lines += ["", fit(_RANK_COLUMNS, [
+            [r["rank"], r["tp_group"], r["step"], _age(r), r["device"], r["num_ubatches"], r["num_lanes"],
+             _opt(r["locked"]), format_bytes(r["capacity_bytes"]), format_bytes(r["total_bytes"]),
+             r["lock_violations"]] for r in doc["ranks"]], width)]
+        lines += ["", fit(_SLOT_COLUMNS, [
+            [r["rank"], s["ubatch"], s["lane"], *(_number(n.name, s[n.name]) for n in SLOT_NUMBERS),
+             format_bytes(sum(p["nbytes"] for p in s["persistent"])), _violation(s)]
+            for r in doc["ranks"] for s in r["slots"]], width)]
+    if doc["groups"]:
+        lines += ["", fit(_GROUP_COLUMNS, [
+            [g["tp_group"], _ints(g["ranks"]), _ints(g["reporting"]), format_bytes(g["total_bytes"]),
+             format_bytes(g["rank_bytes_min"]), format_bytes(g["rank_bytes_max"]), format_bytes(g["skew_bytes"]),
+             _opt(g["locked_consistent"]), _opt(g["num_ubatches_consistent"])] for g in doc["groups"]], width)]
+        slot_rows = [[g["tp_group"], s["ubatch"], s["lane"], _ints(s["ranks"]),
+                      *(_number(c.name, s[c.name]) for c in _GROUP_SHOWN)]
+                     for g in doc["groups"] for s in g["slots"]]
+        if slot_rows:
+            lines += ["", fit(_GROUP_SLOT_COLUMNS, slot_rows, width)]
+    return lines
+
+
+_SUMMARY_COLUMNS = (Column("GROUP"), Column("RANKS", drop=4, cut_to=8), Column("REPORTING"),
+                    Column("MISSING", cut_to=8), Column("STALE", cut_to=8), Column("LOCKED"),
+                    Column("UBATCHES", drop=3), Column("TOTAL"), Column("MAX RANK", drop=2), Column("SKEW", drop=1),
+                    Column("VIOLATIONS"), Column("GROWN", drop=5))
+
+
+def groups(doc: dict[str, Any], previous: dict[str, Any] | None = None, width: int | None = None) -> str:
+    """One line per TP group of a stats answer in rows: its ranks reporting, missing and
+    stale, lock state and slot count as its ranks report them, total, skew, violations, and
+    its growth since ``previous`` (``watch``)."""
+    members: dict[int, list[dict[str, Any]]] = {g["tp_group"]: [] for g in doc["groups"]}
+    for r in doc["ranks"]:
+        members.setdefault(r["tp_group"], []).append(r)
+    before = {g["tp_group"]: g["total_bytes"] for g in (previous or {}).get("groups", ())}
+    stale = set(doc["stale"])
+    rows = []
+    for g in doc["groups"]:
+        ranks = members[g["tp_group"]]
+        old = before.get(g["tp_group"])
+        grown = g["total_bytes"] - old if old is not None else 0
+        rows.append([
+            g["tp_group"], _ints(g["ranks"]), f"{len(g['reporting'])}/{len(g['ranks'])}",
+            _ints(m["rank"] for m in g["missing"]), _ints(r for r in g["reporting"] if r in stale),
+            _set(sorted({r["locked"] for r in ranks}, key=str)),
+            _set(sorted({r["num_ubatches"] for r in ranks})), format_bytes(g["total_bytes"]),
+            format_bytes(g["rank_bytes_max"]), format_bytes(g["skew_bytes"]),
+            sum(r["lock_violations"] for r in ranks), _grown(grown)])
+    return fit(_SUMMARY_COLUMNS, rows, width)
+
+
+def _grown(grown: int) -> str:
+    return ("+" if grown > 0 else "") + format_bytes(grown) if grown else ""
+
+
+_WATCH_COLUMNS = (Column("RANK"), Column("GROUP", drop=3), Column("AGE"), Column("UBATCH"), Column("LANE", drop=4),
+                  Column("LOCKED"), *_numbers((n.name, n.header) for n in SLOT_NUMBERS), Column("GROWN"))
+
+
+def watch(doc: dict[str, Any], previous: dict[str, Any] | None, header: str, width: int | None = None, *,
+          grouped: bool | None = None) -> str:
+    """One ``wsctl watch`` frame: per rank and slot, capacity, peak, growth since ``previous``;
+    or one line per TP group (``grouped``; None: above ``SUMMARY_ABOVE`` slot rows)."""
+    lines = _spread([*header.split("  "), _summary(doc)], width)  # the header's parts are two spaces apart
+    if by_group(doc, grouped):
+        lines.append(groups(doc, previous, width) if doc["groups"] else "no ranks reporting")
+        if grouped is None:
+            lines.append(_summary_hint(doc, width))
+    else:
+        lines.append(_watch_slots(doc, previous, width))
+    if doc["missing"]:
+        lines.append(f"missing: {_missing(doc['missing'])}")
+    return "\n".join(lines)
+
+
+def _watch_slots(doc: dict[str, Any], previous: dict[str, Any] | None, width: int | None) -> str:
     before: dict[tuple[int, int, int], int] = {}
     for r in (previous or {}).get("ranks", ()):
         for s in r["slots"]:
@@ -203,19 +334,10 @@ def watch(doc: dict[str, Any], previous: dict[str, Any] | None, header: str) -> 
     for r in doc["ranks"]:
         for s in r["slots"]:
             old = before.get((r["rank"], s["ubatch"], s["lane"]))
-            grown = s["capacity_bytes"] - old if old is not None else 0
             rows.append([r["rank"], r["tp_group"], _age(r), s["ubatch"], s["lane"], _opt(r["locked"]),
                          *(_number(n.name, s[n.name]) for n in SLOT_NUMBERS),
-                         ("+" if grown > 0 else "") + format_bytes(grown) if grown else ""])
-    lines = [f"{header}  {_summary(doc)}"]
-    if rows:
-        lines.append(table(["RANK", "GROUP", "AGE", "UBATCH", "LANE", "LOCKED", *(n.header for n in SLOT_NUMBERS),
-                            "GROWN"], rows))
-    else:
-        lines.append("no ranks reporting")
-    if doc["missing"]:
-        lines.append(f"missing: {_missing(doc['missing'])}")
-    return "\n".join(lines)
+                         _grown(s["capacity_bytes"] - old if old is not None else 0)])
+    return fit(_WATCH_COLUMNS, rows, width) if rows else "no ranks reporting"
 
 
 # -- events -----------------------------------------------------------------------

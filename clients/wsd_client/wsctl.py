@@ -5,11 +5,15 @@ Read-only commands::
     wsctl ping                      round trip to the coordinator
     wsctl status                    world, desired state and every TP group at a glance
     wsctl ranks                     every rank: state, host, pid, step, lock and slot count
-    wsctl stats [--group G] [--fresh]
+    wsctl stats [--group G] [--rank R] [--state S] [--by-group | --by-slot] [--fresh]
                                     per rank, per slot and per TP group: capacity, peak, skew
     wsctl events [--since ID] [--last N] [--follow [--count N] [--interval S]]
-    wsctl watch [--group G] [--interval S] [--count N] [--fresh]
+    wsctl watch [stats' options] [--interval S] [--count N]
                                     live per-rank, per-slot capacity and peak
+
+Above 256 slots, ``stats`` and ``watch`` show one line per TP group; ``--rank``,
+``--group`` and ``--state`` select ranks; on a terminal, tables leave out their
+least useful columns rather than wrap (docs/wsctl.md, "Large clusters").
 
 State-changing commands (``[--group G] [--no-wait]``; every rank of the target
 applies them at the same engine step)::
@@ -40,7 +44,7 @@ drifted from it).
 
 Exit codes: 0 ok; 1 error (the coordinator refused, is unreachable, or a rank
 failed to apply a command); 2 usage; 3 partial (stats incomplete, some ranks
-lost, stopped or never registered, or a command with ranks pending, lost or
+lost, stopped or missing, or a command with ranks pending, lost or
 missing); 130 interrupted (Ctrl-C ends ``watch`` and ``events --follow`` normally).
 Errors are one line on stderr with their code, e.g.
 ``wsctl: conflict: reserve: TP group(s) [0] are locked; unlock first``.
@@ -54,6 +58,7 @@ import enum
 import functools
 import json
 import os
+import shutil
 import sys
 import time
 from collections import deque
@@ -71,6 +76,7 @@ from wsd.wire.curve import keygen
 from wsd.wire.protocol import SCHEMAS, Op
 from wsd_client import render
 from wsd_client.client import TAIL, Client, ClientError, CommandResult, Events, endpoint_problem
+from wsd_client.select import STATES, Selection, complete, number_list, state_list
 
 __all__ = ["COMMANDS", "Exit", "main"]
 
@@ -138,21 +144,45 @@ def _ping(client: Client, args: argparse.Namespace, out: Output) -> Exit:
 
 def _status(client: Client, args: argparse.Namespace, out: Output) -> Exit:
     status = client.status()
-    out.emit(status.doc, lambda: render.status(status.doc, client.endpoint))
+    out.emit(status.doc, lambda: render.status(status.doc, client.endpoint, _width(out.stream)))
     return Exit.PARTIAL if status.counts.absent else Exit.OK  # a stopped rank is absent as a lost one is
 
 
 def _ranks(client: Client, args: argparse.Namespace, out: Output) -> Exit:
     ranks = client.ranks()
-    out.emit(ranks.doc, lambda: render.ranks(ranks.doc))
+    out.emit(ranks.doc, lambda: render.ranks(ranks.doc, _width(out.stream)))
     gone = any(r["state"] != "live" for r in ranks.ranks)  # lost or stopped
     return Exit.PARTIAL if gone or ranks.missing else Exit.OK
 
 
+def _width(stream: TextIO) -> int | None:
+    """The terminal's width (``$COLUMNS`` first) when the output goes to one; piped output
+    is not fitted, so that a pipe gets every column."""
+    return shutil.get_terminal_size().columns if stream.isatty() else None
+
+
+def _selected_stats(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    """The stats answer in rows, with only what ``--rank``, ``--group`` and ``--state`` select.
+
+    One group alone is asked of the coordinator (it answers for that group only); several are
+    selected from the whole answer.
+    """
+    groups = args.group
+    one = next(iter(groups)) if groups is not None and len(groups) == 1 else None
+    selection = Selection(ranks=args.rank, groups=None if one is not None else groups,
+                          states=args.state or frozenset())
+    return selection.apply(client.stats(one, fresh=args.fresh).rows())
+
+
+def _stats_exit(doc: dict[str, Any]) -> Exit:
+    """3 when the answer is incomplete; for a selection, when a rank it selects is missing or stale."""
+    return Exit.OK if complete(doc) else Exit.PARTIAL
+
+
 def _stats(client: Client, args: argparse.Namespace, out: Output) -> Exit:
-    doc = client.stats(args.group, fresh=args.fresh).rows()
-    out.emit(doc, lambda: render.stats(doc))
-    return Exit.OK if doc["complete"] else Exit.PARTIAL
+    doc = _selected_stats(client, args)
+    out.emit(doc, lambda: render.stats(doc, _width(out.stream), grouped=args.grouped))
+    return _stats_exit(doc)
 
 
 def _watch(client: Client, args: argparse.Namespace, out: Output) -> Exit:
@@ -162,17 +192,16 @@ def _watch(client: Client, args: argparse.Namespace, out: Output) -> Exit:
     try:
         while True:
             with client.deadline(args.timeout):  # --timeout bounds each round
-                doc = client.stats(args.group, fresh=args.fresh).rows()
+                doc = _selected_stats(client, args)
             rounds += 1
             # When the frame was taken, ISO 8601 with the local zone's offset, on the frame and the JSON.
             doc["time"] = datetime.now(timezone.utc).astimezone().isoformat(timespec="milliseconds")
-            code = Exit.OK if doc["complete"] else Exit.PARTIAL
+            code = _stats_exit(doc)
             of = f"/{args.count}" if args.count else ""
-            header = (f"{'' if not redraw else _CLEAR}wsctl watch {client.endpoint}  {doc['time']}  "
-                      f"round {rounds}{of} every {args.interval:g} s")
+            header = f"wsctl watch {client.endpoint}  {doc['time']}  round {rounds}{of} every {args.interval:g} s"
             if rounds > 1 and not redraw and not out.as_json:
                 print(file=out.stream)  # frames one after the other when not on a terminal
-            out.emit(doc, functools.partial(render.watch, doc, previous, header))
+            out.emit(doc, functools.partial(_frame, doc, previous, header, args.grouped, redraw, out.stream))
             previous = doc
             if args.count and rounds >= args.count:
                 break
@@ -180,6 +209,12 @@ def _watch(client: Client, args: argparse.Namespace, out: Output) -> Exit:
     except KeyboardInterrupt:
         pass
     return code  # the last round's
+
+
+def _frame(doc: dict[str, Any], previous: dict[str, Any] | None, header: str, grouped: bool | None,
+           redraw: bool, stream: TextIO) -> str:
+    frame = render.watch(doc, previous, header, _width(stream), grouped=grouped)
+    return _CLEAR + frame if redraw else frame
 
 
 def _read_events(client: Client, cursor: int) -> tuple[list[dict[str, Any]], Events]:
@@ -314,6 +349,23 @@ def _group(p: argparse.ArgumentParser) -> None:
                    help="only this TP group (default: every group)")
 
 
+def _select(p: argparse.ArgumentParser) -> None:
+    """``stats`` and ``watch``: which ranks and groups, and how (one line per slot or per group)."""
+    p.add_argument("--group", metavar="G", default=None,
+                   type=number_list(*_wire(Op.STATS, "group"), "TP group number"),
+                   help="only these TP groups: 3, or a list such as 0-3,8 (default: every group)")
+    p.add_argument("--rank", metavar="R", default=None, type=number_list(*_wire(Op.REGISTER, "rank"), "rank"),
+                   help="only these ranks: 5, or a list such as 0-7,64-71")
+    p.add_argument("--state", metavar="S", default=None, type=state_list,
+                   help="only ranks in one of these states: " + "; ".join(f"{k}: {v}" for k, v in STATES.items())
+                        + " (a list such as stale,missing)")
+    view = p.add_mutually_exclusive_group()
+    view.add_argument("--by-group", dest="grouped", action="store_const", const=True, default=None,
+                      help=f"one line per TP group (the default above {render.SUMMARY_ABOVE} slots)")
+    view.add_argument("--by-slot", dest="grouped", action="store_const", const=False,
+                      help="one line per rank and slot, however many")
+
+
 def _fresh(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fresh", action="store_true",
                    help="ask every rank now and wait for the slowest (default: the snapshots the ranks "
@@ -377,11 +429,11 @@ COMMANDS: dict[str, Spec] = {
     "ping": Spec("round trip to the coordinator", _ping),
     "status": Spec("world, desired state and every TP group", _status),
     "ranks": Spec("every rank: state, host, pid, step, lock and slot count", _ranks),
-    "stats": Spec("per rank, slot and TP group: capacity, peak, skew", _stats, (_group, _fresh)),
+    "stats": Spec("per rank, slot and TP group: capacity, peak, skew", _stats, (_select, _fresh)),
     "events": Spec("the coordinator's event log", _events,
                    (_events_options, _count_interval(0.5, "events")), rounds=True),
     "watch": Spec("live per-rank, per-slot capacity and peak", _watch,
-                  (_group, _fresh, _count_interval(1.0, "rounds")), rounds=True),
+                  (_select, _fresh, _count_interval(1.0, "rounds")), rounds=True),
     # The state-changing commands, from the command table.
     **{spec.cli: Spec(spec.help, _send(spec), (_arguments(spec), _target)) for spec in COMMAND_TABLE.values()},
     "keygen": Spec("write a CURVE key pair (NAME.key, NAME.key_secret)", _keygen,

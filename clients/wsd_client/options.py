@@ -1,0 +1,158 @@
+"""The options of ``wsctl``'s commands, each range-checked as the protocol checks it.
+
+One function per option or group of options, adding it to a command's parser;
+``wsd_client.wsctl`` lists which command takes which. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from wsd.commands import CommandSpec
+from wsd.config import MAX_EVENT_CAPACITY, flag_number, parse_size
+from wsd.wire.protocol import SCHEMAS, Op
+from wsd_client import render
+from wsd_client.client import endpoint_problem
+from wsd_client.select import STATES, number_list, state_list
+
+__all__ = ["DEFAULT_TIMEOUT", "arguments", "common", "count_interval", "endpoint", "events", "fresh", "keygen",
+           "selection", "target", "wire"]
+
+DEFAULT_TIMEOUT = 5.0
+# Most seconds between two refreshes of ``watch`` or polls of ``events --follow``.
+MAX_INTERVAL = 3600.0
+# Least: a shorter pace would only poll the coordinator in a busy loop.
+MIN_INTERVAL = 0.01
+# Most rounds or events ``--count`` waits for: beyond any real use, so a typo is caught.
+MAX_COUNT = 1_000_000_000
+
+
+def wire(op: Op, name: str) -> tuple[Any, Any]:
+    """The bounds the protocol puts on a field: a flag refuses what the coordinator would."""
+    field = next(f for f in SCHEMAS[op] if f.name == name)
+    return field.low, field.high
+
+
+def size(low: int, high: int) -> Callable[[str], int]:
+    """A size on the command line (4096, 512KiB, 64MiB) within ``low..high`` bytes."""
+    def parse(text: str) -> int:
+        try:
+            value = parse_size(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low} and {high} bytes, got {text}")
+        return value
+    return parse
+
+
+def endpoint(text: str) -> str:
+    problem = endpoint_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+_seconds = flag_number(float, 0, wire(Op.STATS, "timeout")[1], what="seconds", unit=" seconds",
+                       above_low=True)
+_interval = flag_number(float, MIN_INTERVAL, MAX_INTERVAL, what="seconds", unit=" seconds")
+_count = flag_number(int, 1, MAX_COUNT, what="an integer")
+
+
+def group(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--group", metavar="G", type=flag_number(int, *wire(Op.STATS, "group"),
+                                                            what="a TP group number"),
+                   default=None,
+                   help="only this TP group (default: every group)")
+
+
+def selection(p: argparse.ArgumentParser) -> None:
+    """``stats`` and ``watch``: which ranks and groups, and how (one line per slot or per group)."""
+    p.add_argument("--group", metavar="G", default=None,
+                   type=number_list(*wire(Op.STATS, "group"), "TP group number"),
+                   help="only these TP groups: 3, or a list such as 0-3,8 (default: every group)")
+    p.add_argument("--rank", metavar="R", default=None, type=number_list(*wire(Op.REGISTER, "rank"), "rank"),
+                   help="only these ranks: 5, or a list such as 0-7,64-71")
+    p.add_argument("--state", metavar="S", default=None, type=state_list,
+                   help="only ranks in one of these states: " + "; ".join(f"{k}: {v}" for k, v in STATES.items())
+                        + " (a list such as stale,missing)")
+    view = p.add_mutually_exclusive_group()
+    view.add_argument("--by-group", dest="grouped", action="store_const", const=True, default=None,
+                      help=f"one line per TP group (the default above {render.SUMMARY_ABOVE} slots)")
+    view.add_argument("--by-slot", dest="grouped", action="store_const", const=False,
+                      help="one line per rank and slot, however many")
+
+
+def fresh(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fresh", action="store_true",
+                   help="ask every rank now and wait for the slowest (default: the snapshots the ranks "
+                        "pushed, each with its age)")
+
+
+def target(p: argparse.ArgumentParser) -> None:
+    group(p)
+    p.add_argument("--no-wait", dest="wait", action="store_false",
+                   help="return once the command is numbered, without waiting for the ranks")
+
+
+def count_interval(interval: float, what: str) -> Callable[[argparse.ArgumentParser], None]:
+    def add(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--interval", metavar="SECONDS", type=_interval, default=interval,
+                       help=f"seconds between refreshes, {MIN_INTERVAL:g} to {MAX_INTERVAL:g} "
+                            f"(default: {interval:g})")
+        p.add_argument("--count", metavar="N", type=_count,
+                       default=None, help=f"stop after N {what} (default: until Ctrl-C)")
+    return add
+
+
+def events(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--since", metavar="ID", default=None,
+                   type=flag_number(int, *wire(Op.EVENTS, "cursor"), what="an event id"),
+                   help="every event after this id (default: the last --last events)")
+    p.add_argument("--last", metavar="N", default=20,
+                   type=flag_number(int, 0, MAX_EVENT_CAPACITY, what="an integer"),
+                   help="how many of the latest events to show first (default: 20)")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+
+
+def arguments(spec: CommandSpec) -> Callable[[argparse.ArgumentParser], None]:
+    """A command's arguments, as its row of the command table declares them."""
+    def add(p: argparse.ArgumentParser) -> None:
+        for arg in spec.args:
+            kind = size(arg.low, arg.high) if arg.size else flag_number(int, arg.low, arg.high,
+                                                                         what="an integer")
+            p.add_argument(arg.name, metavar=arg.metavar, type=kind, help=arg.help)
+    return add
+
+
+def keygen(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", metavar="NAME", help="file name of the pair: NAME.key, NAME.key_secret")
+    p.add_argument("--dir", default=".", help="folder to write them in (default: the current one)")
+
+
+def common(p: argparse.ArgumentParser, top: bool) -> None:
+    """The options every command takes, before or after its name.
+
+    On the subcommands their default is SUPPRESS, so that an option given
+    before the command name is not overwritten by the subcommand's default.
+    """
+    def default(value: Any) -> Any:
+        return value if top else argparse.SUPPRESS
+
+    p.add_argument("--endpoint", type=endpoint, default=default(None),
+                   help="the coordinator's client endpoint "
+                        "(default: $WSD_ENDPOINT, else tcp://127.0.0.1:7601)")
+    p.add_argument("--timeout", metavar="SECONDS", type=_seconds,
+                   default=default(DEFAULT_TIMEOUT),
+                   help=f"seconds for the whole command, retries included (watch, events -f: "
+                        f"each round), at most {wire(Op.STATS, 'timeout')[1]:g} "
+                        f"(default: {DEFAULT_TIMEOUT:g})")
+    p.add_argument("--json", action="store_true", default=default(False),
+                   help="one JSON document per result per line on stdout (stable keys, see docs/wsctl.md)")
+    p.add_argument("--curve-server-key", metavar="FILE", default=default(None),
+                   help="the coordinator's public certificate, to connect with CURVE "
+                        "(default: $WSD_CURVE_SERVER_KEY)")
+    p.add_argument("--curve-client-key", metavar="FILE", default=default(None),
+                   help="your NAME.key_secret from `wsctl keygen` (default: $WSD_CURVE_CLIENT_KEY)")

@@ -17,8 +17,8 @@ from wsd_client import render
 from wsd_client.client import endpoint_problem
 from wsd_client.select import STATES, number_list, state_list
 
-__all__ = ["DEFAULT_TIMEOUT", "arguments", "common", "count_interval", "endpoint", "events", "fresh", "keygen",
-           "selection", "target", "wire"]
+__all__ = ["CONFIG_ACTIONS", "DEFAULT_TIMEOUT", "arguments", "common", "config", "count_interval", "endpoint",
+           "events", "fresh", "keygen", "selection", "target", "wire"]
 
 DEFAULT_TIMEOUT = 5.0
 # Most seconds between two refreshes of ``watch`` or polls of ``events --follow``.
@@ -132,6 +132,24 @@ def keygen(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default=".", help="folder to write them in (default: the current one)")
 
 
+CONFIG_ACTIONS = {
+    "get-contexts": "list the contexts of the contexts file, the current one marked",
+    "use-context": "make NAME the current context (rewrites `current` in the file)",
+    "current-context": "print the current context's name",
+}
+"""``wsctl config``'s actions on the contexts file, with what each does."""
+
+
+def config(p: argparse.ArgumentParser) -> None:
+    """``wsctl config ACTION``: each action with the common options, so that they go anywhere."""
+    sub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    for name, text in CONFIG_ACTIONS.items():
+        action = sub.add_parser(name, help=text, description=text)
+        if name == "use-context":
+            action.add_argument("name", metavar="NAME", help="a context of the file")
+        common(action, top=False)
+
+
 def common(p: argparse.ArgumentParser, top: bool) -> None:
     """The options every command takes, before or after its name.
 
@@ -142,8 +160,11 @@ def common(p: argparse.ArgumentParser, top: bool) -> None:
         return value if top else argparse.SUPPRESS
 
     p.add_argument("--endpoint", type=endpoint, default=default(None),
-                   help="the coordinator's client endpoint "
-                        "(default: $WSD_ENDPOINT, else tcp://127.0.0.1:7601)")
+                   help="the coordinator's client endpoint (default: --context's, else $WSD_ENDPOINT, "
+                        "else the current context's, else tcp://127.0.0.1:7601)")
+    p.add_argument("--context", metavar="NAME", default=default(None),
+                   help="a cluster's endpoint and keys by name, from the contexts file ($WSCTL_CONFIG, "
+                        "else $XDG_CONFIG_HOME/wsd/wsctl.toml; see `wsctl config`)")
     p.add_argument("--timeout", metavar="SECONDS", type=_seconds,
                    default=default(DEFAULT_TIMEOUT),
                    help=f"seconds for the whole command, retries included (watch, events -f: "
@@ -153,6 +174,7 @@ def common(p: argparse.ArgumentParser, top: bool) -> None:
                    help="one JSON document per result per line on stdout (stable keys, see docs/wsctl.md)")
     p.add_argument("--curve-server-key", metavar="FILE", default=default(None),
                    help="the coordinator's public certificate, to connect with CURVE "
-                        "(default: $WSD_CURVE_SERVER_KEY)")
+                        "(default: the context's, else $WSD_CURVE_SERVER_KEY)")
     p.add_argument("--curve-client-key", metavar="FILE", default=default(None),
-                   help="your NAME.key_secret from `wsctl keygen` (default: $WSD_CURVE_CLIENT_KEY)")
+                   help="your NAME.key_secret from `wsctl keygen` (default: the context's, "
+                        "else $WSD_CURVE_CLIENT_KEY)")

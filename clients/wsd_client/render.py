@@ -23,7 +23,7 @@ from wsd_client.layout import Column, fit
 from wsd_client.results import RankCounts
 from wsd_client.select import complete, ranges
 
-__all__ = ["SUMMARY_ABOVE", "command", "event_line", "events", "events_header", "groups", "ping", "ranks",
+__all__ = ["SUMMARY_ABOVE", "command", "contexts", "event_line", "events", "events_header", "groups", "ping", "ranks",
            "stats", "status", "watch"]
 
 SUMMARY_ABOVE = 256
@@ -338,6 +338,15 @@ def _watch_slots(doc: dict[str, Any], previous: dict[str, Any] | None, width: in
                          *(_number(n.name, s[n.name]) for n in SLOT_NUMBERS),
                          _grown(s["capacity_bytes"] - old if old is not None else 0)])
     return fit(_WATCH_COLUMNS, rows, width) if rows else "no ranks reporting"
+
+
+def contexts(doc: dict[str, Any]) -> str:
+    """``wsctl config get-contexts``: one line per context, ``*`` at the current one."""
+    if not doc["contexts"]:
+        return f"no contexts in {doc['file']}"
+    return table(["CURRENT", "NAME", "ENDPOINT", "CURVE"],
+                 [["*" if c["name"] == doc["current"] else "", c["name"], c["endpoint"],
+                   _opt(c["server_key"] is not None)] for c in doc["contexts"]])
 
 
 # -- events -----------------------------------------------------------------------

@@ -22,13 +22,19 @@ applies them at the same engine step)::
     wsctl set-ubatches N            1..64 ubatch slots per lane
     wsctl reserve SIZE              size every slot, e.g. 4096, 512KiB, 64MiB
 
+Contexts (each cluster's endpoint and keys by name, in $WSCTL_CONFIG, else
+$XDG_CONFIG_HOME/wsd/wsctl.toml; no coordinator involved)::
+
+    wsctl config get-contexts | use-context NAME | current-context
+
 Keys (no coordinator involved)::
 
     wsctl keygen NAME [--dir DIR]   a CURVE key pair: DIR/NAME.key (public) and
                                     DIR/NAME.key_secret (mode 0600)
 
 Options taken by every command, before or after its name: ``--endpoint``
-(default ``$WSD_ENDPOINT``, else ``tcp://127.0.0.1:7601``), ``--timeout`` seconds
+(default: ``--context NAME``'s, else ``$WSD_ENDPOINT``, else the current
+context's, else ``tcp://127.0.0.1:7601``), ``--timeout`` seconds
 for the whole command, retries included (for ``watch`` and ``events --follow``:
 each round; default 5, at most 3600), ``--json``; with CURVE, ``--curve-server-key FILE`` (the
 coordinator's public certificate, default ``$WSD_CURVE_SERVER_KEY``) and
@@ -74,7 +80,8 @@ from wsd.errors import ConfigError
 from wsd.wire.curve import keygen
 from wsd_client import options as opt
 from wsd_client import render
-from wsd_client.client import TAIL, Client, ClientError, CommandResult, Events, endpoint_problem
+from wsd_client.client import TAIL, BadEndpoint, Client, ClientError, CommandResult, Events, endpoint_problem
+from wsd_client.contexts import Contexts
 from wsd_client.select import Selection, complete
 
 __all__ = ["COMMANDS", "Exit", "main"]
@@ -282,6 +289,52 @@ def _command(call: Callable[[Client, argparse.Namespace], CommandResult]) -> Han
 # -- keys ---------------------------------------------------------------------------
 
 
+# -- contexts -----------------------------------------------------------------------
+
+
+def _connection(args: argparse.Namespace) -> tuple[str | None, str | None, str | None]:
+    """The endpoint and CURVE keys to connect with, None leaving it to ``Client`` ($WSD_*, default).
+
+    Flags win; then ``--context``'s; else ``$WSD_ENDPOINT``, or when it is unset the current
+    context. A context applies whole or not at all: an ``--endpoint`` or ``$WSD_ENDPOINT``
+    names another coordinator, whose keys the current context does not hold.
+    """
+    context = None
+    if args.context is not None:
+        context = Contexts.load().get(args.context)
+    elif args.endpoint is None and not os.environ.get("WSD_ENDPOINT"):
+        contexts = Contexts.load()
+        context = contexts.contexts[contexts.current] if contexts.current is not None else None
+    keys = (args.curve_server_key, args.curve_client_key)
+    if context is None:
+        return args.endpoint, *keys
+    if not any(keys):
+        keys = (context.server_key, context.client_key)
+    return args.endpoint or context.endpoint, *keys
+
+
+def _config(client: Client | None, args: argparse.Namespace, out: Output) -> Exit:
+    contexts = Contexts.load()
+    if args.config_command == "use-context":
+        contexts = contexts.use(args.name)
+        doc: dict[str, Any] = {"file": str(contexts.path), "current": contexts.current}
+        out.emit(doc, lambda: f"current context: {contexts.current} ({contexts.path})")
+    elif args.config_command == "current-context":
+        if contexts.current is None:
+            print(f"wsctl: no current context in {contexts.path}", file=sys.stderr)
+            return Exit.ERROR
+        doc = {"file": str(contexts.path), "current": contexts.current}
+        out.emit(doc, lambda: str(contexts.current))
+    else:  # get-contexts
+        doc = {"file": str(contexts.path), "current": contexts.current,
+               "contexts": [dataclasses.asdict(c) for c in contexts.contexts.values()]}
+        out.emit(doc, lambda: render.contexts(doc))
+    return Exit.OK
+
+
+# -- keys ---------------------------------------------------------------------------
+
+
 def _keygen(client: Client | None, args: argparse.Namespace, out: Output) -> Exit:
     public, secret = keygen(args.name, args.dir)
     doc = {"public": str(public), "secret": str(secret)}
@@ -327,6 +380,8 @@ COMMANDS: dict[str, Spec] = {
     **{spec.cli: Spec(spec.help, _send(spec), (opt.arguments(spec), opt.target)) for spec in COMMAND_TABLE.values()},
     "keygen": Spec("write a CURVE key pair (NAME.key, NAME.key_secret)", _keygen,
                    (opt.keygen,), client=False),
+    "config": Spec("the contexts file: each cluster's endpoint and keys by name", _config, (opt.config,),
+                   client=False),
 }
 
 
@@ -352,7 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Output(args.json, sys.stdout)
     spec = COMMANDS[args.command]
     from_env = os.environ.get("WSD_ENDPOINT")
-    if spec.client and args.endpoint is None and from_env:  # --endpoint was checked by argparse
+    if spec.client and args.endpoint is None and args.context is None and from_env:  # --endpoint: by argparse
         problem = endpoint_problem(from_env)
         if problem is not None:
             print(f"wsctl: environment variable WSD_ENDPOINT {problem}", file=sys.stderr)
@@ -360,13 +415,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if not spec.client:
             return int(spec.run(None, args, out))  # type: ignore[arg-type]
-        with Client(args.endpoint, timeout=args.timeout, curve_server_key=args.curve_server_key,
-                    curve_client_key=args.curve_client_key) as client:
+        endpoint, server_key, client_key = _connection(args)
+        with Client(endpoint, timeout=args.timeout, curve_server_key=server_key,
+                    curve_client_key=client_key) as client:
             if spec.rounds:
                 return int(spec.run(client, args, out))
             with client.deadline(args.timeout):
                 return int(spec.run(client, args, out))
-    except ConfigError as e:  # a key file missing, unreadable or open to others
+    except (ConfigError, BadEndpoint) as e:  # a key or contexts file wrong, unreadable or open to others
         print(f"wsctl: {e}", file=sys.stderr)
         return Exit.USAGE
     except ClientError as e:

@@ -27,6 +27,10 @@ $XDG_CONFIG_HOME/wsd/wsctl.toml; no coordinator involved)::
 
     wsctl config get-contexts | use-context NAME | current-context
 
+Shell completion (no coordinator involved)::
+
+    wsctl completion bash|zsh       source <(wsctl completion bash)
+
 Keys (no coordinator involved)::
 
     wsctl keygen NAME [--dir DIR]   a CURVE key pair: DIR/NAME.key (public) and
@@ -78,8 +82,8 @@ from wsd.commands import COMMANDS as COMMAND_TABLE
 from wsd.commands import CommandSpec
 from wsd.errors import ConfigError
 from wsd.wire.curve import keygen
+from wsd_client import completion, render
 from wsd_client import options as opt
-from wsd_client import render
 from wsd_client.client import TAIL, BadEndpoint, Client, ClientError, CommandResult, Events, endpoint_problem
 from wsd_client.contexts import Contexts
 from wsd_client.select import Selection, complete
@@ -286,9 +290,6 @@ def _command(call: Callable[[Client, argparse.Namespace], CommandResult]) -> Han
     return run
 
 
-# -- keys ---------------------------------------------------------------------------
-
-
 # -- contexts -----------------------------------------------------------------------
 
 
@@ -332,7 +333,19 @@ def _config(client: Client | None, args: argparse.Namespace, out: Output) -> Exi
     return Exit.OK
 
 
-# -- keys ---------------------------------------------------------------------------
+# -- completion and keys -------------------------------------------------------------
+
+
+def _completion(client: Client | None, args: argparse.Namespace, out: Output) -> Exit:
+    text = completion.script(_parser(), args.shell)
+    out.emit({"shell": args.shell, "script": text}, text.rstrip)
+    return Exit.OK
+
+
+def _completion_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("shell", metavar="SHELL", choices=completion.SHELLS,
+                   help=f"the shell: {', '.join(completion.SHELLS)}")
+
 
 
 def _keygen(client: Client | None, args: argparse.Namespace, out: Output) -> Exit:
@@ -380,6 +393,8 @@ COMMANDS: dict[str, Spec] = {
     **{spec.cli: Spec(spec.help, _send(spec), (opt.arguments(spec), opt.target)) for spec in COMMAND_TABLE.values()},
     "keygen": Spec("write a CURVE key pair (NAME.key, NAME.key_secret)", _keygen,
                    (opt.keygen,), client=False),
+    "completion": Spec("print a shell completion script (bash, zsh): source <(wsctl completion bash)",
+                       _completion, (_completion_options,), client=False),
     "config": Spec("the contexts file: each cluster's endpoint and keys by name", _config, (opt.config,),
                    client=False),
 }

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
+import subprocess
+import sys
 
 import pytest
 from conftest import wait_until
@@ -18,7 +21,21 @@ from procs import (  # noqa: F401  (spawn is a fixture)
     write_config,
 )
 
+import wsd.up as wsd_up
+from wsd.config import load_config
+from wsd.errors import ConfigError, LaunchError
 from wsd_client.client import Client
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+SMALL_WORKLOAD = {"hidden_size": 32, "ffn_size": 64, "max_tokens": 32, "warmup_steps": 4, "pace": 0.05}
+# A log line of ours: time, host, who (a rank or the coordinator), logger, level.
+OUR_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \S+ (rank \d+/\d+|wsd-coordinator) \S+ INFO ")
 
 
 @pytest.mark.parametrize(("sig", "group"), [(signal.SIGINT, True), (signal.SIGTERM, False)],
@@ -35,10 +52,6 @@ def test_wsd_up_runs_a_cluster_and_leaves_no_process_behind(tmp_path, spawn, sig
     endpoint = up.wait_for(r"wsd up: clients on (\S+)", 60).group(1)
     up.wait_for(rf"wsd up: try +WSD_ENDPOINT={endpoint} wsctl status", 5)
     with Client(endpoint, timeout=5) as client:
-        first = client.status()
-        if first["ranks"]["live"] == 0:  # always, in practice: the workers are still importing torch
-            # wsd up told the coordinator the world size, so it names ranks not yet seen.
-            assert first["world_size"] == 2 and first["ranks"]["never_registered"] == 2, first
         wait_until(lambda: client.status()["ranks"]["live"] == 2, 60, "both ranks to register")
     up.wait_for(r"warm-up done", 30)
     pids = up.tree()
@@ -100,3 +113,182 @@ def test_wsd_up_exits_2_when_its_coordinator_cannot_bind(tmp_path, spawn):  # no
         assert proc.wait(60) == 2, proc.output()
     assert f"cannot bind tcp://127.0.0.1:{port}" in proc.output()
     assert "torchrun" not in proc.output() and "Traceback" not in proc.output()
+
+
+def _up(tmp_path, spawn, *, env=None, **extra):  # noqa: F811
+    """``wsd up --nproc 2`` on OS-chosen ports with short heartbeats; the process and its client endpoint."""
+    config = write_config(tmp_path / "wsd.toml", {"coordinator": coordinator_section(tmp_path),
+                                                  "workload": SMALL_WORKLOAD, **extra})
+    up = spawn(["wsd", "up", "--nproc", "2", "--config", config], env=env or worker_env(), name="wsd up")
+    return up, up.wait_for(r"wsd up: clients on (\S+)", 60).group(1)
+
+
+def test_a_killed_worker_is_one_line_naming_its_rank_and_wsctl_shows_it_lost(tmp_path, spawn):  # noqa: F811
+    """SIGKILL to one worker: wsd up says which rank died and how, in one line, with no
+    traceback (it printed about 190 lines of them, torchrun's and the other rank's, and tore
+    the coordinator down with the cluster); the coordinator keeps serving, so `wsctl status`
+    shows the rank lost and exits 3, as the README says; wsd up then exits 3 on SIGTERM."""
+    up, endpoint = _up(tmp_path, spawn)
+    with Client(endpoint, timeout=5) as client:
+        wait_until(lambda: client.status().counts.live == 2, 60, "both ranks to register")
+        pid = next(r["pid"] for r in client.ranks().ranks if r["rank"] == 1)
+        up.wait_for(r"rank 1/2 .* warm-up done", 30)
+        before = len(up.lines)
+        os.kill(pid, signal.SIGKILL)
+        up.wait_for(rf"^wsd up: rank 1 \(pid {pid}\) exited with signal 9 \(SIGKILL\); rank 0 stopped with it$",
+                    30, start=before)
+        up.wait_for(r"^wsd up: a rank is gone; the coordinator keeps serving", 10, start=before)
+        wait_until(lambda: {r["rank"]: r["state"] for r in client.ranks().ranks} == {0: "stopped", 1: "lost"},
+                   10, "rank 1 lost (rank 0 said goodbye)")
+    wsctl = subprocess.run([sys.executable, "-m", "wsd_client.wsctl", "--endpoint", endpoint, "status"],
+                           capture_output=True, text=True, timeout=30)
+    assert wsctl.returncode == 3 and "1 lost" in wsctl.stdout, wsctl
+    up.send(signal.SIGTERM)
+    assert up.wait(60) == 3, up.output()
+    after = up.lines[before:]
+    assert len(after) <= 6 and "Traceback" not in up.output(), "\n".join(after)
+    assert sum("another rank of the job is gone (gloo: " in line for line in after) == 1, "\n".join(after)
+
+
+def test_start_up_prints_no_banner_and_no_warning(tmp_path, spawn):  # noqa: F811
+    """Without OMP_NUM_THREADS in the environment, torchrun printed a five-line banner about
+    setting it: wsd up sets it itself, so everything up to both ranks' warm-up is wsd up's own
+    lines and INFO log lines."""
+    env = {k: v for k, v in worker_env().items() if k != "OMP_NUM_THREADS"}
+    up, _ = _up(tmp_path, spawn, env=env)
+    for rank in (0, 1):
+        up.wait_for(rf"rank {rank}/2 .* warm-up done", 60)
+    strange = [line for line in up.lines if not line.startswith("wsd up: ") and not OUR_LOG_LINE.match(line)]
+    assert strange == [], "\n".join(up.lines)
+    up.send(signal.SIGTERM)
+    assert up.wait(60) == 0, up.output()
+
+
+def _hand_over(monkeypatch, tmp_path):
+    """``wsd_up.up`` stops at the coordinator's start; the environment it was to be given."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    for name in ("WSD_CONFIG", "WSD_COORDINATOR_STATE_FILE", "WSD_COORDINATOR_WORLD_SIZE",
+                 "WSD_COORDINATOR_TP_SIZE", "WSD_WORKER_TP_SIZE", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    seen: list[dict[str, str]] = []
+
+    def start(self, timeout):
+        seen.append(dict(self.env))
+        raise LaunchError("stopped here by the test")
+
+    monkeypatch.setattr(wsd_up.CoordinatorProcess, "start", start)
+
+    def up(nproc: int, config: str | None = None) -> dict[str, str]:
+        with pytest.raises(LaunchError, match="stopped here by the test"):
+            wsd_up.up(nproc, config, out=lambda line: None)
+        return seen.pop()
+
+    return up
+
+
+def test_up_shares_the_cpus_among_the_workers_unless_omp_num_threads_is_set(tmp_path, monkeypatch):
+    """OMP_NUM_THREADS: this process's CPUs divided by --nproc, at least 1 (torchrun's own
+    default was 1 with a banner); a value the user set is the workers' as it is."""
+    up = _hand_over(monkeypatch, tmp_path)
+    cpus = len(os.sched_getaffinity(0))
+    assert up(2)["OMP_NUM_THREADS"] == str(max(1, cpus // 2))
+    assert up(4 * cpus)["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    assert up(2)["OMP_NUM_THREADS"] == "7"
+
+
+def test_up_tells_the_coordinator_the_world_it_launches(tmp_path, monkeypatch):
+    """The coordinator is given --nproc as its world size and the workers' TP size, whatever
+    the environment held; a configuration that says otherwise is refused before anything
+    starts (the workers would be refused one by one at registration)."""
+    up = _hand_over(monkeypatch, tmp_path)
+    env = up(4)
+    assert (env["WSD_COORDINATOR_WORLD_SIZE"], env["WSD_COORDINATOR_TP_SIZE"]) == ("4", "4")
+    tp2 = write_config(tmp_path / "tp2.toml", {"worker": {"tp_size": 2}})
+    env = up(4, tp2)
+    assert (env["WSD_COORDINATOR_WORLD_SIZE"], env["WSD_COORDINATOR_TP_SIZE"]) == ("4", "2")
+    with pytest.raises(ConfigError, match=r"\[worker\] tp_size = 2 does not divide --nproc 3"):
+        wsd_up.world_env(load_config(tp2, env={}), 3)
+    other = write_config(tmp_path / "ws.toml", {"coordinator": {"world_size": 8}})
+    with pytest.raises(ConfigError, match=r"\[coordinator\] world_size = 8, but wsd up starts a world of 4"):
+        wsd_up.world_env(load_config(other, env={}), 4)
+
+
+# Each worker waits before torch.distributed starts, so before it registers, until a file exists.
+_GATE = """import os, time
+if "RANK" in os.environ and "UP_TEST_GATE" in os.environ:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.environ["UP_TEST_GATE"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+"""
+
+
+def test_the_coordinator_of_wsd_up_expects_every_rank_before_any_registers(tmp_path, spawn):  # noqa: F811
+    """While no worker has registered, the coordinator already counts both ranks, missing (so
+    metrics show wsd_rank_up 0 for them); without the world size from wsd up it would learn
+    of ranks only as they register, and one that never does would be invisible."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(_GATE)
+    gate = tmp_path / "open"
+    env = worker_env(UP_TEST_GATE=str(gate),
+                     PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")])))
+    up, endpoint = _up(tmp_path, spawn, env=env)
+    with Client(endpoint, timeout=5) as client:
+        status = client.status()
+        assert (status.world_size, status.tp_size) == (2, 2), status
+        assert (status.counts.live, status.counts.missing) == (0, 2), status
+        assert sorted(m["rank"] for m in client.ranks().missing) == [0, 1]
+        gate.touch()
+        wait_until(lambda: client.status().counts.live == 2, 60, "both ranks to register once let through")
+    up.send(signal.SIGTERM)
+    assert up.wait(60) == 0, up.output()
+
+
+@pytest.mark.skipif(torch_cuda_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("how", ["file", "environment"])
+def test_wsd_up_refuses_nccl_without_cuda_before_starting_anything(tmp_path, how):
+    """nccl (CUDA) on a machine without CUDA: one line naming the setting and the fix, exit 2,
+    no coordinator and no torchrun (each worker failed alone, under torchrun's tracebacks)."""
+    env = {**os.environ, "WSD_COORDINATOR_STATE_FILE": str(tmp_path / "state")}
+    args = ["wsd", "up", "--nproc", "1"]
+    if how == "file":
+        args += ["--config", write_config(tmp_path / "gpu.toml", {"worker": {"backend": "nccl"}})]
+        where = "gpu.toml"
+    else:
+        env["WSD_WORKER_BACKEND"] = "nccl"
+        where = "WSD_WORKER_BACKEND"
+    result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 2, result
+    assert result.stderr.count("\n") == 1 and where in result.stderr, result.stderr
+    assert "backend = 'nccl' needs CUDA" in result.stderr and "use 'gloo' or 'auto'" in result.stderr
+    assert "clients on" not in result.stdout
+
+
+@pytest.mark.skipif(torch_cuda_available(), reason="this machine has CUDA")
+def test_wsd_demo_refuses_a_cuda_device_without_cuda_as_a_usage_error():
+    result = subprocess.run([sys.executable, "-m", "wsd.cli", "demo", "--device", "cuda:0"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result
+    assert result.stderr.splitlines()[-1] == (
+        "wsd demo: error: argument --device: cuda:0 needs CUDA, which this machine does not have: use --device cpu")
+
+
+def test_failures_are_one_line_per_rank_that_failed_of_its_own_accord():
+    """torchrun's failure table in a line: the ranks stopped because of another (torchrun's
+    SIGTERM, or a worker's RANK_LOST after its peer vanished) are named after it, not as
+    failures of their own; when every rank was stopped, each is listed, as nothing says who
+    went first."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from wsd.worker.launcher import describe_failures
+
+    def failed(rank: int, exitcode: int) -> ProcessFailure:
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file="<N/A>")
+
+    killed, sigterm, lost = -signal.SIGKILL, -signal.SIGTERM, wsd_up.RANK_LOST
+    assert describe_failures({0: failed(0, lost), 1: failed(1, killed), 2: failed(2, sigterm)}) == [
+        "rank 1 (pid 101) exited with signal 9 (SIGKILL); ranks 0, 2 stopped with it"]
+    assert describe_failures({3: failed(3, 1), 0: failed(0, 2)}) == [
+        "rank 0 (pid 100) refused its configuration (exit code 2)", "rank 3 (pid 103) exited with code 1"]
+    assert describe_failures({1: failed(1, sigterm), 0: failed(0, lost)}) == [
+        f"rank 0 (pid 100) exited with code {lost}", "rank 1 (pid 101) exited with signal 15 (SIGTERM)"]

@@ -12,7 +12,7 @@ import pytest
 from procs import coordinator_section, spawn, worker_env, write_config  # noqa: F401  (spawn is a fixture)
 
 import wsd
-from wsd import launch
+import wsd.up as wsd_up
 from wsd.config import load_config
 from wsd.coordinator.commandlog import CommandLog
 from wsd.errors import LaunchError
@@ -28,10 +28,10 @@ def _seed(path: str) -> None:
 
 def test_state_folder_follows_xdg_state_home_else_home(tmp_path):
     """Without it, wsd up would write its state wherever it is started (the old ./wsd-coordinator.state)."""
-    assert launch.state_folder({"XDG_STATE_HOME": str(tmp_path / "x"), "HOME": "/h"}) == str(tmp_path / "x" / "wsd")
-    assert launch.state_folder({"HOME": "/h"}) == "/h/.local/state/wsd"
+    assert wsd_up.state_folder({"XDG_STATE_HOME": str(tmp_path / "x"), "HOME": "/h"}) == str(tmp_path / "x" / "wsd")
+    assert wsd_up.state_folder({"HOME": "/h"}) == "/h/.local/state/wsd"
     # The XDG specification: a relative path is invalid and ignored.
-    assert launch.state_folder({"XDG_STATE_HOME": "rel", "HOME": "/h"}) == "/h/.local/state/wsd"
+    assert wsd_up.state_folder({"XDG_STATE_HOME": "rel", "HOME": "/h"}) == "/h/.local/state/wsd"
 
 
 def test_state_file_is_one_per_cluster_unless_the_configuration_names_one(tmp_path, monkeypatch):
@@ -40,49 +40,49 @@ def test_state_file_is_one_per_cluster_unless_the_configuration_names_one(tmp_pa
     state_file, in the file or the environment, wins."""
     env = {"XDG_STATE_HOME": str(tmp_path / "state")}
     folder = str(tmp_path / "state" / "wsd")
-    assert launch.up_state_file(load_config(None, env=env), env) == (os.path.join(folder, "default.state"), False)
+    assert wsd_up.up_state_file(load_config(None, env=env), env) == (os.path.join(folder, "default.state"), False)
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     a = write_config(tmp_path / "a" / "wsd.toml", {"workload": {"max_tokens": 32}})
     b = write_config(tmp_path / "b" / "wsd.toml", {"workload": {"max_tokens": 32}})
-    path_a, chosen = launch.up_state_file(load_config(a, env=env), env)
-    path_b, _ = launch.up_state_file(load_config(b, env=env), env)
+    path_a, chosen = wsd_up.up_state_file(load_config(a, env=env), env)
+    path_b, _ = wsd_up.up_state_file(load_config(b, env=env), env)
     assert not chosen and path_a != path_b
     assert os.path.dirname(path_a) == folder and os.path.basename(path_a).startswith("wsd-")
     monkeypatch.chdir(tmp_path / "a")
     os.symlink(a, tmp_path / "link.toml")
     for other in ("wsd.toml", str(tmp_path / "link.toml")):
-        assert launch.up_state_file(load_config(other, env=env), env)[0] == path_a
+        assert wsd_up.up_state_file(load_config(other, env=env), env)[0] == path_a
 
     named = write_config(tmp_path / "named.toml", {"coordinator": {"state_file": str(tmp_path / "mine.state")}})
-    assert launch.up_state_file(load_config(named, env=env), env) == (str(tmp_path / "mine.state"), True)
+    assert wsd_up.up_state_file(load_config(named, env=env), env) == (str(tmp_path / "mine.state"), True)
     env_named = {**env, "WSD_COORDINATOR_STATE_FILE": str(tmp_path / "env.state")}
-    assert launch.up_state_file(load_config(a, env=env_named), env_named) == (str(tmp_path / "env.state"), True)
+    assert wsd_up.up_state_file(load_config(a, env=env_named), env_named) == (str(tmp_path / "env.state"), True)
 
 
 def test_forget_state_removes_the_snapshot_and_its_journal(tmp_path):
     path = str(tmp_path / "s.state")
     _seed(path)
     assert os.path.exists(path + ".journal")
-    assert launch.forget_state(path) == [path, path + ".journal"]
+    assert wsd_up.forget_state(path) == [path, path + ".journal"]
     assert not os.path.exists(path) and not os.path.exists(path + ".journal")
-    assert launch.forget_state(path) == []  # nothing left: not an error
+    assert wsd_up.forget_state(path) == []  # nothing left: not an error
 
 
 def test_recovery_line_says_what_the_coordinator_will_replay_and_leaves_the_files_alone(tmp_path):
     """The line is what an operator needs to notice a replayed lock; reading it must not fold
     the journal of the real files (the coordinator loads them next)."""
     path = str(tmp_path / "s.state")
-    assert launch.recovery_line(path, 64) == f"no earlier state in {path}: starting empty"
+    assert wsd_up.recovery_line(path, 64) == f"no earlier state in {path}: starting empty"
     _seed(path)
     files = [tmp_path / "s.state", tmp_path / "s.state.journal"]
     before = [f.read_bytes() for f in files]
-    assert launch.recovery_line(path, 64) == (
+    assert wsd_up.recovery_line(path, 64) == (
         f"recovered seq 2, desired: locked, 4 ubatches from {path}; wsd up --fresh starts empty")
     assert [f.read_bytes() for f in files] == before
     files[0].write_bytes(b"not a state file")
-    assert "cannot be loaded; the coordinator will say why" in launch.recovery_line(path, 64)
+    assert "cannot be loaded; the coordinator will say why" in wsd_up.recovery_line(path, 64)
 
 
 def test_up_fresh_removes_the_state_and_hands_the_coordinator_its_path(tmp_path, monkeypatch):
@@ -100,10 +100,10 @@ def test_up_fresh_removes_the_state_and_hands_the_coordinator_its_path(tmp_path,
         seen.append(dict(self.env))
         raise LaunchError("stopped here by the test")
 
-    monkeypatch.setattr(launch.CoordinatorProcess, "start", start)
+    monkeypatch.setattr(wsd_up.CoordinatorProcess, "start", start)
     lines: list[str] = []
     with pytest.raises(LaunchError):
-        launch.up(1, None, fresh=True, out=lines.append)
+        wsd_up.up(1, None, fresh=True, out=lines.append)
     assert lines == [f"wsd up: --fresh: removed {path} and {path}.journal",
                      f"wsd up: no earlier state in {path}: starting empty"]
     assert seen[0]["WSD_COORDINATOR_STATE_FILE"] == path
@@ -126,7 +126,7 @@ def test_wsd_up_recovers_its_clusters_state_from_the_user_state_folder(tmp_path,
     })
     env = {k: v for k, v in worker_env(XDG_STATE_HOME=str(tmp_path / "xdg")).items()
            if k not in ("WSD_COORDINATOR_STATE_FILE", "WSD_CONFIG")}
-    path, chosen = launch.up_state_file(load_config(config, env=env), env)
+    path, chosen = wsd_up.up_state_file(load_config(config, env=env), env)
     assert not chosen
     os.makedirs(os.path.dirname(path))
     _seed(path)

@@ -27,6 +27,21 @@ MAX_DEMO_STEPS = 1_000_000
 """Most steady steps ``wsd demo`` runs; more is a typo."""
 
 
+def device_flag(name: str) -> str:
+    """``--device``: a torch device this machine has. A usage error (exit 2) names the fix for
+    a CUDA device on a machine without CUDA, where torch would fail in the first allocation
+    with a traceback. Imports torch (only ``wsd demo`` has the flag)."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{name} needs CUDA, which this machine does not have: use --device cpu")
+    return name
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="wsd", description="wsd: a distributed workspace service for GPU inference clusters."
@@ -37,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
         "demo", help="run one manager through warm-up, lock and steady state; print its stats"
     )
     demo.add_argument("--config", help="TOML configuration file (default: $WSD_CONFIG or defaults)")
-    demo.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    demo.add_argument("--device", type=device_flag, default="cpu", help="torch device (default: cpu)")
     demo.add_argument("--steps", type=flag_number(int, 1, MAX_DEMO_STEPS, what="an integer"), default=100,
                       help=f"steady-state steps, 1..{MAX_DEMO_STEPS} (default: 100)")
     up = sub.add_parser(
@@ -66,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         if args.command == "up":
-            from wsd.launch import up
+            from wsd.up import up
 
             return up(args.nproc, args.config, fresh=args.fresh)
         if args.command == "coordinator":

@@ -5,7 +5,10 @@ groups, builds the manager from configuration, starts the agent (and, when
 ``[coordinator] mode = "embedded"``, rank 0 starts the coordinator as a child
 process first), then runs the built-in engine loop, or with ``--idle`` only
 serves the manager. SIGTERM and SIGINT end it cleanly at the next step
-boundary, on every rank at the same step.
+boundary, on every rank at the same step. When another rank of the job dies,
+the next collective fails: the worker says so in one line and exits
+``RANK_LOST``, so that the launcher can tell the rank that died from those that
+stopped because of it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from wsd.errors import ConfigError, LaunchError
 from wsd.launch import CoordinatorProcess, stop_signals
 from wsd.manager.core import WorkspaceManager
 from wsd.security import AGENT_TOKEN_ENV, load_agent_token
+from wsd.up import RANK_LOST
 from wsd.wire.curve import agent_keys
 from wsd.worker.distributed import (
     DistContext,
@@ -44,6 +48,9 @@ logger = logging.getLogger("wsd.worker.process")
 
 # An idle worker looks at its stop flag this often.
 _IDLE_POLL = 0.5
+# gloo reports a broken connection to another rank as a plain RuntimeError whose
+# message starts with the transport source file: "[.../gloo/transport/tcp/pair.cc:537] Read error ...".
+_GLOO_TRANSPORT = re.compile(r"^\[[^\]]*gloo/transport/[^\]]*\]\s*")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -110,6 +117,20 @@ def _reachable(bound: str) -> str:
     return re.sub(r"^tcp://(0\.0\.0\.0|\*|\[::\])(:\d+)$", rf"tcp://{socket.gethostname()}\2", bound)
 
 
+def peer_gone(error: BaseException) -> str | None:
+    """Why a collective failed, in one line, if it failed because another rank is gone
+    (its connection broke); None for any other error."""
+    if not isinstance(error, RuntimeError):
+        return None
+    first = (str(error).splitlines() or [""])[0]
+    transport = _GLOO_TRANSPORT.match(first)
+    if transport is not None:  # its first sentence; the rest is advice on hangs
+        return "gloo: " + re.split(r"(?<=\.)\s", first[transport.end():], maxsplit=1)[0]
+    if isinstance(error, dist.DistNetworkError):
+        return first
+    return None
+
+
 @record
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
@@ -157,6 +178,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as e:
             logger.error("%s", e)
             return 2
+        except RuntimeError as e:
+            why = peer_gone(e)
+            if why is None:
+                raise
+            # Stopped in order, because of another rank: say goodbye, so that only
+            # the rank that died shows as lost.
+            logger.error("stopping: another rank of the job is gone (%s)", why)
+            clean = True
+            return RANK_LOST
         finally:
             if agent is not None:
                 agent.stop(goodbye=clean)

@@ -1,0 +1,85 @@
+"""``python -m wsd.worker.launcher TORCHRUN-ARGS``: torchrun as ``wsd up`` runs it.
+
+This is torchrun: ``torch.distributed.run``'s own argument parser and ``run``,
+given torchrun's arguments. What differs is what it prints when workers fail.
+torchrun stops the other workers, logs each step of that, and raises
+``ChildFailedError``, whose traceback and failure table fill a screen (about
+190 lines for one killed worker). Here each rank that failed of its own accord
+gets one line instead, the ranks that stopped because of it named after it::
+
+    wsd up: rank 1 (pid 4242) exited with signal 9 (SIGKILL); rank 0 stopped with it
+
+A rank stopped "because of it" is one that torchrun stopped (SIGTERM) or that
+exited ``RANK_LOST`` (a worker's code when a collective failed because another
+rank was gone). Exit codes: 0 when no worker failed; 2 when every failed
+worker refused its configuration (its own line above says why); ``RANK_LOST``
+otherwise. Imports torch only in ``main``, as every launcher.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from wsd.up import RANK_LOST
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+__all__ = ["describe_failures", "main"]
+
+# torchrun's loggers that narrate a failed group's end (the closing signals it sends,
+# each failed exit code, the restarts left): the lines below say it once.
+_NARRATORS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
+_CONFIG_ERROR = 2
+"""A worker's exit code when it refused its configuration."""
+
+
+def _stopped_because_of_another(failure: ProcessFailure) -> bool:
+    return failure.exitcode in (-signal.SIGTERM, RANK_LOST)
+
+
+def _how(failure: ProcessFailure) -> str:
+    if failure.exitcode < 0:
+        return f"exited with signal {-failure.exitcode} ({failure.signal_name()})"
+    if failure.exitcode == _CONFIG_ERROR:
+        return "refused its configuration (exit code 2)"
+    return f"exited with code {failure.exitcode}"
+
+
+def describe_failures(failures: Mapping[int, ProcessFailure]) -> list[str]:
+    """One line per rank that failed of its own accord, by rank; the ranks that stopped
+    because of them named at the end of the last line. All of them one by one when
+    every rank stopped because of another (nothing tells which went first)."""
+    causes = sorted(r for r, f in failures.items() if not _stopped_because_of_another(f)) or sorted(failures)
+    lines = [f"rank {r} (pid {failures[r].pid}) {_how(failures[r])}" for r in causes]
+    followers = sorted(set(failures) - set(causes))
+    if followers:
+        ranks = ", ".join(map(str, followers))
+        lines[-1] += f"; rank{'s' if len(followers) > 1 else ''} {ranks} stopped with it"
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(argv)
+    for name in _NARRATORS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        run(args)
+    except ChildFailedError as e:
+        for line in describe_failures(e.failures):
+            print(f"wsd up: {line}", file=sys.stderr, flush=True)
+        if all(f.exitcode == _CONFIG_ERROR for f in e.failures.values()):
+            return _CONFIG_ERROR
+        return RANK_LOST
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

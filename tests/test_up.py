@@ -292,3 +292,15 @@ def test_failures_are_one_line_per_rank_that_failed_of_its_own_accord():
         "rank 0 (pid 100) refused its configuration (exit code 2)", "rank 3 (pid 103) exited with code 1"]
     assert describe_failures({1: failed(1, sigterm), 0: failed(0, lost)}) == [
         f"rank 0 (pid 100) exited with code {lost}", "rank 1 (pid 101) exited with signal 15 (SIGTERM)"]
+
+
+def test_a_coordinator_that_exits_at_start_is_said_to_have_exited_not_to_be_slow(tmp_path):
+    """A coordinator that dies on start (here: before any import, exit 1) is reported at once as
+    having exited; it used to read 'did not become ready within 30 s', which sent users after a
+    timeout that never happened."""
+    from wsd.launch import CoordinatorProcess
+
+    (tmp_path / "sitecustomize.py").write_text("import os\nos._exit(1)\n")
+    process = CoordinatorProcess(None, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    with pytest.raises(LaunchError, match=r"^the coordinator exited before it was ready \(exit code 1\); "):
+        process.start(timeout=30)

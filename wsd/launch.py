@@ -160,14 +160,16 @@ class CoordinatorProcess:
                                      env=None if self.env is None else dict(self.env),
                                      start_new_session=self.new_session)
         assert self.proc.stdout is not None
+        started = time.monotonic()
         match = _await_line(self.proc, self.proc.stdout, _READY_LINE, timeout)
         if match is None:
+            ended = time.monotonic() - started < timeout  # its output ended: it did, by itself
             code = self.stop()
             if code == 2:  # its configuration: a bad file, an endpoint it cannot bind, its state file
                 raise ConfigError("the coordinator refused its configuration (exit code 2); "
                                   "its log above says why")
-            raise LaunchError(f"the coordinator did not become ready within {timeout:g} s "
-                              f"(exit code {code}); its log above says why")
+            what = "exited before it was ready" if ended else f"was not ready within {timeout:g} s"
+            raise LaunchError(f"the coordinator {what} (exit code {code}); its log above says why")
         self.agent_endpoint, self.client_endpoint, self.metrics_url = match.groups()
         return self
 

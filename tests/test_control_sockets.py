@@ -121,7 +121,7 @@ def test_a_stopped_agent_says_goodbye_and_is_never_lost(start_coordinator, agent
         [rank1] = [r for r in client.ranks()["ranks"] if r["rank"] == 1]
         assert rank1["stopped_at"] is not None and rank1["lost_at"] is None
         status = client.status()
-        assert status["ranks"] == {"live": 2, "lost": 0, "stopped": 1, "never_registered": 0}
+        assert status["ranks"] == {"live": 2, "lost": 0, "stopped": 1, "missing": 0}
         [missing] = status["groups"][1]["missing"]
         assert missing["rank"] == 1 and missing["reason"].startswith("stopped (said goodbye at ")
         kinds = [(e["kind"], e.get("rank")) for e in client.events()["events"]]

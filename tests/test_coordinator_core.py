@@ -364,7 +364,7 @@ def test_goodbye_marks_the_rank_stopped_and_silence_never_makes_it_lost(h):
     assert rank0["state"] == "stopped" and rank0["stopped_at"] == stopped_wall and rank0["lost_at"] is None
     assert h.core.registry.missing()[0] == "stopped (said goodbye at 2023-11-14T22:13:22Z, last step 42)"
     status = h.ok(Op.STATUS)
-    assert status["ranks"] == {"live": 1, "lost": 0, "stopped": 1, "never_registered": 2}
+    assert status["ranks"] == {"live": 1, "lost": 0, "stopped": 1, "missing": 2}
     assert status["groups"][0]["live"] == [1]
     assert status["groups"][0]["missing"] == [{"rank": 0, "reason": h.core.registry.missing()[0]}]
     assert peer_of(0) not in to_agents(h.advance(1), Op.PULSE)  # no pulses to a stopped rank
@@ -859,7 +859,7 @@ def test_status(h):
     status = h.ok(Op.STATUS)
     assert status["seq"] == 2 and status["epoch"] == h.core.epoch and status["recovered"] is False
     assert (status["world_size"], status["tp_size"]) == (4, 2)
-    assert status["ranks"] == {"live": 3, "lost": 0, "stopped": 0, "never_registered": 1}
+    assert status["ranks"] == {"live": 3, "lost": 0, "stopped": 0, "missing": 1}
     assert status["desired"]["locked"] is True and status["desired"]["num_ubatches"] is None
     assert status["pending_commands"] == [1, 2]  # unacknowledged, waited for or not
     g0, g1 = status["groups"]
@@ -900,7 +900,7 @@ def test_ranks_and_ping(h):
     h.register_all([1])
     result = h.ok(Op.RANKS)
     assert [(r["rank"], r["state"], r["tp_group"], r["pid"]) for r in result["ranks"]] == [(1, "live", 0, 1001)]
-    assert [m["rank"] for m in result["never_registered"]] == [0, 2, 3]
+    assert [m["rank"] for m in result["missing"]] == [0, 2, 3]
     assert h.ok(Op.PING) == {"epoch": h.core.epoch, "time": WALL0, "seq": 0}
 
 

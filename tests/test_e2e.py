@@ -196,13 +196,13 @@ def test_two_ranks_registered(cluster):
     assert ranks.code == 0, ranks
     assert [(r["rank"], r["state"], r["tp_group"]) for r in ranks.doc["ranks"]] == [
         (0, "live", 0), (1, "live", 0)]
-    assert ranks.doc["never_registered"] == []
+    assert ranks.doc["missing"] == []
     # The pids reported are torchrun's two worker processes, not anything else.
     assert {r["pid"] for r in ranks.doc["ranks"]} <= cluster.workers.tree() - {cluster.workers.pid}
     status = wsctl(cluster.endpoint, "status")
     assert status.code == 0, status
     assert status.doc["world_size"] == 2 and status.doc["tp_size"] == 2
-    assert status.doc["ranks"] == {"live": 2, "lost": 0, "stopped": 0, "never_registered": 0}
+    assert status.doc["ranks"] == {"live": 2, "lost": 0, "stopped": 0, "missing": 0}
     groups = status.doc["groups"]
     assert [(g["tp_group"], g["ranks"], g["missing"]) for g in groups] == [(0, [0, 1], [])]
 

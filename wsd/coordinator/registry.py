@@ -14,7 +14,11 @@ from typing import Any
 from wsd.errors import RankTaken, RegistrationError
 from wsd.wire.protocol import StrEnum
 
-__all__ = ["RankInfo", "RankState", "RankTaken", "RegistrationError", "Registry"]
+__all__ = ["NEVER_REGISTERED", "RankInfo", "RankState", "RankTaken", "RegistrationError", "Registry"]
+
+NEVER_REGISTERED = "never registered"
+"""Why an expected rank is missing when no agent ever registered as it: a rank in this
+state is ``missing`` in ``ranks``, ``status`` and the metrics alike."""
 
 
 class RankState(StrEnum):
@@ -291,12 +295,12 @@ class Registry:
         return list(range(self.world_size // self.tp_size))
 
     def missing(self, group: int | None = None) -> dict[int, str]:
-        """Expected ranks that are not live, with why: ``lost``, ``stopped`` or ``never registered``."""
+        """Expected ranks that are not live, with why: ``lost``, ``stopped`` or ``NEVER_REGISTERED``."""
         out = {}
         for rank in self.expected(group):
             info = self.ranks.get(rank)
             if info is None:
-                out[rank] = "never registered"
+                out[rank] = NEVER_REGISTERED
             elif info.state is RankState.LOST:
                 out[rank] = f"lost at {_utc(info.lost_at)} (last step {info.step})"
             elif info.state is RankState.STOPPED:
@@ -306,17 +310,17 @@ class Registry:
     # -- what clients are shown ----------------------------------------------------
 
     def public(self, now: float, wall_now: float) -> dict[str, Any]:
-        """The ``ranks`` reply: every rank known, and those never registered."""
+        """The ``ranks`` reply: every rank known, and those ``missing`` (expected, never registered)."""
         ranks = [i.public(now, wall_now) for _, i in sorted(self.ranks.items())]
-        never = [{"rank": r, "reason": why} for r, why in self.missing().items() if why == "never registered"]
-        return {"ranks": ranks, "never_registered": never}
+        never = [{"rank": r, "reason": why} for r, why in self.missing().items() if why == NEVER_REGISTERED]
+        return {"ranks": ranks, "missing": never}
 
     def counts(self) -> dict[str, int]:
-        """Expected ranks by state: live, lost, stopped, never registered."""
+        """Expected ranks by state: live, lost, stopped, missing (never registered)."""
         states = [i.state for i in self.ranks.values()]
-        never = sum(1 for why in self.missing().values() if why == "never registered")
+        never = sum(1 for why in self.missing().values() if why == NEVER_REGISTERED)
         return {"live": states.count(RankState.LIVE), "lost": states.count(RankState.LOST),
-                "stopped": states.count(RankState.STOPPED), "never_registered": never}
+                "stopped": states.count(RankState.STOPPED), "missing": never}
 
     def group_status(self, group: int) -> dict[str, Any]:
         """A TP group as ``status`` shows it: members, live and missing ranks, and what the

@@ -84,7 +84,7 @@ def test_wsd_coordinator_runs_without_torch_and_stops_on_sigterm(tmp_path, spawn
     with Client(endpoint, timeout=5) as client:
         assert client.ping() is not None
         status = client.status()
-        assert status["ranks"] == {"live": 0, "lost": 0, "stopped": 0, "never_registered": 1}
+        assert (status.counts.live, status.counts.lost, status.counts.stopped, status.counts.missing) == (0, 0, 0, 1)
     proc.send(signal.SIGTERM)
     assert proc.wait(15) == 0, proc.output()
     assert proc.count("coordinator stopped") == 1 and proc.count("Traceback") == 0

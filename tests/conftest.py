@@ -10,6 +10,7 @@ hanging the run.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,6 +22,11 @@ from zmqkit import Sockets
 from wsd.config import CoordinatorConfig
 from wsd.coordinator.loop import Coordinator
 from wsd.security import SecurityConfig
+
+# wsctl's contexts: never the ones of whoever runs the tests (a current context of
+# theirs would answer for every test that names no endpoint); tests of contexts set
+# their own file. Inherited by every process a test starts.
+os.environ["WSCTL_CONFIG"] = os.devnull
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.01) -> Any:

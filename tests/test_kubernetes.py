@@ -12,6 +12,7 @@ holds the Pod Security Standards' rules. deploy/README.md has the commands.
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -188,3 +189,79 @@ def test_manifests_pass_strict_schema_validation(kubernetes_validate, version):
     misplaced["spec"]["template"]["spec"]["containers"][0]["securityContext"]["seccomp"] = "RuntimeDefault"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(misplaced, version, strict=True)
+
+
+def _strict(schema: Any) -> Any:
+    """A CRD's structural schema made strict: an object that lists its properties takes no
+    other (what the API server reports as unknown fields with strict field validation)."""
+    if isinstance(schema, dict):
+        schema = {k: _strict(v) for k, v in schema.items()}
+        if "properties" in schema and "additionalProperties" not in schema \
+                and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    return schema
+
+
+def _crd_validator(kind: str) -> Any:
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema comes with kubernetes-validate ([test] extra)")
+    for path in CRDS.glob("*.yaml"):
+        (crd,) = [d for d in yaml.safe_load_all(path.read_text()) if d]
+        if crd["spec"]["names"]["kind"] == kind:
+            (version,) = [v for v in crd["spec"]["versions"] if v["served"] and v["storage"]]
+            schema = _strict(version["schema"]["openAPIV3Schema"])
+            schema["properties"]["metadata"] = {"type": "object", "required": ["name"]}
+            api_version = f"{crd['spec']['group']}/{version['name']}"
+            schema["properties"]["apiVersion"] = {"const": api_version}
+            return jsonschema.Draft7Validator(schema)
+    raise AssertionError(f"no CRD for {kind} in {CRDS}")
+
+
+def test_operator_objects_pass_their_crds_strictly():
+    """The ServiceMonitor and the PrometheusRule against the Operator's own CRDs (v0.93.0),
+    strictly; a field the CRD does not know fails."""
+    objects = _kustomize(MONITORING)
+    assert sorted(o["kind"] for o in objects) == ["PrometheusRule", "ServiceMonitor"]
+    for obj in objects:
+        validator = _crd_validator(obj["kind"])
+        errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
+        assert errors == [], (obj["kind"], errors)
+    (monitor,) = _by_kind(objects, "ServiceMonitor").values()
+    misspelt = copy.deepcopy(monitor)
+    misspelt["spec"]["endpoints"][0]["scrape_timeout"] = "5s"
+    assert list(_crd_validator("ServiceMonitor").iter_errors(misspelt))
+
+
+# -- Prometheus Operator ---------------------------------------------------------------------------
+
+
+def test_prometheus_rule_carries_exactly_the_alert_rules():
+    """The PrometheusRule is make-prometheusrule.sh's output for the current
+    wsd-alerts.yml: rules changed there and not regenerated here fail, with the command."""
+    regenerate = "deploy/kubernetes/monitoring/make-prometheusrule.sh >deploy/kubernetes/monitoring/prometheusrule.yaml"
+    result = subprocess.run(["bash", str(MONITORING / "make-prometheusrule.sh")], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert (MONITORING / "prometheusrule.yaml").read_text() == result.stdout, f"out of date: run {regenerate}"
+    (rule,) = _by_kind(_kustomize(MONITORING), "PrometheusRule").values()
+    assert rule["spec"] == yaml.safe_load(ALERTS.read_text())
+    assert [r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]]
+
+
+def test_service_monitor_scrapes_the_coordinators_metrics_port_under_the_alerts_job_name():
+    """The ServiceMonitor must select the coordinator's Service and its metrics port, and
+    the job label the Operator gives the series (the Service's name) must be one the
+    alert rules' job selectors match, or WsdCoordinatorDown never fires."""
+    (monitor,) = _by_kind(_kustomize(MONITORING), "ServiceMonitor").values()
+    services = _by_kind(_kustomize(KUBERNETES), "Service")
+    selected = [s for s in services.values()
+                if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
+    assert [s["metadata"]["name"] for s in selected] == ["wsd-coordinator"]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    ports = {p["name"]: p["port"] for p in selected[0]["spec"]["ports"]}
+    assert ports[endpoint["port"]] == 7602 and endpoint["path"] == "/metrics"
+    job = selected[0]["metadata"]["name"]
+    selectors = set(re.findall(r'job=~"([^"]+)"', ALERTS.read_text()))
+    assert selectors and all(re.fullmatch(s, job) for s in selectors), (job, selectors)

@@ -15,6 +15,7 @@ import copy
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -265,3 +266,82 @@ def test_service_monitor_scrapes_the_coordinators_metrics_port_under_the_alerts_
     job = selected[0]["metadata"]["name"]
     selectors = set(re.findall(r'job=~"([^"]+)"', ALERTS.read_text()))
     assert selectors and all(re.fullmatch(s, job) for s in selectors), (job, selectors)
+
+
+# -- the image: Containerfile ------------------------------------------------------------------------
+
+
+def _containerfile_args() -> dict[str, str]:
+    return dict(re.findall(r"^ARG (\w+)=(\S*)$", CONTAINERFILE.read_text(), re.M))
+
+
+def test_manifests_run_the_image_the_containerfile_builds_at_the_package_version():
+    """wsd:VERSION in every container (initContainers too), the Containerfile's
+    WSD_VERSION, and pyproject.toml's version are one: a release that bumps one and not
+    the others deploys an image nothing builds, or the wrong wsd."""
+    args = _containerfile_args()
+    assert args["WSD_VERSION"] == VERSION
+    images = {c["image"] for t in _templates(_kustomize(KUBERNETES)).values() for c in _containers(t)}
+    assert images == {f"wsd:{VERSION}"}
+    assert f"-t wsd:{VERSION} ." in CONTAINERFILE.read_text()
+
+
+def test_containerfile_runs_as_the_manifests_non_root_user_with_a_deliberate_torch():
+    """USER must be numeric (runAsNonRoot can verify only a numeric user) and the one the
+    pods run as; the default torch is the CUDA build, pinned to the torch CI tests; a CPU
+    build needs its index named; wsd goes in without the [worker] extra, after torch, so
+    nothing pulls another torch; and the build checks what it got."""
+    text = CONTAINERFILE.read_text()
+    (user,) = re.findall(r"^USER (\S+)$", text, re.M)
+    uid, gid = (int(part) for part in user.split(":"))
+    assert uid != 0 and gid != 0
+    for name, template in _templates(_kustomize(KUBERNETES)).items():
+        context = template["spec"]["securityContext"]
+        assert (context["runAsUser"], context["runAsGroup"]) == (uid, gid), name
+    args = _containerfile_args()
+    assert args["TORCH"] == "cuda"
+    ci_torch = re.search(r"pip install --quiet torch==(\S+)", (ROOT / ".ci" / "run").read_text())
+    assert ci_torch and args["TORCH_VERSION"] == ci_torch.group(1)
+    assert re.search(r'cpu\)\s*\[ -n "\$TORCH_INDEX_URL" \] \|\|', text), "TORCH=cpu must require an index"
+    commands = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    assert "[worker]" not in commands and "pip install ." not in commands
+    torch_step, wsd_step = text.index('"torch==$TORCH_VERSION"'), text.index("/wheels/wsd-${WSD_VERSION}")
+    assert torch_step < wsd_step
+    assert 'check-torch.py "$TORCH"' in text[wsd_step:]
+
+
+def test_containerfile_copies_what_building_the_wheel_needs(tmp_path):
+    """The wheel stage copies pyproject.toml, README.md, wsd/ and clients/: from exactly
+    those (and through .dockerignore), `pip wheel` builds the file the final stage
+    installs, wsd-WSD_VERSION-py3-none-any.whl."""
+    text = CONTAINERFILE.read_text()
+    stage = text.split(" AS wheel", 1)[1].split("\nFROM ", 1)[0]
+    sources = [word for line in re.findall(r"^COPY (.+)$", stage, re.M) for word in line.split()[:-1]]
+    assert sources == ["pyproject.toml", "README.md", "wsd", "clients"]
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    for source in [*sources, "deploy/image/check-torch.py"]:
+        assert ("!" + source + ("/" if (ROOT / source).is_dir() else "")) in ignore or \
+            f"!{Path(source).parent}/" in ignore, f".dockerignore leaves {source} out of the context"
+    context = tmp_path / "src"
+    context.mkdir()
+    for source in sources:
+        (shutil.copytree if (ROOT / source).is_dir() else shutil.copy)(ROOT / source, context / source)
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                             "--wheel-dir", str(tmp_path / "wheels"), str(context)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [p.name for p in (tmp_path / "wheels").iterdir()] == [f"wsd-{_containerfile_args()['WSD_VERSION']}"
+                                                                  "-py3-none-any.whl"]
+
+
+@pytest.mark.parametrize(("asked", "code"), [("cpu", 0), ("cuda", 1), ("none", 1), ("rocm", 2)])
+def test_check_torch_refuses_a_torch_other_than_the_one_asked_for(asked, code):
+    """The Containerfile's last check, run here where torch is the CPU build: only "cpu"
+    passes; an unknown build is a usage error."""
+    torch = pytest.importorskip("torch")
+    if torch.version.cuda:
+        pytest.skip("this machine's torch is a CUDA build")
+    result = subprocess.run([sys.executable, str(CHECK_TORCH), asked], capture_output=True, text=True, timeout=120)
+    assert result.returncode == code, result.stdout + result.stderr
+    if code == 1:
+        assert result.stderr.strip() == f"TORCH={asked} was asked for, but the torch installed is cpu"

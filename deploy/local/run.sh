@@ -17,6 +17,9 @@
 #   WORKER_ARGS    extra arguments of `python -m wsd.worker`, e.g. --idle
 #   READY_TIMEOUT  seconds to wait for the coordinator to bind (default 30)
 #   STOP_GRACE     seconds the workers get to stop after SIGTERM (default 15)
+#   OMP_NUM_THREADS torch threads per worker (default: this machine's CPUs
+#                  divided by NPROC, at least 1, as `wsd up` does; torchrun
+#                  would pick 1 and print a banner about it)
 #   WSD_AGENT_TOKEN the agent token (default: one made up for this run, as
 #                  `wsd up` does: only the workers started here can register)
 #   WSD_*          any configuration key, e.g. WSD_WORKSPACE_NUM_UBATCHES=2 or
@@ -53,6 +56,11 @@ if [[ -n $CONFIG ]]; then
     config_args=(--config "$CONFIG")
 fi
 read -r -a worker_args <<<"$WORKER_ARGS"
+if [[ -z ${OMP_NUM_THREADS:-} ]]; then
+    OMP_NUM_THREADS=$(($(nproc) / NPROC))
+    ((OMP_NUM_THREADS >= 1)) || OMP_NUM_THREADS=1
+fi
+export OMP_NUM_THREADS
 # The coordinator admits only registrations that prove they hold this token, and
 # only the workers started here inherit it (docs/security.md). Never printed.
 if [[ -z ${WSD_AGENT_TOKEN:-} ]]; then

@@ -24,6 +24,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -564,16 +565,21 @@ _FAKE_SCONTROL = """#!/usr/bin/env bash
 [[ $1 == show && $2 == hostnames ]] || { echo "fake scontrol: unexpected $*" >&2; exit 2; }
 tr ',' '\\n' <<<"$3"
 """
+# The ready line names the metrics URL given in FAKE_METRICS_URL (none if empty). Each step
+# also records the Prometheus target files (*.json) in the submit directory as it starts.
 _FAKE_SRUN = """#!{python}
-import json, os, sys, time
+import json, os, pathlib, sys, time
 args, options = sys.argv[1:], []
 while args and args[0].startswith("-"):
     options.append(args.pop(0))
 env = {{k: v for k, v in os.environ.items() if k.startswith("WSD_")}}
+targets = {{str(p): p.read_text() for p in pathlib.Path(os.environ["SLURM_SUBMIT_DIR"]).rglob("*.json")}}
 with open({log!r}, "a") as f:
-    f.write(json.dumps({{"options": options, "argv": args, "env": env}}) + "\\n")
+    f.write(json.dumps({{"options": options, "argv": args, "env": env, "targets": targets}}) + "\\n")
 if "coordinator" in args:
-    print("wsd coordinator ready: agents tcp://127.0.0.1:1 clients tcp://127.0.0.1:2", flush=True)
+    metrics = os.environ.get("FAKE_METRICS_URL", "http://0.0.0.0:7602/metrics")
+    print("wsd coordinator ready: agents tcp://127.0.0.1:1 clients tcp://127.0.0.1:2"
+          + (" metrics " + metrics if metrics else ""), flush=True)
     time.sleep(60)  # until the script's SIGTERM
 """
 
@@ -633,6 +639,118 @@ def test_slurm_script_gives_both_steps_a_token_made_for_the_job_and_the_world_si
     code, output, steps = _run_sbatch(tmp_path, DEPLOY / "slurm" / "wsd.toml", "104", WSD_AGENT_TOKEN="short")
     assert code == 2 and steps == [], output
     assert "at least 16 characters" in output
+
+
+def test_slurm_script_passes_cpus_per_task_on_to_the_workers_step(tmp_path):
+    """Since Slurm 22.05 srun does not take --cpus-per-task from the allocation: without it
+    passed on, a node's torchrun and all its workers run on one CPU. The coordinator's step
+    keeps the default (one task, one CPU: it computes nothing)."""
+    config = DEPLOY / "slurm" / "wsd.toml"
+    code, output, steps = _run_sbatch(tmp_path, config, "201", SLURM_CPUS_PER_TASK="32")
+    assert code == 0, output
+    coordinator, workers = _steps(steps)
+    assert "--cpus-per-task=32" in workers["options"]
+    assert not [o for o in coordinator["options"] if o.startswith("--cpus-per-task")]
+    # An allocation without it (sbatch --cpus-per-task not given): srun's own default.
+    code, output, steps = _run_sbatch(tmp_path, config, "202")
+    assert code == 0, output
+    assert not [o for s in steps for o in s["options"] if o.startswith("--cpus-per-task")]
+
+
+def _targets_while_running(steps: list[dict]) -> dict[str, Any]:
+    """{path: JSON} of the target files there were when the workers' step started."""
+    _, workers = _steps(steps)
+    return {path: json.loads(text) for path, text in workers["targets"].items()}
+
+
+@pytest.mark.parametrize(("metrics_url", "target", "scheme"), [
+    ("http://0.0.0.0:7602/metrics", "node1:7602", "http"),    # the recipe's port, every interface
+    ("https://0.0.0.0:43117/metrics", "node1:43117", "https"),  # a port the OS picked; TLS
+])
+def test_slurm_script_writes_the_coordinators_metrics_endpoint_for_prometheus(tmp_path, metrics_url, target,
+                                                                               scheme):
+    """Prometheus finds the job's coordinator through file_sd: a JSON target file naming the
+    first node and the metrics port the coordinator bound (from its ready line), instead of
+    a hand-edited HEAD:7602; by default in wsd-targets/JOB_ID.json of the submit directory.
+    It goes when the job ends."""
+    code, output, steps = _run_sbatch(tmp_path, DEPLOY / "slurm" / "wsd.toml", "4242", SLURM_CLUSTER_NAME="gpu-a",
+                                      FAKE_METRICS_URL=metrics_url)
+    assert code == 0, output
+    path = tmp_path / "wsd-targets" / "4242.json"
+    assert _targets_while_running(steps) == {str(path): [{"targets": [target], "labels": {
+        "__scheme__": scheme, "__metrics_path__": "/metrics", "slurm_job_id": "4242", "slurm_cluster": "gpu-a"}}]}
+    assert f"wsd-slurm: Prometheus target {target} ({scheme}) in {path}" in output
+    assert not path.exists() and not list(path.parent.iterdir()), "the target outlived the job"
+
+
+def test_slurm_script_writes_the_target_file_where_targets_file_says(tmp_path):
+    """TARGETS_FILE names the file (a folder Prometheus watches); empty, or a coordinator
+    without a metrics port, writes none."""
+    chosen = tmp_path / "prometheus" / "sd" / "wsd-gpu.json"
+    code, output, steps = _run_sbatch(tmp_path, DEPLOY / "slurm" / "wsd.toml", "301", TARGETS_FILE=str(chosen))
+    assert code == 0, output
+    assert list(_targets_while_running(steps)) == [str(chosen)]
+    for job, env in (("302", {"TARGETS_FILE": ""}), ("303", {"FAKE_METRICS_URL": ""})):
+        code, output, steps = _run_sbatch(tmp_path, DEPLOY / "slurm" / "wsd.toml", job, **env)
+        assert code == 0, output
+        assert _targets_while_running(steps) == {} and "Prometheus target" not in output
+
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+def test_prometheus_discovers_the_coordinator_from_the_slurm_target_file(tmp_path, spawn):  # noqa: F811
+    """A real Prometheus, with a file_sd_configs job reading the folder the script writes
+    to, turns the file into the scrape URL of the first node's coordinator, labels kept."""
+    if PROMETHEUS is None:
+        pytest.skip("prometheus is not installed (Debian's package `prometheus`; .ci/run installs it)")
+    code, output, steps = _run_sbatch(tmp_path, DEPLOY / "slurm" / "wsd.toml", "4243",
+                                      FAKE_METRICS_URL="http://0.0.0.0:7602/metrics")
+    assert code == 0, output
+    ((path, text),) = _steps(steps)[1]["targets"].items()
+    sd = tmp_path / "sd"
+    sd.mkdir()
+    (sd / Path(path).name).write_text(text)
+    config = tmp_path / "prometheus.yml"
+    config.write_text(yaml.safe_dump({"scrape_configs": [{
+        "job_name": "wsd-coordinator-slurm", "scrape_interval": "1h",
+        "file_sd_configs": [{"files": [str(sd / "*.json")]}]}]}))
+    url = _start_prometheus(spawn, config, tmp_path / "data")
+
+    def active() -> list[dict[str, Any]]:
+        with urllib.request.urlopen(url + "/api/v1/targets", timeout=5) as response:
+            return json.load(response)["data"]["activeTargets"]
+
+    wait_until(active, 30, "Prometheus to discover the target", interval=0.1)
+    (found,) = active()
+    assert found["scrapeUrl"] == "http://node1:7602/metrics"
+    assert found["labels"] == {"instance": "node1:7602", "job": "wsd-coordinator-slurm", "slurm_job_id": "4243"}
+
+
+def _start_prometheus(spawn, config: Path, data: Path) -> str:  # noqa: F811
+    """Prometheus with ``config`` on a free loopback port; its URL once it answers ready."""
+    for attempt in range(3):  # the port is free when picked; another process may take it first
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = spawn([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={data}{attempt}",
+                      f"--web.listen-address=127.0.0.1:{port}"], name="prometheus")
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: proc.popen.poll() is not None or _answers(url + "/-/ready"), 60,  # noqa: B023
+                   "Prometheus to start or exit", interval=0.1)
+        if proc.popen.poll() is None:
+            return url
+        if "address already in use" not in proc.output():
+            break
+    pytest.fail(f"prometheus did not become ready; its output ends:\n{proc.output()[-3000:]}")
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 def test_security_doc_cites_tests_that_exist_and_the_recipes_it_names():

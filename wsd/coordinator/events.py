@@ -79,10 +79,14 @@ class EventLog:
         self.max_bytes = max_bytes
         self.bytes = 0
         self.last_id = 0
+        # Events added since the start by kind, those the log has dropped since included
+        # (wsd_events_total).
+        self.counts: dict[str, int] = {str(kind): 0 for kind in EventKind}
 
     def add(self, kind: EventKind, time: float, **detail: Any) -> dict[str, Any]:
         self.last_id += 1
         event = {"id": self.last_id, "time": time, "kind": str(kind), **detail}
+        self.counts[event["kind"]] += 1
         size = len(msgpack.packb(event, use_bin_type=True, default=str))
         self._events.append((event, size))
         self.bytes += size

@@ -29,11 +29,13 @@ from wsd.agent.simulated import SimulatedRanks
 from wsd.commands import COMMANDS
 from wsd.config import CoordinatorConfig, load_config
 from wsd.coordinator.core import CLIENT, CoordinatorCore
+from wsd.coordinator.events import EventKind
 from wsd.coordinator.latest import LatestStats
 from wsd.coordinator.loop import Coordinator
 from wsd.coordinator.metrics import (
     COMMAND_BUCKETS,
     FAMILIES,
+    SLOT_FAMILIES,
     Collector,
     CommandOutcome,
     CommandStats,
@@ -164,16 +166,22 @@ def test_collector_exports_every_family_with_its_labels_and_values():
     assert by(s, "wsd_slot_resizes_total", "rank", "ubatch")[("1", "1")] == 1
     assert by(s, "wsd_slot_lock_violations_total", "rank", "ubatch") == {
         ("0", "0"): 0, ("0", "1"): 1, ("1", "0"): 0, ("1", "1"): 1}
-    assert by(s, "wsd_rank_up", "rank", "host") == {
-        ("0", "node-a"): 1, ("1", "node-a"): 1, ("2", "node-b"): 0, ("3", ""): 0}
+    assert by(s, "wsd_rank_up", "rank", "tp_group") == {("0", "0"): 1, ("1", "0"): 1, ("2", "1"): 0, ("3", "1"): 0}
+    # What a rank registered with is in its info series alone; rank 3 never registered: none.
+    assert by(s, "wsd_rank_info", "rank", "host", "pid", "device") == {
+        ("0", "node-a", "100", "cpu"): 1, ("1", "node-a", "101", "cpu"): 1, ("2", "node-b", "102", "cpu"): 1}
     assert by(s, "wsd_rank_locked", "rank") == {"0": 1, "1": 0, "2": 0}  # none known for rank 3
     assert by(s, "wsd_rank_ubatches", "rank") == {"0": 2, "1": 2, "2": 2}
     assert by(s, "wsd_rank_last_step", "rank") == {"0": 3, "1": 3, "2": 3}
-    assert by(s, "wsd_rank_workspace_bytes", "rank", "host") == {("0", "node-a"): 12288, ("1", "node-a"): 4096}
+    assert by(s, "wsd_rank_workspace_bytes", "rank") == {"0": 12288, "1": 4096}
+    assert by(s, "wsd_rank_lock_violations_total", "rank") == {"0": 1, "1": 1}  # summed over the slots
     assert by(s, "wsd_group_workspace_bytes", "tp_group") == {"0": 16384}  # group 1: nobody reported
     assert by(s, "wsd_group_skew_bytes", "tp_group") == {"0": 8192}
     assert by(s, "wsd_group_consistent", "tp_group") == {"0": 1, "1": 0}
-    assert by(s, "wsd_ranks", "state") == {"live": 2, "lost": 1, "stopped": 0, "never_registered": 1}
+    assert by(s, "wsd_ranks", "state") == {"live": 2, "lost": 1, "stopped": 0, "missing": 1}
+    # Ranks 2 (lost) and 3 (never registered) have no snapshot in the figures; none is stale.
+    assert s["wsd_stats_missing_ranks"] == {(): 2} and s["wsd_stats_stale_ranks"] == {(): 0}
+    assert by(s, "wsd_events_total", "kind") == {str(kind): 0 for kind in EventKind}  # none given: all at 0
     assert nonzero(by(s, "wsd_commands_total", "action", "result")) == {("lock", "complete"): 1, ("lock", "partial"): 1}
     assert by(s, "wsd_agent_refusals_total", "reason") == {"registration forbidden": 3, "rate": 12}
     assert nonzero(by(s, "wsd_command_duration_seconds_count", "action")) == {"lock": 2}
@@ -209,9 +217,91 @@ def test_labels_gone_from_the_published_views_are_gone_from_the_next_scrape():
 
 
 def test_nothing_published_yet_gives_empty_families_not_an_error():
-    """A scrape before the first tick must answer (Prometheus marks a failing target down)."""
+    """A scrape before the first tick must answer (Prometheus marks a failing target down):
+    every family declared, none with a sample but the build's."""
     types, samples = collect(Published())
-    assert len(types) == len(FAMILIES) and samples == {}
+    assert set(FAMILIES) <= {f + "_total" if t == "counter" else f for f, t in types.items()}
+    assert [name for name in samples if name.startswith("wsd_")] == ["wsd_build_info"]
+
+
+def rank_series(samples: Samples) -> dict[str, set[tuple[tuple[str, str], ...]]]:
+    """{family: its label sets} of the per-rank families (those labelled rank, not ubatch)."""
+    return {name: set(series) for name, series in samples.items()
+            if name.startswith("wsd_rank_") and name != "wsd_rank_info"}
+
+
+def test_a_registration_renames_no_series_its_host_is_in_rank_info_alone():
+    """Series churn: with host among a rank's labels, registering (or coming back from
+    another host) ended every series of the rank and started new ones. Now each rank keeps
+    {rank, tp_group} from the start, and only wsd_rank_info says where it runs."""
+    registry = Registry(2, 2, 5.0)
+
+    def scrape_of() -> Samples:
+        return collect(Published(core=core_view(registry, seq=0, heartbeats=0, inconsistent=set(),
+                                                commands=CommandStats())))[1]
+
+    before = scrape_of()
+    assert by(before, "wsd_rank_up", "rank", "tp_group") == {("0", "0"): 0, ("1", "0"): 0}
+    assert "wsd_rank_info" not in before
+    registry.register(b"p0", registration(0, world_size=2, host="node-a"), 0.0)
+    registry.register(b"p1", registration(1, world_size=2, host="node-a"), 0.0)
+    first = scrape_of()
+    registry.register(b"p0b", registration(0, world_size=2, host="node-b"), 10.0)  # back, elsewhere
+    second = scrape_of()
+    assert set(before["wsd_rank_up"]) == set(first["wsd_rank_up"]) == set(second["wsd_rank_up"])
+    assert rank_series(first) == rank_series(second)
+    assert by(first, "wsd_rank_info", "rank", "host") == {("0", "node-a"): 1, ("1", "node-a"): 1}
+    assert by(second, "wsd_rank_info", "rank", "host") == {("0", "node-b"): 1, ("1", "node-a"): 1}
+
+
+def test_every_state_is_missing_not_never_registered_and_there_from_the_start():
+    """One name per rank state: a rank that never registered is `missing` in `ranks`, `wsctl
+    status` and wsd_ranks alike; every state has its sample before any rank registers."""
+    _, s = collect(Published(core=core_view(Registry(3, 1, 5.0), seq=0, heartbeats=0, inconsistent=set(),
+                                            commands=CommandStats())))
+    assert by(s, "wsd_ranks", "state") == {"live": 0, "lost": 0, "stopped": 0, "missing": 3}
+    assert s["wsd_stats_missing_ranks"] == {(): 3}  # nothing copied yet: every expected rank
+
+
+def test_slots_off_drops_the_per_slot_series_and_keeps_every_other():
+    """metrics_slots = false: no wsd_slot_* sample, and every per-rank and per-group series
+    (lock violations per rank included, which the alert reads) as with it on."""
+    registry = Registry(4, 2, 5.0)
+    for rank in range(4):
+        registry.register(b"p%d" % rank, registration(rank), 0.0)
+    published = Published(core=core_view(registry, seq=0, heartbeats=0, inconsistent=set(), commands=CommandStats()),
+                          stats=stats_view({r: manager([64, 128]) for r in range(4)}, 2, 4))
+    on = Collector(lambda: published, wall=lambda: 0.0).render().decode()
+    off_text = Collector(lambda: published, wall=lambda: 0.0, slots=False).render().decode()
+    _, with_slots = parse(on)
+    _, without = parse(off_text)
+    assert len(with_slots["wsd_slot_capacity_bytes"]) == 8
+    dropped = {name for name in with_slots if name not in without}
+    assert dropped == SLOT_FAMILIES
+    for name, series in without.items():
+        if not name.startswith("process_"):  # CPU time and the like move between two scrapes
+            assert series == with_slots[name], name
+    assert by(without, "wsd_rank_lock_violations_total", "rank") == {"0": 1, "1": 1, "2": 1, "3": 1}
+
+
+def test_events_are_counted_by_kind_every_kind_from_the_start(tmp_path):
+    """wsd_events_total: every kind at 0 from the first scrape, so that increase() sees the
+    first lock violation; then the coordinator's own log, kind by kind."""
+    core, clock = make_core(tmp_path, metrics_port=0)
+    core.tick()
+    _, s = collect(core.published, wall=clock.now)
+    counted = by(s, "wsd_events_total", "kind")
+    assert set(counted) == {str(kind) for kind in EventKind}
+    assert nonzero(counted) == {"started": 1, "joined": 2}
+    core.handle_agent((b"p1",), p.encode(Op.EVENT, {"rank": 1, "kind": "lock_violation", "detail": {
+        "slot": 1, "caller": "moe.py:12:forward", "requested_bytes": 2048, "capacity_bytes": 1024}}))
+    clock.now += 1.0
+    core.tick()
+    _, s = collect(core.published, wall=clock.now)
+    assert nonzero(by(s, "wsd_events_total", "kind")) == {"started": 1, "joined": 2, "lock_violation": 1}
+    assert nonzero(by(s, "wsd_events_total", "kind")) == {
+        kind: sum(1 for e in core.events.since(0, 100)[0] if e["kind"] == kind) for kind in ("started", "joined",
+                                                                                          "lock_violation")}
 
 
 def test_command_latency_histogram_is_cumulative_per_action():
@@ -301,6 +391,9 @@ def test_a_rank_that_stops_pushing_turns_stale_then_lost(tmp_path):
     answer incomplete; lost after the heartbeat timeout: gone from the figures, rank_up 0."""
     core, clock = make_core(tmp_path, metrics_port=0, metrics_refresh=0.5)
     push(core, b"p0", 1, [64])
+    core.tick()
+    _, s = collect(core.published, wall=clock.now)
+    assert s["wsd_stats_missing_ranks"] == {(): 1} and s["wsd_stats_stale_ranks"] == {(): 0}  # p1: nothing yet
     push(core, b"p1", 1, [64])
     for _ in range(7):  # rank 0 keeps confirming its snapshot; rank 1 falls silent
         clock.now += 0.5
@@ -311,11 +404,13 @@ def test_a_rank_that_stops_pushing_turns_stale_then_lost(tmp_path):
     assert by(s, "wsd_rank_stats_stale", "rank") == {"0": 0, "1": 1}
     assert by(s, "wsd_rank_stats_age_seconds", "rank") == {"0": 0.0, "1": 3.5}
     assert by(s, "wsd_rank_up", "rank") == {"0": 1, "1": 1}
+    assert s["wsd_stats_missing_ranks"] == {(): 0} and s["wsd_stats_stale_ranks"] == {(): 1}
     clock.now += 1.6  # 5.1 s silent: past the heartbeat timeout
     core.tick()
     _, s = collect(core.published, wall=clock.now)
     assert set(by(s, "wsd_rank_workspace_bytes", "rank")) == {"0"}
     assert by(s, "wsd_rank_up", "rank") == {"0": 1, "1": 0}
+    assert s["wsd_stats_missing_ranks"] == {(): 1} and s["wsd_stats_stale_ranks"] == {(): 0}
 
 
 def test_core_without_a_metrics_port_runs_no_rounds_and_publishes_nothing(tmp_path):
@@ -442,11 +537,32 @@ def test_scrape_of_a_running_cluster_matches_wsctl_stats(start_coordinator, caps
             s, _ = wait_until(lambda: (m := matches_wsctl(url, endpoint, capsys))
                               and by(m[0], "wsd_rank_up", "rank")["4"] == 0 and m, 10, "rank 4 lost in the scrape")
             assert "4" not in by(s, "wsd_slot_capacity_bytes", "rank")
-            assert by(s, "wsd_ranks", "state") == {"live": 4, "lost": 1, "stopped": 0, "never_registered": 1}
+            assert by(s, "wsd_ranks", "state") == {"live": 4, "lost": 1, "stopped": 0, "missing": 1}
             assert s["wsd_heartbeats_total"][()] > 0
     finally:
         if not left:
             leaving.stop()
+
+
+def test_every_expected_rank_is_down_from_the_first_scrape_with_world_size_alone(start_coordinator):
+    """The local recipe and plain `wsd up` set world_size and no tp_size: a job whose workers
+    never start must still show 4 ranks down (it showed none, so no alert fired). Once ranks
+    register (and tell the TP size), each keeps its one wsd_rank_up series, and the ranks
+    still missing get their TP group."""
+    coordinator = start_coordinator(world_size=4, metrics_port=0, metrics_refresh=0.2, **HEARTBEAT)
+    first = scrape(coordinator.metrics_url)
+    assert by(first, "wsd_rank_up", "rank") == {"0": 0, "1": 0, "2": 0, "3": 0}
+    # The TP group is not known yet: empty, which Prometheus reads as no label.
+    assert {dict(labels)["tp_group"] for labels in first["wsd_rank_up"]} == {""}
+    assert by(first, "wsd_ranks", "state") == {"live": 0, "lost": 0, "stopped": 0, "missing": 4}
+    assert first["wsd_stats_missing_ranks"] == {(): 4}
+    with SimulatedRanks(coordinator.agent_endpoint, [0, 1], world_size=4, tp_size=2, num_ubatches=2,
+                        **HEARTBEAT) as ranks:
+        assert ranks.wait_registered(10)
+        s = wait_until(lambda: (m := scrape(coordinator.metrics_url)) and m["wsd_stats_missing_ranks"] == {(): 2}
+                       and m, 10, "ranks 0 and 1 in the scrape")
+        assert by(s, "wsd_rank_up", "rank", "tp_group") == {("0", "0"): 1, ("1", "0"): 1, ("2", "1"): 0, ("3", "1"): 0}
+        assert by(s, "wsd_ranks", "state") == {"live": 2, "lost": 0, "stopped": 0, "missing": 2}
 
 
 def test_metrics_endpoint_starts_and_stops_with_the_coordinator(tmp_path, start_coordinator):

@@ -79,6 +79,22 @@ class CoordinatorConfig:
     metrics_refresh: float = 1.0
     """Seconds between copies of the remembered snapshots for the per-slot metrics (when the
     endpoint is on); a scrape never asks the ranks."""
+    metrics_slots: bool = True
+    """Export the per-slot families (``wsd_slot_*``, four samples in five of a scrape at
+    scale); false keeps every per-rank and per-group family and drops those."""
+    metrics_certfile: str | None = None
+    """PEM certificate (chain) of the metrics endpoint: with ``metrics_keyfile``, it serves
+    HTTPS (prometheus_client's ``certfile``). None: plain HTTP."""
+    metrics_keyfile: str | None = None
+    """PEM private key of ``metrics_certfile`` (prometheus_client's ``keyfile``)."""
+    metrics_client_cafile: str | None = None
+    """PEM file of the CAs that client certificates are checked against (prometheus_client's
+    ``client_cafile``). None, with no ``metrics_client_capath`` either: the system's CAs."""
+    metrics_client_capath: str | None = None
+    """Folder of hashed CA certificates, as ``openssl rehash`` writes it (``client_capath``)."""
+    metrics_client_auth_required: bool = False
+    """Refuse a scraper without a client certificate the CAs vouch for
+    (``client_auth_required``); false: client certificates are not asked for."""
     resume_seq: int | None = None
     """Recovery after the state file was lost: number commands after this seq, the highest
     ``applied_seq`` that refused agents report (the events name it). No effect once the
@@ -126,8 +142,29 @@ class CoordinatorConfig:
         if not isinstance(self.metrics_host, str) or not self.metrics_host:
             raise ValueError(f"metrics_host must be an address such as 127.0.0.1, got {self.metrics_host!r}")
         check_positive("metrics_refresh", self.metrics_refresh, 3600.0)
+        self._check_metrics_tls()
         if self.resume_seq is not None:
             check_range("resume_seq", self.resume_seq, 0, 2**62)
+
+    def _check_metrics_tls(self) -> None:
+        """The switches are booleans, the paths strings, and TLS is all or nothing: a
+        certificate without its key (or a client option without either) would otherwise
+        serve plain HTTP while the operator believes it is HTTPS."""
+        for name in ("metrics_slots", "metrics_client_auth_required"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        paths = ("metrics_certfile", "metrics_keyfile", "metrics_client_cafile", "metrics_client_capath")
+        for name in paths:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a path, got {value!r}")
+        if (self.metrics_certfile is None) != (self.metrics_keyfile is None):
+            raise ValueError("metrics_certfile and metrics_keyfile go together: set both for HTTPS, or neither")
+        client = [n for n in paths[2:] if getattr(self, n) is not None]
+        if self.metrics_client_auth_required:
+            client.append("metrics_client_auth_required")
+        if client and self.metrics_certfile is None:
+            raise ValueError(f"{', '.join(client)} need(s) HTTPS: set metrics_certfile and metrics_keyfile")
 
     @property
     def pushed_interval(self) -> float:

@@ -622,7 +622,7 @@ class CoordinatorCore:
         """Give the metrics endpoint a fresh copy of the registry and counters (replaced whole)."""
         view = core_view(self.registry, seq=self.log.seq, heartbeats=self.heartbeats,
                          inconsistent=self._inconsistent, commands=self.command_stats,
-                         refused=self.gate.refused,
+                         refused=self.gate.refused, events=self.events.counts,
                          drifting={g for g in self.registry.groups() if self._drift(g)})
         self.published = replace(self.published, core=view)
 

@@ -16,7 +16,7 @@ import zmq
 
 from wsd.config import CoordinatorConfig
 from wsd.coordinator.core import AGENT, CoordinatorCore, Out
-from wsd.coordinator.metrics import MetricsServer
+from wsd.coordinator.metrics_server import MetricsServer
 from wsd.errors import WsdError
 from wsd.security import Role, SecurityConfig, load_agent_token
 from wsd.wire.curve import AGENT_DOMAIN, CLIENT_DOMAIN, CurveGate, is_loopback, refusal
@@ -84,15 +84,15 @@ class Coordinator:
                                "who reaches it may connect; set [security] curve_%s", who, endpoint, who)
         if config.metrics_port is not None:
             try:  # bound now, as the sockets are; it serves whatever the core last published
-                self.metrics = MetricsServer(lambda: self.core.published, config.metrics_host,
-                                             config.metrics_port)
+                self.metrics = MetricsServer.from_config(lambda: self.core.published, config)
             except WsdError:
                 self._close()
                 raise
-            if not is_loopback(f"tcp://{config.metrics_host}:{self.metrics.port}"):
+            if not is_loopback(f"tcp://{config.metrics_host}:{self.metrics.port}") \
+                    and not config.metrics_client_auth_required:
                 logger.warning("metrics endpoint %s is reachable from other hosts: anyone who reaches it "
                                "may read every rank's figures; set [coordinator] metrics_host to keep it "
-                               "local", self.metrics.url)
+                               "local, or metrics_client_auth_required with HTTPS", self.metrics.url)
         self.dropped_sends = 0
         logger.info("coordinator %s: agents on %s, clients on %s (seq %d%s)",
                     self.core.epoch[:8], self.agent_endpoint, self.client_endpoint,
@@ -102,7 +102,7 @@ class Coordinator:
 
     @property
     def metrics_url(self) -> str | None:
-        """``http://HOST:PORT/metrics`` with the bound port, or None with no metrics port."""
+        """``http(s)://HOST:PORT/metrics`` with the bound port, or None with no metrics port."""
         return None if self.metrics is None else self.metrics.url
 
     def start(self) -> Coordinator:

@@ -1,4 +1,4 @@
-"""The coordinator's Prometheus metrics: the families, what the core publishes, the endpoint.
+"""The coordinator's Prometheus metrics: the families, what the core publishes, the scrape text.
 
 Two threads meet here. The coordinator's core runs on its loop thread and
 owns the live registry and counters; it never shares them. Instead it
@@ -13,47 +13,59 @@ scrape, with no stale label set left in a registry.
 The per-slot figures are the snapshots the ranks pushed, as the coordinator
 remembers them, copied every ``[coordinator] metrics_refresh`` seconds: a
 scrape never asks a rank. ``wsd_rank_stats_age_seconds`` says how old each
-rank's is, and ``wsd_stats_age_seconds`` the oldest. Imports no torch.
+rank's is, and ``wsd_stats_age_seconds`` the oldest.
+
+Every series a rank has keeps one identity, ``{rank, tp_group}``, from the
+coordinator's start: what a rank registered with (its host, pid, device) is
+in ``wsd_rank_info`` alone, so that a registration adds one series instead of
+renaming every other. The HTTP endpoint is ``wsd.coordinator.metrics_server``.
+Imports no torch.
 """
 
 from __future__ import annotations
 
 import bisect
-import logging
-import socket
-import threading
+import platform
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from socketserver import ThreadingMixIn
 from typing import Any, NamedTuple
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+import zmq
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector, generate_latest
+
+import wsd
 from wsd.commands import COMMANDS
+from wsd.coordinator.events import EventKind
 from wsd.coordinator.registry import RankState, Registry
-from wsd.errors import WsdError
 from wsd.manager.stats import SLOT_NUMBERS
-from wsd.wire.protocol import StrEnum
-from wsd.wire.transport import BindError
+from wsd.wire.protocol import PROTOCOL_VERSION, StrEnum
 
-__all__ = ["COMMAND_BUCKETS", "CONTENT_TYPE", "FAMILIES", "Collector", "CommandOutcome", "CommandStats", "CoreView",
-           "GroupFigures", "MetricsServer", "Published", "RankFigures", "RankRow", "StatsView", "core_view"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["COMMAND_BUCKETS", "CONTENT_TYPE", "FAMILIES", "MISSING", "RANK_STATES", "SLOT_FAMILIES", "Collector",
+           "CommandOutcome", "CommandStats", "CoreView", "GroupFigures", "Published", "RankFigures", "RankRow",
+           "StatsView", "core_view"]
 
 _SLOT = ("rank", "tp_group", "ubatch", "lane")
-_RANK = ("rank", "tp_group", "host")
+_RANK = ("rank", "tp_group")
 _GROUP = ("tp_group",)
+
+MISSING = "missing"
+"""The state of an expected rank that never registered: the same word in ``ranks``,
+``wsctl status`` and ``wsd_ranks``."""
+RANK_STATES = (*(str(s) for s in RankState), MISSING)
+"""The ``state`` values of ``wsd_ranks``, every one exported from the start."""
 
 FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     **{n.metric: ("counter" if n.counter else "gauge", _SLOT) for n in SLOT_NUMBERS},
     "wsd_rank_up": ("gauge", _RANK),
+    "wsd_rank_info": ("gauge", ("rank", "tp_group", "host", "pid", "device")),
     "wsd_rank_locked": ("gauge", _RANK),
     "wsd_rank_ubatches": ("gauge", _RANK),
     "wsd_rank_last_step": ("gauge", _RANK),
     "wsd_rank_workspace_bytes": ("gauge", _RANK),
     "wsd_rank_stats_age_seconds": ("gauge", _RANK),
     "wsd_rank_stats_stale": ("gauge", _RANK),
+    "wsd_rank_lock_violations_total": ("counter", _RANK),
     "wsd_group_workspace_bytes": ("gauge", _GROUP),
     "wsd_group_skew_bytes": ("gauge", _GROUP),
     "wsd_group_consistent": ("gauge", _GROUP),
@@ -65,19 +77,29 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "wsd_agent_refusals_total": ("counter", ("reason",)),
     "wsd_command_seq": ("gauge", ()),
     "wsd_stats_age_seconds": ("gauge", ()),
+    "wsd_stats_missing_ranks": ("gauge", ()),
+    "wsd_stats_stale_ranks": ("gauge", ()),
+    "wsd_events_total": ("counter", ("kind",)),
+    "wsd_build_info": ("gauge", ("version", "python", "pyzmq", "libzmq", "protocol")),
 }
 """Every family the coordinator exports: name -> (type, label names). The contract that
 deploy/grafana and deploy/prometheus are checked against (tests/test_deploy.py)."""
 
+SLOT_FAMILIES = frozenset(n.metric for n in SLOT_NUMBERS)
+"""The per-slot families: without samples when ``[coordinator] metrics_slots`` is off."""
+
 _HELP = {
     **{n.metric: n.help for n in SLOT_NUMBERS},
-    "wsd_rank_up": "1 if the rank is live, 0 if lost, stopped or never registered (host empty then).",
+    "wsd_rank_up": "1 if the rank is live, 0 if lost, stopped or missing (never registered); every expected rank "
+                   "has one from the start.",
+    "wsd_rank_info": "1 for every rank that registered, labelled with what it registered with (host, pid, device).",
     "wsd_rank_locked": "1 if the rank's workspace is locked, as its last heartbeat said.",
     "wsd_rank_ubatches": "Micro-batch slots per lane of the rank's workspace, as its last heartbeat said.",
     "wsd_rank_last_step": "The last engine step the rank reported.",
     "wsd_rank_workspace_bytes": "Total bytes of the rank's workspace (scratch and persistent).",
     "wsd_rank_stats_age_seconds": "Seconds since the rank's snapshot (the wsd_slot_* figures) was known current.",
     "wsd_rank_stats_stale": "1 if the rank's snapshot is older than [coordinator] stats_stale_after.",
+    "wsd_rank_lock_violations_total": "Requests refused because the workspace was locked, over the rank's slots.",
     "wsd_group_workspace_bytes": "Workspace bytes summed over the TP group's reporting ranks.",
     "wsd_group_skew_bytes": "Largest minus smallest rank workspace total in the TP group.",
     "wsd_group_consistent": "1 if the TP group's live ranks agree on lock state and slot count.",
@@ -85,21 +107,22 @@ _HELP = {
                        "count other than the desired one.",
     "wsd_command_duration_seconds": "Seconds from numbering a command to its result.",
     "wsd_commands_total": "Commands finished, by action and result (complete, partial, failed).",
-    "wsd_ranks": "Expected ranks by state (live, lost, stopped, never_registered).",
+    "wsd_ranks": "Expected ranks by state (live, lost, stopped, missing).",
     "wsd_heartbeats_total": "Heartbeats received from agents.",
     "wsd_agent_refusals_total": "Agent frames and registrations refused, by reason (an impostor, a flood, "
                                 "claims beyond the issued seq).",
     "wsd_command_seq": "The last command sequence number handed out.",
     "wsd_stats_age_seconds": "Seconds since the oldest rank's snapshot was known current.",
+    "wsd_stats_missing_ranks": "Expected ranks without a snapshot in the per-slot figures (lost, stopped, missing, "
+                               "or live with nothing pushed yet).",
+    "wsd_stats_stale_ranks": "Ranks whose snapshot in the per-slot figures is older than stats_stale_after.",
+    "wsd_events_total": "Events the coordinator logged, by kind (wsctl events).",
+    "wsd_build_info": "1, labelled with the coordinator's wsd version, Python, pyzmq, libzmq and protocol version.",
 }
 
 COMMAND_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 """Upper bounds (seconds) of the command latency histogram: a step-synchronised command
 takes a few engine steps; one that waits for a lost rank takes the command timeout."""
-
-# A scrape's stop() waits this long for the server's loop to notice shutdown.
-_POLL_INTERVAL = 0.1
-
 
 class CommandOutcome(StrEnum):
     COMPLETE = "complete"
@@ -143,12 +166,14 @@ class RankRow(NamedTuple):
     """One expected rank as the registry knows it."""
 
     rank: int
-    tp_group: int
-    host: str
+    tp_group: int | None
+    """None: not known yet (no ``tp_size`` configured and no rank registered)."""
     up: bool
     locked: bool | None
     num_ubatches: int | None
     step: int | None
+    registered: tuple[str, int, str] | None
+    """(host, pid, device) it registered with; None for a rank that never registered."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +189,8 @@ class CoreView:
     latency: tuple[tuple[str, tuple[int, ...], float], ...]
     refused: tuple[tuple[str, int], ...] = ()
     drift: tuple[tuple[int, bool], ...] = ()
+    events: tuple[tuple[str, int], ...] = ()
+    """Events logged by kind, every kind from the start."""
 
 
 class RankFigures(NamedTuple):
@@ -206,18 +233,48 @@ class Published:
 
 def core_view(registry: Registry, *, seq: int, heartbeats: int, inconsistent: set[int],
               commands: CommandStats, refused: dict[str, int] | None = None,
-              drifting: set[int] | None = None) -> CoreView:
-    """Copy what the metrics need of the registry and counters (on the loop thread)."""
-    rows = [RankRow(i.rank, i.tp_group, i.host, i.state is RankState.LIVE, i.manager_state.get("locked"),
-                    i.manager_state.get("num_ubatches"), i.step) for i in registry.ranks.values()]
-    never = [RankRow(rank, g, "", False, None, None, None)
-             for g in registry.groups() for rank in registry.expected(g) if rank not in registry.ranks]
-    states = tuple(registry.counts().items())  # the same counts by state as ``status`` shows
+              drifting: set[int] | None = None, events: Mapping[str, int] | None = None) -> CoreView:
+    """Copy what the metrics need of the registry and counters (on the loop thread).
+
+    Every expected rank has a row, registered or not, so that ``wsd_rank_up`` has a 0
+    for a rank that never registered also when only ``world_size`` is configured.
+    """
+    rows = [_rank_row(registry, rank) for rank in registry.expected()]
+    states = dict.fromkeys(RANK_STATES, 0)  # the same counts by state as ``status`` shows
+    for row in rows:
+        info = registry.ranks.get(row.rank)
+        states[MISSING if info is None else str(info.state)] += 1
     counts, latency = commands.snapshot()
-    return CoreView(seq=seq, heartbeats=heartbeats, ranks=tuple(sorted(rows + never)), states=states,
+    logged = {str(kind): 0 for kind in EventKind} | dict(events or {})
+    return CoreView(seq=seq, heartbeats=heartbeats, ranks=tuple(rows), states=tuple(states.items()),
                     consistent=tuple((g, g not in inconsistent) for g in registry.groups()),
                     drift=tuple((g, g in (drifting or set())) for g in registry.groups()),
-                    commands=counts, latency=latency, refused=tuple(sorted((refused or {}).items())))
+                    commands=counts, latency=latency, refused=tuple(sorted((refused or {}).items())),
+                    events=tuple(sorted(logged.items())))
+
+
+def _rank_row(registry: Registry, rank: int) -> RankRow:
+    info = registry.ranks.get(rank)
+    if info is None:
+        group = None if registry.tp_size is None else rank // registry.tp_size
+        return RankRow(rank, group, False, None, None, None, None)
+    return RankRow(rank, info.tp_group, info.state is RankState.LIVE, info.manager_state.get("locked"),
+                   info.manager_state.get("num_ubatches"), info.step, (info.host, info.pid, info.device))
+
+
+def _build_labels() -> tuple[str, ...]:
+    """``wsd_build_info``'s label values: fixed for the life of the process."""
+    return (wsd.__version__, platform.python_version(), zmq.pyzmq_version(), zmq.zmq_version(),
+            str(PROTOCOL_VERSION))
+
+
+def _process_registry() -> CollectorRegistry:
+    """prometheus_client's own ``process_*`` and ``python_info`` collectors, apart from its
+    global registry: a dozen samples read from /proc at each scrape, rendered by it."""
+    registry = CollectorRegistry(auto_describe=True)
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    return registry
 
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -269,29 +326,41 @@ class _Text:
 
 
 class Collector:
-    """Writes every family afresh at each scrape from ``source()``, the latest ``Published``."""
+    """Writes every family afresh at each scrape from ``source()``, the latest ``Published``,
+    followed by prometheus_client's ``process_*`` and ``python_info``.
 
-    def __init__(self, source: Callable[[], Published], *, wall: Callable[[], float] = time.time) -> None:
+    ``slots`` False leaves the per-slot families (``SLOT_FAMILIES``, four samples in five
+    of a large scrape) without samples; every per-rank and per-group family stays.
+    """
+
+    def __init__(self, source: Callable[[], Published], *, wall: Callable[[], float] = time.time,
+                 slots: bool = True) -> None:
         self._source = source
         self._wall = wall
+        self.slots = slots
+        self._build = _build_labels()
+        self._process = _process_registry()
 
     def render(self) -> bytes:
         """One scrape, in the text exposition format (``CONTENT_TYPE``)."""
         published = self._source()  # one read: the views below belong together
         text = _Text()
-        hosts: dict[int, str] = {}
+        text.add("wsd_build_info", self._build, 1)
         if published.core is not None:
-            hosts = {r.rank: r.host for r in published.core.ranks}
             self._core(published.core, text)
         if published.stats is not None:
-            self._stats(published.stats, hosts, text)
-        return text.render()
+            self._stats(published.stats, text)
+        if published.core is not None:
+            self._completeness(published.core, published.stats, text)
+        return text.render() + generate_latest(self._process)
 
     @staticmethod
     def _core(view: CoreView, text: _Text) -> None:
         for row in view.ranks:
-            labels = (row.rank, row.tp_group, row.host)
+            labels = (row.rank, "" if row.tp_group is None else row.tp_group)
             text.add("wsd_rank_up", labels, row.up)
+            if row.registered is not None:
+                text.add("wsd_rank_info", (*labels, *row.registered), 1)
             if row.locked is not None:
                 text.add("wsd_rank_locked", labels, row.locked)
             if row.num_ubatches is not None:
@@ -319,90 +388,43 @@ class Collector:
         text.add("wsd_heartbeats_total", (), view.heartbeats)
         for reason, count in view.refused:
             text.add("wsd_agent_refusals_total", (reason,), count)
+        for kind, count in view.events:
+            text.add("wsd_events_total", (kind,), count)
         text.add("wsd_command_seq", (), view.seq)
 
-    def _stats(self, view: StatsView, hosts: dict[int, str], text: _Text) -> None:
+    def _stats(self, view: StatsView, text: _Text) -> None:
         since = max(0.0, self._wall() - view.time)  # the ages were measured when the view was made
         oldest = 0.0
-        slot_lines = [text.lines[n.metric] for n in SLOT_NUMBERS]
         for rank in view.ranks:
-            labels = (rank.rank, rank.tp_group, hosts.get(rank.rank, ""))
+            labels = (rank.rank, rank.tp_group)
             text.add("wsd_rank_workspace_bytes", labels, rank.total_bytes)
             age = rank.age + since
             oldest = max(oldest, age)
             text.add("wsd_rank_stats_age_seconds", labels, age)
             text.add("wsd_rank_stats_stale", labels, rank.stale)
-            # The bulk of a scrape: one line per slot and number, written as plainly as can be.
-            places = [f'rank="{rank.rank}",tp_group="{rank.tp_group}",ubatch="{u}",lane="{lane}"}} '
-                      for u, lane in zip(rank.columns["ubatch"], rank.columns["lane"])]
-            for number, lines in zip(SLOT_NUMBERS, slot_lines):
-                head = number.metric + "{"
-                values = rank.columns[number.name]
-                if number.kind is not int:  # an int formats as itself; a float needs NaN and Inf spelled
-                    values = list(map(_number, values))
-                lines += [f"{head}{place}{value}\n" for place, value in zip(places, values)]
+            text.add("wsd_rank_lock_violations_total", labels, sum(rank.columns["lock_violations"]))
+            if self.slots:
+                self._slots(rank, text)
         for group in view.groups:
             text.add("wsd_group_workspace_bytes", (group.tp_group,), group.total_bytes)
             text.add("wsd_group_skew_bytes", (group.tp_group,), group.skew_bytes)
         text.add("wsd_stats_age_seconds", (), oldest)
 
+    @staticmethod
+    def _slots(rank: RankFigures, text: _Text) -> None:
+        """The bulk of a scrape: one line per slot and number, written as plainly as can be."""
+        places = [f'rank="{rank.rank}",tp_group="{rank.tp_group}",ubatch="{u}",lane="{lane}"}} '
+                  for u, lane in zip(rank.columns["ubatch"], rank.columns["lane"])]
+        for number in SLOT_NUMBERS:
+            head = number.metric + "{"
+            values = rank.columns[number.name]
+            if number.kind is not int:  # an int formats as itself; a float needs NaN and Inf spelled
+                values = list(map(_number, values))
+            text.lines[number.metric] += [f"{head}{place}{value}\n" for place, value in zip(places, values)]
 
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True  # a scrape in flight never holds up the coordinator's exit
-    allow_reuse_address = True
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # one line per scrape is noise; errors still reach the log through wsgiref
-
-
-def _app(collector: Collector) -> Callable[..., list[bytes]]:
-    """The WSGI application: ``/metrics`` (any path) is a fresh scrape."""
-
-    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
-        if environ.get("REQUEST_METHOD", "GET") not in ("GET", "HEAD"):
-            start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
-            return [b""]
-        body = collector.render()
-        start_response("200 OK", [("Content-Type", CONTENT_TYPE), ("Content-Length", str(len(body)))])
-        return [b"" if environ.get("REQUEST_METHOD") == "HEAD" else body]
-
-    return app
-
-
-class MetricsServer:
-    """``/metrics`` over HTTP in a thread of its own, serving a fresh ``Collector`` scrape."""
-
-    def __init__(self, source: Callable[[], Published], host: str, port: int, *,
-                 wall: Callable[[], float] = time.time) -> None:
-        collector = Collector(source, wall=wall)
-        try:
-            family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                          flags=socket.AI_PASSIVE)[0]
-            server_class: type[_Server] = type("_MetricsServer", (_Server,), {"address_family": family})
-            # address[0] is the host as a string for every stream family getaddrinfo returns.
-            self._server = make_server(str(address[0]), port, _app(collector), server_class,
-                                       handler_class=_QuietHandler)
-        except OSError as e:  # in use, not this host's, a privileged port: configuration
-            raise BindError(f"cannot serve metrics on {host}:{port} ([coordinator] metrics_host, "
-                            f"metrics_port): {e.strerror or e}") from e
-        self.host = host
-        self.port: int = self._server.server_address[1]
-        """The bound port: the one asked for, or the one the OS chose for port 0."""
-        bracketed = f"[{host}]" if ":" in host else host
-        self.url = f"http://{bracketed}:{self.port}/metrics"
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(_POLL_INTERVAL,),
-                                        name="wsd-metrics", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop serving and close the socket; waits at most ``timeout`` for the thread."""
-        if self._thread.is_alive():
-            # shutdown() waits for serve_forever to notice, which it does within
-            # _POLL_INTERVAL; a thread that has already ended would never answer.
-            self._server.shutdown()
-            self._thread.join(timeout)
-        self._server.server_close()
-        if self._thread.is_alive():
-            raise WsdError(f"metrics server did not stop within {timeout} s")
+    @staticmethod
+    def _completeness(core: CoreView, stats: StatsView | None, text: _Text) -> None:
+        """How far the per-slot figures are from every expected rank's current snapshot."""
+        reported = set() if stats is None else {r.rank for r in stats.ranks}
+        text.add("wsd_stats_missing_ranks", (), sum(1 for r in core.ranks if r.rank not in reported))
+        text.add("wsd_stats_stale_ranks", (), 0 if stats is None else sum(1 for r in stats.ranks if r.stale))

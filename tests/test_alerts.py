@@ -4,9 +4,9 @@ Static tier. With promtool (Debian's ``prometheus`` package, which .ci/run
 installs; each test skips, saying so, where it is missing): the alert rules
 pass ``promtool check rules``; their unit tests (deploy/prometheus/
 wsd-alerts.test.yml: group skew in one of two clusters, one coordinator of two
-down, a discovered coordinator gone, a job whose ranks never register, a burst
-of lock violations across ranks and slots) pass ``promtool test rules``, and
-fail on rules that fall back into the faults they were written for; both
+down, a discovered coordinator gone, Slurm jobs that end (no alert), a job
+whose ranks never register, a burst of lock violations across ranks and
+slots) pass ``promtool test rules``, and fail on rules that fall back into the faults they were written for; both
 scrape configurations pass ``promtool check config``. Without a tool: every
 metric the rules, their unit tests and the dashboard name is a family that
 docs/metrics.md documents and the coordinator exports; every dashboard query
@@ -110,12 +110,15 @@ _FAULTS = {
         "count by (tp_group) (wsd_rank_workspace_bytes)", "alertname: WsdGroupSkew"),
     "a coordinator down as absent(wsd_ranks)": (
         'up{job=~"wsd-coordinator.*"} == 0', "absent(wsd_ranks)", "alertname: WsdCoordinatorDown"),
+    "a Slurm job that ended as a coordinator gone": (
+        'up{job=~"wsd-coordinator.*", job!="wsd-coordinator-slurm"}[1h]', 'up{job=~"wsd-coordinator.*"}[1h]',
+        "alertname: WsdCoordinatorGone"),
     "a rank alert per rank": (
         "count by (job, instance, namespace, tp_group) (wsd_rank_up == 0)", "wsd_rank_up == 0",
         "alertname: WsdRankDown"),
-    "a violation alert per rank and slot": (
-        "sum by (job, instance, namespace, tp_group) (increase(wsd_slot_lock_violations_total[5m])) > 0",
-        "increase(wsd_slot_lock_violations_total[5m]) > 0", "alertname: WsdLockViolations"),
+    "a violation alert per rank": (
+        "sum by (job, instance, namespace, tp_group) (increase(wsd_rank_lock_violations_total[5m])) > 0",
+        "increase(wsd_rank_lock_violations_total[5m]) > 0", "alertname: WsdLockViolations"),
 }
 
 
@@ -381,7 +384,8 @@ def _start_prometheus(start: Any, folder: Path, targets: list[str]) -> str:
     config = _yaml(SCRAPE)
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
     config["rule_files"] = [str(ALERTS)]
-    (job,) = config["scrape_configs"]
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "wsd-coordinator"]
+    config["scrape_configs"] = [job]
     job.update(scrape_interval="1s", scrape_timeout="1s", static_configs=[{"targets": targets}])
     (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
     for attempt in range(3):  # the port is free when picked; another process may take it first

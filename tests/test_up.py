@@ -304,3 +304,13 @@ def test_a_coordinator_that_exits_at_start_is_said_to_have_exited_not_to_be_slow
     process = CoordinatorProcess(None, env={**os.environ, "PYTHONPATH": str(tmp_path)})
     with pytest.raises(LaunchError, match=r"^the coordinator exited before it was ready \(exit code 1\); "):
         process.start(timeout=30)
+
+
+def test_wsd_up_help_gives_the_exit_codes_up_returns(capsys):
+    """The exit codes in `wsd up --help` are the ones wsd.up returns (RANK_LOST for a rank lost)."""
+    from wsd.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["up", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"; {wsd_up.RANK_LOST} a rank lost;" in text and "; 2 a bad configuration;" in text, text

@@ -56,7 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=flag_number(int, 1, MAX_DEMO_STEPS, what="an integer"), default=100,
                       help=f"steady-state steps, 1..{MAX_DEMO_STEPS} (default: 100)")
     up = sub.add_parser(
-        "up", help="start a local cluster: a coordinator and torchrun workers, until Ctrl-C or SIGTERM"
+        "up", help="start a local cluster: a coordinator and torchrun workers, until Ctrl-C or SIGTERM",
+        epilog="A worker that dies is reported in one line and not restarted; the coordinator keeps serving "
+               "until Ctrl-C, so that wsctl shows the rank lost. Exit codes: 0 stopped by Ctrl-C or SIGTERM, "
+               "or the workers finished; 2 a bad configuration; 3 a rank lost; 1 otherwise.",
     )
     up.add_argument("--nproc", type=flag_number(int, 1, MAX_LOCAL_WORKERS, what="an integer"), default=2,
                     help=f"worker processes, 1..{MAX_LOCAL_WORKERS} (default: 2)")

@@ -171,7 +171,7 @@ def measure(n: int, *, soak: float, rounds: int, state_dir: str, busy: bool) -> 
             if not answer["complete"] or len(answer["ranks"]) != n:
                 raise SystemExit(f"stats at {n} ranks: {len(answer['ranks'])} answered, "
                                  f"missing {answer['missing'][:5]}, stale {answer['stale'][:5]}...")
-            ages.append(max(r["age"] for r in answer["ranks"]))
+            ages.append(max(answer.ages().values()))
 
         scraped: list[int] = []
 

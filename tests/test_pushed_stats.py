@@ -34,7 +34,7 @@ from wsd.manager.stats import (
 from wsd.wire import protocol as p
 from wsd.wire.protocol import Op
 from wsd_client.client import Client
-from wsd_client.rows import group_columns, group_slots, rank_columns
+from wsd_client.rows import ages, group_columns, group_slots, rank_columns, stats_rows
 
 INTERVAL = 1.0
 TIMEOUT = 5.0
@@ -149,8 +149,8 @@ def test_pushed_deltas_rebuild_exactly_the_snapshot_the_agent_holds(first, chang
         # What was checked and encoded again from deltas answers as a whole snapshot would.
         whole = LatestStats()
         whole.push(0, 0, {"base": None, "stats": stats.to_wire(), "step": pair.link.steps, "version": 1}, pair.now)
-        assert (msgpack.unpackb(pair.latest.answer({0: [0]}, {}, pair.now, 1e9))
-                == msgpack.unpackb(whole.answer({0: [0]}, {}, pair.latest.ranks[0].confirmed, 1e9)))
+        assert (msgpack.unpackb(pair.latest.answer({0: [0]}, {}, pair.now, pair.now, 1e9))
+                == msgpack.unpackb(whole.answer({0: [0]}, {}, pair.now, pair.now, 1e9)))
 
 
 @settings(max_examples=200, deadline=None)
@@ -200,7 +200,7 @@ def test_invalid_pushes_are_refused_naming_why_and_the_rank_shows_missing():
             "stats": {"device": "cpu", "slots": {}}}
     with pytest.raises(ValueError, match="num_ubatches: missing"):
         latest.push(0, 0, body, 1.0)
-    answer = msgpack.unpackb(latest.answer({0: [0]}, {}, 1.0, 3.0))
+    answer = msgpack.unpackb(latest.answer({0: [0]}, {}, 1.0, 1.0, 3.0))
     assert answer["missing"] == [{"rank": 0, "reason": "sent an invalid stats snapshot (num_ubatches: missing)"}]
     good = ManagerStats("cpu", 1, 1, False, (SlotStats(0, 0, 64, 64, 1, 1, 0, None, ()),)).to_wire()
     assert latest.push(0, 0, {**body, "stats": good}, 1.0)
@@ -266,7 +266,9 @@ def test_a_stats_answer_comes_from_memory_with_each_ranks_age_and_asks_no_rank(t
     assert [kind for kind, _, _ in out] == [CLIENT]  # no stats_request to any rank
     answer = msgpack.unpackb(out[0][2])["result"]
     assert answer["complete"] and not answer["fresh"] and answer["stale"] == []
-    assert [(r["rank"], r["age"], r["stale"]) for r in answer["ranks"]] == [(0, 0.75, False), (1, 0.25, False)]
+    assert [r["rank"] for r in answer["ranks"]] == [0, 1] and ages(answer) == {0: 0.75, 1: 0.25}
+    assert answer["as_of"] == clock.now and [r["confirmed_at"] for r in answer["ranks"]] == [clock.now - 0.75,
+                                                                                          clock.now - 0.25]
     (group,) = answer["groups"]
     assert group_columns(answer)[0]["capacity_max"] == [4096] and group["skew_bytes"] == 4096 - 1024
 
@@ -275,10 +277,11 @@ def test_a_silent_rank_is_stale_after_the_bound_then_lost(tmp_path):
     core, clock = _core(tmp_path)
     _push(core, 0, 64)
     _push(core, 1, 64)
+    assert _ask(core)["complete"]
     clock.now += 3 * INTERVAL + 0.1  # the default bound: three intervals
-    answer = _ask(core)
+    answer = _ask(core)  # nothing pushed since the last answer: only the time has moved
     assert answer["stale"] == [0, 1] and not answer["complete"]
-    assert all(r["stale"] for r in answer["ranks"])
+    assert all(r["stale"] for r in stats_rows(answer)["ranks"])
     _push(core, 0, 64)  # rank 0 again; rank 1 stays silent
     clock.now += TIMEOUT - 3 * INTERVAL
     core.tick()
@@ -289,11 +292,30 @@ def test_a_silent_rank_is_stale_after_the_bound_then_lost(tmp_path):
     assert group["reporting"] == [0] and [row["ranks"] for row in group_slots(answer, 0)] == [[0]]
 
 
+def test_an_answer_from_memory_follows_every_push_confirmation_and_loss(tmp_path):
+    """Answers between two changes share what does not depend on the time; a push, a
+    heartbeat confirming a snapshot, or a rank lost each shows in the very next answer."""
+    core, clock = _core(tmp_path)
+    _push(core, 0, 64)
+    _push(core, 1, 64)
+    first = _ask(core)
+    assert first["total_bytes"] == _ask(core)["total_bytes"]
+    _push(core, 0, 4096)  # a whole snapshot again
+    assert rank_columns(_ask(core))[0]["capacity_bytes"][0] == 4096
+    clock.now += 0.5
+    core.handle_agent((b"p1",), p.encode(Op.HEARTBEAT, {"rank": 1, "step": 6, "applied_seq": 0, "held_seq": 0,
+                                                        "state": {}, "stats_version": 1}))
+    assert ages(_ask(core)) == {0: 0.5, 1: 0.0}
+    clock.now += TIMEOUT + 0.1
+    core.tick()
+    assert [m["rank"] for m in _ask(core)["missing"]] == [0, 1]
+
+
 # -- real sockets ------------------------------------------------------------------------------------
 
 
 def _without_ages(doc: dict[str, Any]) -> dict[str, Any]:
-    return {"ranks": [{k: v for k, v in r.items() if k not in ("age", "stale")} for r in doc["ranks"]],
+    return {"ranks": [{k: v for k, v in r.items() if k != "confirmed_at"} for r in doc["ranks"]],
             "groups": doc["groups"], "group_slots": doc["group_slots"], "missing": doc["missing"],
             "total_bytes": doc["total_bytes"]}
 
@@ -314,11 +336,11 @@ def cluster(start_coordinator):
 def test_fresh_gives_the_same_numbers_as_the_pushed_view(cluster):
     _, _, client = cluster
     fresh = client.stats(fresh=True)
-    assert fresh["fresh"] and fresh["complete"] and all(r["age"] == 0.0 for r in fresh["ranks"])
+    assert fresh["fresh"] and fresh["complete"] and set(fresh.ages().values()) == {0.0}
     pushed = client.stats()
     assert not pushed["fresh"] and pushed["complete"]
     assert _without_ages(pushed) == _without_ages(fresh)
-    assert all(r["age"] <= 0.2 + 0.1 for r in pushed["ranks"])  # confirmed every interval
+    assert max(pushed.ages().values()) <= 0.2 + 0.1  # confirmed every interval
 
 
 def test_aggregates_after_set_ubatches_drops_slots_and_a_rank_leaves_are_exact(cluster):

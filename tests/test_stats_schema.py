@@ -39,7 +39,7 @@ def _answer(snapshots: dict[int, ManagerStats], tp_group: int = 0) -> dict:
     rnd = StatsRound({tp_group: sorted(snapshots)})
     for rank, snapshot in snapshots.items():
         rnd.add(read_snapshot(rank, tp_group, 7, msgpack.unpackb(msgpack.packb(snapshot.to_wire()))))
-    return msgpack.unpackb(rnd.finish({tp_group: sorted(snapshots)}, {}))
+    return msgpack.unpackb(rnd.finish({tp_group: sorted(snapshots)}, {}, as_of=1.0))
 
 
 def test_slot_stats_carries_exactly_the_schemas_columns():
@@ -87,7 +87,7 @@ def test_aggregation_reads_the_columns_by_name_not_by_position():
     a.add(read_snapshot(0, 0, 1, snapshot))
     b = StatsRound({0: [0]})
     b.add(read_snapshot(0, 0, 1, reordered))
-    first, second = (msgpack.unpackb(r.finish({0: [0]}, {})) for r in (a, b))
+    first, second = (msgpack.unpackb(r.finish({0: [0]}, {}, as_of=1.0)) for r in (a, b))
     assert first["groups"] == second["groups"] and first["group_slots"] == second["group_slots"]
     assert first["ranks"][0]["capacity_bytes"] == sum(snapshot["slots"]["capacity_bytes"])
 

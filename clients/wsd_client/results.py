@@ -160,9 +160,19 @@ class Stats(Answer):
         return self.doc["stale"]
 
     @property
+    def as_of(self) -> float:
+        """When the coordinator sent it, Unix seconds on its clock."""
+        return float(self.doc["as_of"])
+
+    @property
     def ranks(self) -> list[dict[str, Any]]:
-        """Per reporting rank, its figures without its slots (``rank_columns``, ``rows()``)."""
+        """Per reporting rank, its figures without its slots (``rank_columns``, ``rows()``), and
+        ``confirmed_at``: when its snapshot was last known current (``ages()``)."""
         return self.doc["ranks"]
+
+    def ages(self) -> dict[int, float]:
+        """Each rank's age, seconds: ``as_of`` less its ``confirmed_at`` (0 for ``fresh``)."""
+        return _rows.ages(self.doc)
 
     @property
     def groups(self) -> list[dict[str, Any]]:
@@ -170,8 +180,9 @@ class Stats(Answer):
         return self.doc["groups"]
 
     def rows(self) -> dict[str, Any]:
-        """The answer with each rank's and group's slots as rows under it: exactly the
-        document ``wsctl stats --json`` prints (built on each call)."""
+        """The answer with each rank's and group's slots as rows under it, and each rank's
+        ``age`` and ``stale``: exactly the document ``wsctl stats --json`` prints (built on
+        each call)."""
         return _rows.stats_rows(self.doc)
 
     def rank_columns(self) -> dict[int, dict[str, Any]]:

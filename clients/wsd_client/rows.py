@@ -1,7 +1,9 @@
 """The ``stats`` answer in rows: the documented shape ``wsctl stats --json`` prints.
 
 ``Client.stats()`` returns the coordinator's compact answer: one entry per
-rank in ``ranks`` (its figures, age and whether it is stale), and every rank's
+rank in ``ranks`` (its figures, and ``confirmed_at``: when its snapshot was
+last known current, Unix seconds; ``as_of - confirmed_at`` is its age, as
+``ages`` gives), and every rank's
 slots as rows of one table, ``slots``, a map of equal-length columns whose
 ``rank`` column says whose each row is (``{"rank": [0, 0, 1, 1], "ubatch":
 [0, 1, 0, 1], "capacity_bytes": [4096, 0, ...], ...}``); the last violations
@@ -10,8 +12,8 @@ and persistent buffers likewise (``last_violation`` and ``persistent``, whose
 of ``groups``, and every group's per-slot summary rows of one table too,
 ``group_slots``, whose ``tp_group`` column says whose each row is.
 ``stats_rows`` turns it into one map per slot under each rank and group, the
-shape ``wsctl``'s JSON and tables show; the one place that does. Imports no
-torch.
+shape ``wsctl``'s JSON and tables show, with each rank's ``age`` and whether
+it is ``stale``; the one place that does. Imports no torch.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 from wsd.manager.stats import GROUP_COLUMNS, SLOT_COLUMNS, SLOT_KEY, slot_rows
 
-__all__ = ["group_columns", "group_slots", "rank_columns", "rank_slots", "stats_rows"]
+__all__ = ["ages", "group_columns", "group_slots", "rank_columns", "rank_slots", "stats_rows"]
 
 _TABLES = ("slots", "last_violation", "persistent", "group_slots")
 
@@ -84,14 +86,25 @@ def _group_rows(doc: dict[str, Any], tp_group: int, columns: dict[str, list[Any]
     return rows
 
 
+def ages(doc: dict[str, Any]) -> dict[int, float]:
+    """Each rank's age: seconds from when its snapshot was last known current to ``as_of``,
+    when the answer was sent (both the coordinator's clock), to the millisecond."""
+    as_of = doc["as_of"]
+    return {r["rank"]: round(max(0.0, as_of - r["confirmed_at"]), 3) for r in doc["ranks"]}
+
+
 def stats_rows(doc: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a ``stats`` answer with each rank's slots as rows under it, each group's likewise."""
+    """A copy of a ``stats`` answer with each rank's slots as rows under it, each group's likewise,
+    and each rank's ``age`` and whether it is ``stale``."""
     columns = rank_columns(doc)
     groups = group_columns(doc)
+    age = ages(doc)
+    stale = set(doc["stale"])
     rows = {k: v for k, v in doc.items() if k not in _TABLES}
     return {
         **rows,
-        "ranks": [{**r, "slots": slot_rows(columns[r["rank"]])} for r in doc["ranks"]],
+        "ranks": [{**r, "age": age[r["rank"]], "stale": r["rank"] in stale, "slots": slot_rows(columns[r["rank"]])}
+                  for r in doc["ranks"]],
         "groups": [{**g, "slots": _group_rows(doc, g["tp_group"], groups[g["tp_group"]], columns)}
                    for g in doc["groups"]],
     }

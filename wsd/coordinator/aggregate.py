@@ -33,8 +33,8 @@ from wsd.manager.stats import (
     VIOLATION_COLUMNS,
 )
 
-__all__ = ["GroupPart", "Snapshot", "StatsRound", "group_part", "packed_answer", "packed_entry", "read_changes",
-           "read_snapshot"]
+__all__ = ["AnswerBody", "GroupPart", "Snapshot", "StatsRound", "answer_body", "group_part", "packed_answer",
+           "packed_entry", "read_changes", "read_snapshot"]
 
 _RANK_FIELDS = {"device": str, "num_ubatches": int, "num_lanes": int, "locked": bool, "slots": dict}
 # The sparse tables' columns and the type of each.
@@ -177,11 +177,11 @@ def _spliced_table(name: str, columns: tuple[str, ...], parts: list[tuple[int, t
     return out
 
 
-def packed_entry(snapshot: Snapshot, age: float, stale: bool) -> bytes:
-    """A rank's entry of the ``stats`` answer: its snapshot's figures, ``age`` (seconds since
-    the snapshot was known current) and whether that is ``stale``."""
-    return b"".join((_packer.pack_map_header(_ENTRY_KEYS + 2), snapshot.entry,
-                     _packer.pack("age"), _packer.pack(age), _packer.pack("stale"), _packer.pack(stale)))
+def packed_entry(snapshot: Snapshot, confirmed_at: float) -> bytes:
+    """A rank's entry of the ``stats`` answer: its snapshot's figures and ``confirmed_at``, when
+    (Unix seconds, the coordinator's clock) the snapshot was last known current."""
+    return b"".join((_packer.pack_map_header(_ENTRY_KEYS + 1), snapshot.entry,
+                     _packer.pack("confirmed_at"), _packer.pack(confirmed_at)))
 
 
 class GroupPart(NamedTuple):
@@ -199,9 +199,25 @@ def group_part(group: int, members: list[Snapshot], expected: list[int], missing
                      _rows(group, [slots[c] for c in GROUP_COLUMNS]))
 
 
-def packed_answer(members: list[tuple[Snapshot, float, bool]], groups: list[GroupPart], missing: dict[int, str],
-                  *, fresh: bool) -> bytes:
-    """The encoded ``stats`` result (a msgpack map) of ``members`` (snapshot, age, stale), by rank.
+class AnswerBody(NamedTuple):
+    """A ``stats`` answer but for what depends on when it is sent (``packed_answer``): the
+    encoded entries of everything the ranks pushed, and when each was last known current."""
+
+    parts: bytes
+    confirmed: tuple[tuple[int, float], ...]
+    """(rank, when its snapshot was last known current on the caller's clock), per rank in it."""
+    missing: bool
+    """Some expected rank is missing from it."""
+
+
+_BODY_KEYS = 8  # the map entries of AnswerBody.parts
+
+
+def answer_body(members: list[tuple[Snapshot, float, float]], groups: list[GroupPart],
+                missing: dict[int, str]) -> AnswerBody:
+    """The parts of a ``stats`` answer that stand until a snapshot, its confirmation or the
+    membership changes, from ``members`` (snapshot, confirmed on the caller's clock, the same
+    as Unix seconds), by rank.
 
     Each rank is an entry of ``ranks``; every rank's slots are rows of one
     table, ``slots`` (a map of equal-length columns, ``rank`` first), and so
@@ -214,14 +230,10 @@ def packed_answer(members: list[tuple[Snapshot, float, bool]], groups: list[Grou
     the parts encoded as each snapshot arrived are spliced in behind headers.
     """
     pack = _packer.pack
-    stale = [s.rank for s, _, is_stale in members if is_stale]
     out = [
-        _packer.pack_map_header(11),
-        pack("complete"), pack(not missing and not stale),
-        pack("fresh"), pack(fresh),
         pack("total_bytes"), pack(sum(s.total_bytes for s, _, _ in members)),
         pack("ranks"), _packer.pack_array_header(len(members)),
-        *(packed_entry(s, age, is_stale) for s, age, is_stale in members),
+        *(packed_entry(s, at) for s, _, at in members),
     ]
     for i, (name, columns) in enumerate(_TABLES):
         out += _spliced_table(name, columns, [s.tables[i] for s, _, _ in members])
@@ -229,9 +241,23 @@ def packed_answer(members: list[tuple[Snapshot, float, bool]], groups: list[Grou
         pack("groups"), _packer.pack_array_header(len(groups)), *(g.entry for g in groups),
         *_spliced_table("group_slots", _GROUP_TABLE, [g.rows for g in groups]),
         pack("missing"), pack([{"rank": rank, "reason": reason} for rank, reason in sorted(missing.items())]),
-        pack("stale"), pack(stale),
     ]
-    return b"".join(out)
+    return AnswerBody(b"".join(out), tuple((s.rank, confirmed) for s, confirmed, _ in members), bool(missing))
+
+
+def packed_answer(body: AnswerBody, *, fresh: bool, as_of: float, stale: list[int]) -> bytes:
+    """The encoded ``stats`` result (a msgpack map): ``body``, with ``as_of`` (Unix seconds,
+    when it is sent: each rank's age is ``as_of - confirmed_at``), the ``stale`` ranks and
+    whether it is ``complete`` (no rank missing, none stale)."""
+    pack = _packer.pack
+    return b"".join((
+        _packer.pack_map_header(_BODY_KEYS + 4),
+        pack("complete"), pack(not body.missing and not stale),
+        pack("fresh"), pack(fresh),
+        pack("as_of"), pack(as_of),
+        pack("stale"), pack(stale),
+        body.parts,
+    ))
 
 
 def _plain_table(table: Any, kinds: dict[str, type], slots: int) -> bool:
@@ -408,8 +434,9 @@ class StatsRound:
             if all(m.tp_group == group for m in members):
                 self._packed[group] = group_part(group, members, self.expected[group], {})
 
-    def finish(self, expected: dict[int, list[int]], missing: dict[int, str]) -> bytes:
-        """The encoded ``stats`` result (a msgpack map).
+    def finish(self, expected: dict[int, list[int]], missing: dict[int, str], as_of: float) -> bytes:
+        """The encoded ``stats`` result (a msgpack map), every snapshot current ``as_of`` (Unix
+        seconds, now).
 
         ``expected`` maps each TP group in scope to its ranks now; ``missing``
         gives the reason for every expected rank that did not reply.
@@ -426,4 +453,5 @@ class StatsRound:
             if packed is None or members != self.expected.get(g) or any(r in missing for r in members):
                 packed = group_part(g, by_group[g], members, missing)
             groups.append(packed)
-        return packed_answer([(s, 0.0, False) for s in ordered], groups, missing, fresh=True)
+        body = answer_body([(s, 0.0, as_of) for s in ordered], groups, missing)
+        return packed_answer(body, fresh=True, as_of=as_of, stale=[])

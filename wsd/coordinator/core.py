@@ -587,7 +587,7 @@ class CoordinatorCore:
     def _remembered(self, group: int | None) -> bytes:
         """The encoded ``stats`` answer from the ranks' pushed snapshots (group None: all)."""
         return self.latest.answer(self._stats_scope(group), self.registry.missing(group), self.clock(),
-                                  self.config.stale_after)
+                                  self.wall(), self.config.stale_after)
 
     def _start_stats(self, route: Route, request_id: int, group: int | None, timeout: float) -> list[Out]:
         """Ask every live rank of ``group`` (None: all) for a snapshot now, and answer when all did."""
@@ -615,7 +615,8 @@ class CoordinatorCore:
         for rank in pending.targets - set(pending.gathered.replies):
             missing[rank] = pending.reasons.get(rank) or (
                 "lost while asked" if rank in pending.lost else "no reply within the stats timeout")
-        result = pending.gathered.finish(self._stats_scope(pending.group), missing)  # already encoded
+        # Encoded already: the parts as the replies came, spliced.
+        result = pending.gathered.finish(self._stats_scope(pending.group), missing, round(self.wall(), 3))
         return [(CLIENT, pending.route, p.ok_reply_packed(pending.request_id, result))]
 
     def _publish_core(self) -> None:

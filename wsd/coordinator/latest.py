@@ -14,13 +14,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from wsd.coordinator.aggregate import GroupPart, Snapshot, group_part, packed_answer, read_changes, read_snapshot
+from wsd.coordinator.aggregate import (
+    AnswerBody,
+    GroupPart,
+    Snapshot,
+    answer_body,
+    group_part,
+    packed_answer,
+    read_changes,
+    read_snapshot,
+)
 from wsd.coordinator.metrics import GroupFigures, RankFigures
 from wsd.manager.stats import apply_snapshot_delta
 
 __all__ = ["NO_SNAPSHOT", "Latest", "LatestStats"]
 
 NO_SNAPSHOT = "live, no snapshot pushed yet"
+_ANSWERS_KEPT = 64  # answer bodies kept, each for one scope (all groups, or one) and its missing ranks
 """Why a live rank is missing from an answer from memory: it has registered and not pushed yet."""
 
 
@@ -45,6 +55,11 @@ class LatestStats:
         self.invalid: dict[int, str] = {}
         # Per TP group: what its encoded summary was built from, and the summary.
         self._groups: dict[int, tuple[Any, GroupPart]] = {}
+        # Counts every change to what is remembered (a push, a confirmation, a rank forgotten
+        # or invalid): an answer's body built at one count stands until the next.
+        self._generation = 0
+        # Per (scope, missing ranks): the generation and the body built then.
+        self._answers: dict[Any, tuple[int, AnswerBody]] = {}
 
     def push(self, rank: int, tp_group: int, body: dict[str, Any], now: float) -> bool:
         """Take one ``stats_push`` body; True if it is the rank's snapshot now, False if it
@@ -53,6 +68,7 @@ class LatestStats:
         Raises ValueError naming what is wrong with an invalid push; the snapshot held
         stays as it was.
         """
+        self._generation += 1
         try:
             return self._push(rank, tp_group, body, now)
         except ValueError as e:
@@ -92,10 +108,12 @@ class LatestStats:
         if held is None or held.version != version:
             return False
         held.confirmed = now
+        self._generation += 1
         return True
 
     def forget(self, rank: int) -> None:
         """A registration: what the rank's agent pushed before is not its state now."""
+        self._generation += 1
         self.ranks.pop(rank, None)
         self.invalid.pop(rank, None)
 
@@ -103,17 +121,32 @@ class LatestStats:
         """Seconds since each remembered snapshot was known current."""
         return {rank: max(0.0, now - held.confirmed) for rank, held in self.ranks.items()}
 
-    def answer(self, scope: dict[int, list[int]], missing: dict[int, str], now: float,
+    def answer(self, scope: dict[int, list[int]], missing: dict[int, str], now: float, wall: float,
                stale_after: float) -> bytes:
         """The encoded ``stats`` result for the TP groups of ``scope`` (group -> expected ranks).
 
         ``missing`` gives the reason for each expected rank that is not live; a live
-        rank with nothing pushed yet is missing too. A snapshot older than
-        ``stale_after`` seconds is in the answer, marked stale, and the answer is not
-        complete.
+        rank with nothing pushed yet is missing too. A snapshot last known current
+        more than ``stale_after`` seconds before ``now`` is in the answer, marked
+        stale, and the answer is not complete. ``wall``: the Unix time of ``now``.
+
+        What does not depend on ``now`` is kept, for the same scope and missing ranks,
+        until a push, a confirmation or a registration changes what is remembered:
+        answers between two heartbeats differ in their time and stale ranks only.
         """
+        key = (self._generation, tuple((g, tuple(r)) for g, r in sorted(scope.items())), tuple(missing.items()))
+        body = self._answers.get(key[1:])
+        if body is None or body[0] != key[0]:
+            body = (key[0], self._body(scope, missing, now, wall))
+            if len(self._answers) >= _ANSWERS_KEPT:  # scopes asked for come and go: keep a few
+                self._answers.clear()
+            self._answers[key[1:]] = body
+        stale = [rank for rank, confirmed in body[1].confirmed if now - confirmed > stale_after]
+        return packed_answer(body[1], fresh=False, as_of=round(wall, 3), stale=stale)
+
+    def _body(self, scope: dict[int, list[int]], missing: dict[int, str], now: float, wall: float) -> AnswerBody:
         missing = dict(missing)
-        answered: list[tuple[Snapshot, float, bool]] = []
+        answered: list[tuple[Snapshot, float, float]] = []
         groups: list[GroupPart] = []
         for group, expected in sorted(scope.items()):
             members: list[Latest] = []
@@ -135,9 +168,8 @@ class LatestStats:
                 self._groups[group] = cached
             groups.append(cached[1])
             for held in members:
-                age = now - held.confirmed
-                answered.append((held.snapshot, round(max(age, 0.0), 3), age > stale_after))
-        return packed_answer(answered, groups, missing, fresh=False)
+                answered.append((held.snapshot, held.confirmed, round(wall - (now - held.confirmed), 3)))
+        return answer_body(answered, groups, missing)
 
     def figures(self, scope: dict[int, list[int]], missing: dict[int, str], now: float,
                 stale_after: float) -> tuple[tuple[RankFigures, ...], tuple[GroupFigures, ...]]:

@@ -10,7 +10,10 @@ hanging the run.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,8 +28,11 @@ from wsd.security import SecurityConfig
 
 # wsctl's contexts: never the ones of whoever runs the tests (a current context of
 # theirs would answer for every test that names no endpoint); tests of contexts set
-# their own file. Inherited by every process a test starts.
+# their own file. And `wsd up`'s state folder: one of the run's own, removed at its
+# end, never the runner's ~/.local/state/wsd. Inherited by every process a test starts.
 os.environ["WSCTL_CONFIG"] = os.devnull
+os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="wsd-tests-state-")
+atexit.register(shutil.rmtree, os.environ["XDG_STATE_HOME"], ignore_errors=True)
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.01) -> Any:

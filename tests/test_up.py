@@ -23,7 +23,7 @@ from procs import (  # noqa: F401  (spawn is a fixture)
 
 import wsd.up as wsd_up
 from wsd.config import load_config
-from wsd.errors import ConfigError, LaunchError
+from wsd.errors import ConfigError, ExitCode, LaunchError
 from wsd_client.client import Client
 
 
@@ -285,7 +285,7 @@ def test_failures_are_one_line_per_rank_that_failed_of_its_own_accord():
     def failed(rank: int, exitcode: int) -> ProcessFailure:
         return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file="<N/A>")
 
-    killed, sigterm, lost = -signal.SIGKILL, -signal.SIGTERM, wsd_up.RANK_LOST
+    killed, sigterm, lost = -signal.SIGKILL, -signal.SIGTERM, ExitCode.RANK_LOST
     assert describe_failures({0: failed(0, lost), 1: failed(1, killed), 2: failed(2, sigterm)}) == [
         "rank 1 (pid 101) exited with signal 9 (SIGKILL); ranks 0, 2 stopped with it"]
     assert describe_failures({3: failed(3, 1), 0: failed(0, 2)}) == [
@@ -307,10 +307,11 @@ def test_a_coordinator_that_exits_at_start_is_said_to_have_exited_not_to_be_slow
 
 
 def test_wsd_up_help_gives_the_exit_codes_up_returns(capsys):
-    """The exit codes in `wsd up --help` are the ones wsd.up returns (RANK_LOST for a rank lost)."""
+    """The exit codes in `wsd up --help` are the ones wsd.up returns (ExitCode)."""
     from wsd.cli import main
 
     with pytest.raises(SystemExit):
         main(["up", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert f"; {wsd_up.RANK_LOST} a rank lost;" in text and "; 2 a bad configuration;" in text, text
+    assert "; 3 a rank lost;" in text and "; 2 a bad configuration;" in text and "; 1 otherwise" in text, text
+    assert (ExitCode.USAGE, ExitCode.RANK_LOST, ExitCode.ERROR) == (2, 3, 1)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from wsd import __version__
 from wsd.config import flag_number
-from wsd.errors import ConfigError, StateFileError, WsdError
+from wsd.errors import ConfigError, ExitCode, StateFileError, WsdError
 
 logger = logging.getLogger("wsd")
 
@@ -28,7 +28,7 @@ MAX_DEMO_STEPS = 1_000_000
 
 
 def device_flag(name: str) -> str:
-    """``--device``: a torch device this machine has. A usage error (exit 2) names the fix for
+    """``--device``: a torch device this machine has. A usage error (exit 2, USAGE) names the fix for
     a CUDA device on a machine without CUDA, where torch would fail in the first allocation
     with a traceback. Imports torch (only ``wsd demo`` has the flag)."""
     import torch
@@ -58,8 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     up = sub.add_parser(
         "up", help="start a local cluster: a coordinator and torchrun workers, until Ctrl-C or SIGTERM",
         epilog="A worker that dies is reported in one line and not restarted; the coordinator keeps serving "
-               "until Ctrl-C, so that wsctl shows the rank lost. Exit codes: 0 stopped by Ctrl-C or SIGTERM, "
-               "or the workers finished; 2 a bad configuration; 3 a rank lost; 1 otherwise.",
+               "until Ctrl-C, so that wsctl shows the rank lost. Exit codes: "
+               f"{ExitCode.OK:d} stopped by Ctrl-C or SIGTERM, or the workers finished; "
+               f"{ExitCode.USAGE:d} a bad configuration; {ExitCode.RANK_LOST:d} a rank lost; "
+               f"{ExitCode.ERROR:d} otherwise.",
     )
     up.add_argument("--nproc", type=flag_number(int, 1, MAX_LOCAL_WORKERS, what="an integer"), default=2,
                     help=f"worker processes, 1..{MAX_LOCAL_WORKERS} (default: 2)")
@@ -96,18 +98,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             from wsd.manager.demo import run_demo
 
             print(run_demo(args.config, args.device, args.steps))
-            return 0
+            return ExitCode.OK
     except ConfigError as e:  # a bad file, variable or flag, or an endpoint that cannot be bound
         print(f"wsd: configuration error: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     except StateFileError as e:  # at start-up: the state file is unreadable, damaged or has no folder
         print(f"wsd: state file error: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     except WsdError as e:
         print(f"wsd: {e}", file=sys.stderr)
-        return 1
+        return ExitCode.ERROR
     parser.error(f"unknown command {args.command!r}")
-    return 2
+    return ExitCode.USAGE
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ boundary where they happen, chained with ``from``.
 
 from __future__ import annotations
 
+import enum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -18,6 +19,7 @@ __all__ = [
     "BindError",
     "ClientError",
     "ConfigError",
+    "ExitCode",
     "LaunchError",
     "ProtocolError",
     "RankTaken",
@@ -40,6 +42,22 @@ __all__ = [
 ]
 
 _MiB = 1024 * 1024
+
+
+class ExitCode(enum.IntEnum):
+    """The exit codes of wsd's processes: ``wsd``, its workers, torchrun as ``wsd up`` runs it."""
+
+    OK = 0
+    ERROR = 1
+    """Anything else: fix what the last line says, and start again."""
+    USAGE = 2
+    """A bad command line, configuration file, variable or state file, refused before it ran:
+    fix the one named, and start again."""
+    PARTIAL = 3
+    """Not every rank is there: one was lost (``wsd up``, and a worker that stopped because
+    another rank was gone), or, for ``wsctl``, some ranks are lost, stopped or missing."""
+    RANK_LOST = 3
+    """``PARTIAL``, as ``wsd up`` and the workers mean it: a rank of the job is gone."""
 
 
 class WsdError(Exception):

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from wsd.config import WsdConfig
-from wsd.errors import ConfigError, LaunchError
+from wsd.errors import ConfigError, ExitCode, LaunchError
 from wsd.security import load_agent_token
 
 __all__ = ["POLL", "READY", "CoordinatorProcess", "descendants", "serve_coordinator", "stop_process_group",
@@ -89,14 +89,14 @@ def serve_coordinator(config: WsdConfig, *, exit_with_parent: bool = False) -> i
             while not stop.wait(POLL):
                 if not coordinator.serving:
                     logger.error("coordinator loop ended unexpectedly; exiting")
-                    return 1
+                    return ExitCode.ERROR
                 if exit_with_parent and os.getppid() != parent:
                     logger.warning("the process that started the coordinator is gone; exiting")
                     break
         finally:
             coordinator.stop(timeout=_COORDINATOR_GRACE)
     logger.info("coordinator stopped")
-    return 0
+    return ExitCode.OK
 
 
 def stop_process_group(proc: subprocess.Popen, grace: float, *, group: bool = True) -> int | None:
@@ -165,7 +165,7 @@ class CoordinatorProcess:
         if match is None:
             ended = time.monotonic() - started < timeout  # its output ended: it did, by itself
             code = self.stop()
-            if code == 2:  # its configuration: a bad file, an endpoint it cannot bind, its state file
+            if code == ExitCode.USAGE:  # its configuration: a bad file, an endpoint it cannot bind, its state file
                 raise ConfigError("the coordinator refused its configuration (exit code 2); "
                                   "its log above says why")
             what = "exited before it was ready" if ended else f"was not ready within {timeout:g} s"

@@ -31,19 +31,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from wsd.config import WsdConfig, load_config, read_toml
-from wsd.errors import ConfigError, StateFileError
+from wsd.errors import ConfigError, ExitCode, StateFileError
 from wsd.launch import POLL, CoordinatorProcess, descendants, stop_process_group, stop_signals
 from wsd.security import AGENT_TOKEN_ENV
 from wsd.worker.config import Backend
 
-__all__ = ["RANK_LOST", "STATE_FILE_ENV", "check_backend", "describe_desired", "forget_state", "recovery_line",
+__all__ = ["STATE_FILE_ENV", "check_backend", "describe_desired", "forget_state", "recovery_line",
            "state_folder", "threads_per_worker", "up", "up_state_file", "world_env"]
 
 logger = logging.getLogger(__name__)
 
-RANK_LOST = 3
-"""Exit code of ``wsd up`` after a worker died (as ``wsctl``'s 3: partial, a rank lost), and of a
-worker that stopped because another rank was gone."""
 STATE_FILE_ENV = "WSD_COORDINATOR_STATE_FILE"
 """The variable through which ``wsd up`` hands its coordinator the state file it chose."""
 # torchrun gives its workers 30 s between SIGTERM and SIGKILL; wsd up waits a
@@ -164,7 +161,7 @@ def up(nproc: int, config_path: str | None, *, fresh: bool = False,
     coordinator starts with no desired state and seq 0. When a worker dies,
     torchrun stops the others and says which rank died, in one line; the
     coordinator keeps serving, so that ``wsctl`` shows the rank lost, until
-    Ctrl-C or SIGTERM, and ``up`` then returns ``RANK_LOST``.
+    Ctrl-C or SIGTERM, and ``up`` then returns ``ExitCode.RANK_LOST``.
     """
     config = load_config(config_path)  # fail now, with the file and key, not in every worker
     env = dict(os.environ)
@@ -211,7 +208,7 @@ def up(nproc: int, config_path: str | None, *, fresh: bool = False,
                 out(f"wsd up: Prometheus metrics on {coordinator.metrics_url}")
             out("wsd up: Ctrl-C stops everything")
             _wait_while(stop, lambda: torchrun.poll() is None and coordinator.alive())
-            if torchrun.poll() == RANK_LOST and coordinator.alive():
+            if torchrun.poll() == ExitCode.RANK_LOST and coordinator.alive():
                 out(f"wsd up: a rank is gone; the coordinator keeps serving, so that wsctl shows what it saw "
                     f"(WSD_ENDPOINT={coordinator.client_endpoint} wsctl status); Ctrl-C stops it")
                 _wait_while(stop, coordinator.alive)
@@ -229,18 +226,19 @@ def _wait_while(stop: threading.Event, going: Callable[[], bool]) -> None:
 
 
 def _outcome(got: list[int], coordinator_lived: bool, workers_code: int | None,
-             out: Callable[[str], object]) -> int:
-    """``up``'s last line and exit code: 0 when stopped by a signal or when the workers
-    finished cleanly, ``RANK_LOST`` after a rank died, 2 when the workers refused their
-    configuration, 1 otherwise."""
+             out: Callable[[str], object]) -> ExitCode:
+    """``up``'s last line and exit code: OK when stopped by a signal or when the workers
+    finished cleanly, RANK_LOST after a rank died, USAGE when the workers refused their
+    configuration, ERROR otherwise."""
     if got:
         out(f"wsd up: stopped by {signal.Signals(got[0]).name}")
-        return RANK_LOST if workers_code == RANK_LOST else 0
+        return ExitCode.RANK_LOST if workers_code == ExitCode.RANK_LOST else ExitCode.OK
     if not coordinator_lived:
         out("wsd up: the coordinator ended unexpectedly; stopped the workers")
-        return 1
+        return ExitCode.ERROR
     out(f"wsd up: the workers ended with exit code {workers_code}")
-    return workers_code if workers_code in (0, 2, RANK_LOST) else 1
+    known = (ExitCode.OK, ExitCode.USAGE, ExitCode.RANK_LOST)
+    return ExitCode(workers_code) if workers_code in known else ExitCode.ERROR
 
 
 def check_backend(config: WsdConfig, env: Mapping[str, str]) -> None:

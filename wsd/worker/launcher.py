@@ -10,7 +10,7 @@ gets one line instead, the ranks that stopped because of it named after it::
     wsd up: rank 1 (pid 4242) exited with signal 9 (SIGKILL); rank 0 stopped with it
 
 A rank stopped "because of it" is one that torchrun stopped (SIGTERM) or that
-exited ``RANK_LOST`` (a worker's code when a collective failed because another
+exited ``ExitCode.RANK_LOST`` (a worker's code when a collective failed because another
 rank was gone). Exit codes: 0 when no worker failed; 2 when every failed
 worker refused its configuration (its own line above says why); ``RANK_LOST``
 otherwise. Imports torch only in ``main``, as every launcher.
@@ -24,7 +24,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from wsd.up import RANK_LOST
+from wsd.errors import ExitCode
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -34,19 +34,17 @@ __all__ = ["describe_failures", "main"]
 # torchrun's loggers that narrate a failed group's end (the closing signals it sends,
 # each failed exit code, the restarts left): the lines below say it once.
 _NARRATORS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
-_CONFIG_ERROR = 2
-"""A worker's exit code when it refused its configuration."""
 
 
 def _stopped_because_of_another(failure: ProcessFailure) -> bool:
-    return failure.exitcode in (-signal.SIGTERM, RANK_LOST)
+    return failure.exitcode in (-signal.SIGTERM, ExitCode.RANK_LOST)
 
 
 def _how(failure: ProcessFailure) -> str:
     if failure.exitcode < 0:
         return f"exited with signal {-failure.exitcode} ({failure.signal_name()})"
-    if failure.exitcode == _CONFIG_ERROR:
-        return "refused its configuration (exit code 2)"
+    if failure.exitcode == ExitCode.USAGE:
+        return f"refused its configuration (exit code {ExitCode.USAGE:d})"
     return f"exited with code {failure.exitcode}"
 
 
@@ -75,10 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ChildFailedError as e:
         for line in describe_failures(e.failures):
             print(f"wsd up: {line}", file=sys.stderr, flush=True)
-        if all(f.exitcode == _CONFIG_ERROR for f in e.failures.values()):
-            return _CONFIG_ERROR
-        return RANK_LOST
-    return 0
+        if all(f.exitcode == ExitCode.USAGE for f in e.failures.values()):
+            return ExitCode.USAGE
+        return ExitCode.RANK_LOST
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

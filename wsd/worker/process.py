@@ -7,7 +7,7 @@ process first), then runs the built-in engine loop, or with ``--idle`` only
 serves the manager. SIGTERM and SIGINT end it cleanly at the next step
 boundary, on every rank at the same step. When another rank of the job dies,
 the next collective fails: the worker says so in one line and exits
-``RANK_LOST``, so that the launcher can tell the rank that died from those that
+``ExitCode.RANK_LOST``, so that the launcher can tell the rank that died from those that
 stopped because of it.
 """
 
@@ -28,11 +28,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from wsd.agent.thread import Agent
 from wsd.config import CoordinatorMode, WsdConfig, load_config
-from wsd.errors import ConfigError, LaunchError
+from wsd.errors import ConfigError, ExitCode, LaunchError
 from wsd.launch import CoordinatorProcess, stop_signals
 from wsd.manager.core import WorkspaceManager
 from wsd.security import AGENT_TOKEN_ENV, load_agent_token
-from wsd.up import RANK_LOST
 from wsd.wire.curve import agent_keys
 from wsd.worker.distributed import (
     DistContext,
@@ -141,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         token = load_agent_token(config.security)
     except ConfigError as e:
         print(f"wsd.worker.process: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     _setup_logging(env)
     stop = threading.Event()
     ctx = agent = child = None
@@ -174,10 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 logger.info("stopped cleanly after %d steps, %d lock violations",
                             result.steps, result.violations)
             clean = True
-            return 0
+            return ExitCode.OK
         except ConfigError as e:
             logger.error("%s", e)
-            return 2
+            return ExitCode.USAGE
         except RuntimeError as e:
             why = peer_gone(e)
             if why is None:
@@ -186,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # the rank that died shows as lost.
             logger.error("stopping: another rank of the job is gone (%s)", why)
             clean = True
-            return RANK_LOST
+            return ExitCode.RANK_LOST
         finally:
             if agent is not None:
                 agent.stop(goodbye=clean)

@@ -294,6 +294,27 @@ def test_failures_are_one_line_per_rank_that_failed_of_its_own_accord():
         f"rank 0 (pid 100) exited with code {lost}", "rank 1 (pid 101) exited with signal 15 (SIGTERM)"]
 
 
+def test_the_launcher_exits_2_when_the_ranks_that_failed_on_their_own_refused_their_configuration():
+    """One rank refusing its configuration while the other stopped because of it (RANK_LOST,
+    or torchrun's SIGTERM) is a configuration error, exit 2, as the first rank's line says;
+    the launcher used to ask every failure for exit 2 and so exited 3, a rank lost."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from wsd.worker.launcher import exit_code
+
+    def failed(rank: int, exitcode: int) -> ProcessFailure:
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file="<N/A>")
+
+    usage, lost, sigterm = ExitCode.USAGE, ExitCode.RANK_LOST, -signal.SIGTERM
+    assert exit_code({0: failed(0, usage), 1: failed(1, lost)}) == ExitCode.USAGE
+    assert exit_code({0: failed(0, usage), 1: failed(1, sigterm)}) == ExitCode.USAGE
+    assert exit_code({0: failed(0, usage), 1: failed(1, usage)}) == ExitCode.USAGE
+    # A rank that died on its own, next to one refusing its configuration: a rank lost.
+    assert exit_code({0: failed(0, usage), 1: failed(1, -signal.SIGKILL)}) == ExitCode.RANK_LOST
+    assert exit_code({0: failed(0, lost), 1: failed(1, -signal.SIGKILL)}) == ExitCode.RANK_LOST
+    assert exit_code({0: failed(0, lost), 1: failed(1, sigterm)}) == ExitCode.RANK_LOST
+
+
 def test_a_coordinator_that_exits_at_start_is_said_to_have_exited_not_to_be_slow(tmp_path):
     """A coordinator that dies on start (here: before any import, exit 1) is reported at once as
     having exited; it used to read 'did not become ready within 30 s', which sent users after a

@@ -11,9 +11,10 @@ gets one line instead, the ranks that stopped because of it named after it::
 
 A rank stopped "because of it" is one that torchrun stopped (SIGTERM) or that
 exited ``ExitCode.RANK_LOST`` (a worker's code when a collective failed because another
-rank was gone). Exit codes: 0 when no worker failed; 2 when every failed
-worker refused its configuration (its own line above says why); ``RANK_LOST``
-otherwise. Imports torch only in ``main``, as every launcher.
+rank was gone). Exit codes (``exit_code``): OK when no worker failed; USAGE
+when every rank that failed of its own accord refused its configuration (its
+own line above says why), whatever the ranks stopped because of it reported;
+RANK_LOST otherwise. Imports torch only in ``main``, as every launcher.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from wsd.errors import ExitCode
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-__all__ = ["describe_failures", "main"]
+__all__ = ["describe_failures", "exit_code", "main"]
 
 # torchrun's loggers that narrate a failed group's end (the closing signals it sends,
 # each failed exit code, the restarts left): the lines below say it once.
@@ -48,11 +49,26 @@ def _how(failure: ProcessFailure) -> str:
     return f"exited with code {failure.exitcode}"
 
 
+def _causes(failures: Mapping[int, ProcessFailure]) -> list[int]:
+    """The ranks that failed of their own accord, by rank; all of them when every rank
+    stopped because of another (nothing tells which went first)."""
+    return sorted(r for r, f in failures.items() if not _stopped_because_of_another(f)) or sorted(failures)
+
+
+def exit_code(failures: Mapping[int, ProcessFailure]) -> ExitCode:
+    """USAGE when every rank that failed of its own accord refused its configuration (a
+    rank that stopped because of it, with RANK_LOST or torchrun's SIGTERM, does not make
+    it a lost rank); RANK_LOST otherwise."""
+    if all(failures[r].exitcode == ExitCode.USAGE for r in _causes(failures)):
+        return ExitCode.USAGE
+    return ExitCode.RANK_LOST
+
+
 def describe_failures(failures: Mapping[int, ProcessFailure]) -> list[str]:
     """One line per rank that failed of its own accord, by rank; the ranks that stopped
     because of them named at the end of the last line. All of them one by one when
     every rank stopped because of another (nothing tells which went first)."""
-    causes = sorted(r for r, f in failures.items() if not _stopped_because_of_another(f)) or sorted(failures)
+    causes = _causes(failures)
     lines = [f"rank {r} (pid {failures[r].pid}) {_how(failures[r])}" for r in causes]
     followers = sorted(set(failures) - set(causes))
     if followers:
@@ -73,9 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ChildFailedError as e:
         for line in describe_failures(e.failures):
             print(f"wsd up: {line}", file=sys.stderr, flush=True)
-        if all(f.exitcode == ExitCode.USAGE for f in e.failures.values()):
-            return ExitCode.USAGE
-        return ExitCode.RANK_LOST
+        return exit_code(e.failures)
     return ExitCode.OK
 
 

@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -581,24 +582,32 @@ if "coordinator" in args:
     print("wsd coordinator ready: agents tcp://127.0.0.1:1 clients tcp://127.0.0.1:2"
           + (" metrics " + metrics if metrics else ""), flush=True)
     time.sleep(60)  # until the script's SIGTERM
+elif "wsd.worker" in args:
+    time.sleep(float(os.environ.get("FAKE_WORKERS_SECONDS", "0")))
 """
 
 
-def _run_sbatch(tmp_path: Path, config: Path, job_id: str = "4242", **env: str) -> tuple[int, str, list[dict]]:
-    """wsd.sbatch as Slurm would run it on two nodes from ``tmp_path``: (exit code, its
-    output, the job steps it started)."""
+def _sbatch_env(tmp_path: Path, config: Path, job_id: str, **env: str) -> tuple[dict[str, str], Path]:
+    """The environment Slurm would run wsd.sbatch in on two nodes from ``tmp_path``, with
+    the test doubles first on PATH, and the file srun records the steps in."""
     bin_dir, log = tmp_path / f"bin-{job_id}", tmp_path / f"steps-{job_id}.jsonl"
     bin_dir.mkdir()
     for name, text in (("scontrol", _FAKE_SCONTROL),
                        ("srun", _FAKE_SRUN.format(python=sys.executable, log=str(log)))):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    base = {k: v for k, v in os.environ.items() if not k.startswith("WSD_")}
-    result = subprocess.run(
-        ["bash", str(SBATCH)], check=False, cwd=tmp_path, capture_output=True, text=True, timeout=60,
-        env={**base, "PATH": f"{bin_dir}{os.pathsep}{base['PATH']}", "PYTHON": sys.executable,
-             "SLURM_JOB_ID": job_id, "SLURM_JOB_NODELIST": "node1,node2", "SLURM_SUBMIT_DIR": str(tmp_path),
-             "CONFIG": str(config), **env})
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("WSD_", "SLURM_"))}
+    return {**base, "PATH": f"{bin_dir}{os.pathsep}{base['PATH']}", "PYTHON": sys.executable,
+            "SLURM_JOB_ID": job_id, "SLURM_JOB_NODELIST": "node1,node2", "SLURM_SUBMIT_DIR": str(tmp_path),
+            "CONFIG": str(config), **env}, log
+
+
+def _run_sbatch(tmp_path: Path, config: Path, job_id: str = "4242", **env: str) -> tuple[int, str, list[dict]]:
+    """wsd.sbatch as Slurm would run it on two nodes from ``tmp_path``: (exit code, its
+    output, the job steps it started)."""
+    full_env, log = _sbatch_env(tmp_path, config, job_id, **env)
+    result = subprocess.run(["bash", str(SBATCH)], check=False, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=60, env=full_env)
     steps = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return result.returncode, result.stdout + result.stderr, steps
 
@@ -655,6 +664,23 @@ def test_slurm_script_passes_cpus_per_task_on_to_the_workers_step(tmp_path):
     code, output, steps = _run_sbatch(tmp_path, config, "202")
     assert code == 0, output
     assert not [o for s in steps for o in s["options"] if o.startswith("--cpus-per-task")]
+    assert [o for o in _steps(steps)[1]["options"] if not o] == [], "an empty word reached srun"
+
+
+def test_slurm_script_expands_its_possibly_empty_arrays_as_old_bash_allows():
+    """Under ``set -u``, bash before 4.4 (CentOS 7 has 4.2) calls an empty ``"${a[@]}"`` an
+    unbound variable: the job would die at the workers' step whenever the allocation has no
+    --cpus-per-task. No old bash is at hand here (and bash 5's BASH_COMPAT does not bring the
+    old behaviour back), so this checks the text: every array the script may leave empty is
+    expanded as ``${a[@]+"${a[@]}"}``, which every bash expands to nothing."""
+    text = "\n".join(line for line in SBATCH.read_text().splitlines() if not line.lstrip().startswith("#"))
+    maybe_empty = set(re.findall(r"^\s*(\w+)=\(\)", text, re.M))
+    assert "cpus" in maybe_empty
+    for name in maybe_empty:
+        guarded = "${" + name + '[@]+"${' + name + '[@]}"}'
+        bare = text.replace(guarded, "")
+        assert not re.search(r"\$\{" + name + r"\[[@*]\]", bare), f"{name} expanded without a guard"
+        assert guarded in text, f"{name} is never expanded"
 
 
 def _targets_while_running(steps: list[dict]) -> dict[str, Any]:
@@ -694,6 +720,45 @@ def test_slurm_script_writes_the_target_file_where_targets_file_says(tmp_path):
         code, output, steps = _run_sbatch(tmp_path, DEPLOY / "slurm" / "wsd.toml", job, **env)
         assert code == 0, output
         assert _targets_while_running(steps) == {} and "Prometheus target" not in output
+
+
+def _documented_target_cleanup() -> tuple[str, str]:
+    """deploy/README.md's two ways of removing a dead job's target file: (the epilog's
+    command, the sweep's command)."""
+    text = README.read_text()
+    section = text[text.index("The file goes with the job only when the script's trap runs"):]
+    epilog, sweep = re.findall(r"```sh\n(.*?)```", section, re.S)[:2]
+    return epilog.strip(), sweep.strip()
+
+
+def test_a_job_killed_without_its_trap_leaves_its_target_which_the_documented_cleanup_removes(tmp_path):
+    """A node failure kills the batch script with no trap run: its file_sd target stays and
+    WsdCoordinatorDown fires for a job that is gone. deploy/README.md says so and gives an
+    epilog line and an age-based sweep; both, run as documented (the folder swapped for this
+    test's), remove the dead job's file, and the sweep leaves a running job's file alone."""
+    targets = tmp_path / "wsd-targets"
+    env, _ = _sbatch_env(tmp_path, DEPLOY / "slurm" / "wsd.toml", "501", FAKE_WORKERS_SECONDS="60")
+    script = subprocess.Popen(["bash", str(SBATCH)], cwd=tmp_path, env=env, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: (targets / "501.json").exists(), timeout=30, what="the job's target file")
+    finally:
+        os.killpg(script.pid, signal.SIGKILL)  # the whole node goes: no trap runs
+        script.wait(timeout=10)
+    assert (targets / "501.json").exists(), "the test did not kill the job before its trap ran"
+    epilog, sweep = _documented_target_cleanup()
+    documented = "/shared/wsd/wsd-targets"
+    assert documented in epilog and documented in sweep
+    subprocess.run(["sh", "-c", epilog.replace(documented, str(targets))], check=True, timeout=10,
+                   env={**os.environ, "SLURM_JOB_ID": "501"})
+    assert not (targets / "501.json").exists(), "the epilog left the target"
+    dead, running = targets / "502.json", targets / "503.json"
+    dead.write_text("[]")
+    running.write_text("[]")
+    eight_days_ago = time.time() - 8 * 24 * 3600
+    os.utime(dead, (eight_days_ago, eight_days_ago))
+    subprocess.run(["sh", "-c", sweep.replace(documented, str(targets))], check=True, timeout=10)
+    assert not dead.exists() and running.exists()
 
 
 PROMETHEUS = shutil.which("prometheus")

@@ -12,6 +12,7 @@ holds the Pod Security Standards' rules. deploy/README.md has the commands.
 from __future__ import annotations
 
 import copy
+import os
 import re
 import shutil
 import subprocess
@@ -332,6 +333,42 @@ def test_containerfile_copies_what_building_the_wheel_needs(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert [p.name for p in (tmp_path / "wheels").iterdir()] == [f"wsd-{_containerfile_args()['WSD_VERSION']}"
                                                                   "-py3-none-any.whl"]
+
+
+def test_containerfile_installs_numpy_with_torch_in_the_worker_extras_range():
+    """torch no longer depends on numpy but imports it at start-up, warning "Failed to
+    initialize NumPy" in every worker without it; the [worker] extra lists it, which the
+    image does not install. So numpy goes in beside torch, in the same pip command (one
+    resolution, from the same index) and the extra's range, in both branches that install
+    torch; TORCH=none has neither."""
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["worker"]
+    (numpy,) = [requirement for requirement in extra if requirement.startswith("numpy")]
+    text = CONTAINERFILE.read_text()
+    branches = dict(re.findall(r"^\s*(cuda|cpu|none)\)(.*?);;", text, re.M | re.S))
+    assert set(branches) == {"cuda", "cpu", "none"}
+    for build in ("cuda", "cpu"):
+        (command,) = [c for c in branches[build].split(";") if "pip install" in c]
+        assert '"torch==$TORCH_VERSION"' in command and f'"{numpy}"' in command, (build, command)
+    assert "numpy" not in branches["none"]
+
+
+def _torch_without_numpy(tmp_path: Path) -> dict[str, str]:
+    """An environment in which ``import numpy`` fails, as in an image that has no numpy."""
+    shadow = tmp_path / "shadow" / "numpy"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text('raise ModuleNotFoundError("No module named \'numpy\'", name="numpy")\n')
+    return {**os.environ, "PYTHONPATH": str(shadow.parent)}
+
+
+def test_check_torch_refuses_a_torch_without_numpy(tmp_path):
+    """An image whose torch cannot use numpy warns "Failed to initialize NumPy" in every
+    worker: the build's last check fails it, saying why."""
+    torch = pytest.importorskip("torch")
+    build = "cuda" if torch.version.cuda else "cpu"
+    result = subprocess.run([sys.executable, str(CHECK_TORCH), build], capture_output=True, text=True, timeout=120,
+                            env=_torch_without_numpy(tmp_path))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"TORCH={build}: torch cannot use numpy" in result.stderr
 
 
 @pytest.mark.parametrize(("asked", "code"), [("cpu", 0), ("cuda", 1), ("none", 1), ("rocm", 2)])

@@ -336,3 +336,52 @@ def test_wsd_up_help_gives_the_exit_codes_up_returns(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "; 3 a rank lost;" in text and "; 2 a bad configuration;" in text and "; 1 otherwise" in text, text
     assert (ExitCode.USAGE, ExitCode.RANK_LOST, ExitCode.ERROR) == (2, 3, 1)
+
+
+def test_a_signal_while_the_coordinator_starts_starts_no_worker(tmp_path, monkeypatch):
+    """SIGTERM during the coordinator's start (it may take 30 s): wsd up stops the coordinator
+    and returns 0 without starting torchrun (it used to start the workers anyway, then stop them)."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    monkeypatch.delenv("WSD_CONFIG", raising=False)
+    monkeypatch.delenv("WSD_COORDINATOR_STATE_FILE", raising=False)
+    stopped: list[bool] = []
+
+    def start(self, timeout):
+        os.kill(os.getpid(), signal.SIGTERM)  # handled by wsd up's stop_signals, as in a real start
+        self.agent_endpoint, self.client_endpoint, self.metrics_url = "tcp://a:1", "tcp://c:2", None
+        return self
+
+    monkeypatch.setattr(wsd_up.CoordinatorProcess, "start", start)
+    monkeypatch.setattr(wsd_up.CoordinatorProcess, "alive", lambda self: not stopped)
+    monkeypatch.setattr(wsd_up.CoordinatorProcess, "stop", lambda self: stopped.append(True))
+    monkeypatch.setattr(wsd_up, "_start_torchrun", lambda *args: pytest.fail("torchrun started after SIGTERM"))
+    lines: list[str] = []
+    assert wsd_up.up(2, None, out=lines.append) == ExitCode.OK
+    assert stopped == [True] and lines[-1] == "wsd up: stopped by SIGTERM", lines
+
+
+def test_stopping_the_workers_kills_their_groups_only_if_torchrun_had_to_be_killed(monkeypatch):
+    """After torchrun exits by itself it has waited for its workers, whose pids may since belong
+    to unrelated processes: no SIGKILL to their groups (it was sent whatever happened). When
+    torchrun outlives its grace and is killed, the workers left are killed too."""
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(wsd_up, "descendants", lambda pid: [424242])
+    monkeypatch.setattr(wsd_up, "_signal_group", lambda pid, sig: sent.append((pid, sig)))
+    clean = subprocess.Popen(python("-c", "pass"))
+    assert wsd_up._stop_workers(clean) == 0
+    assert sent == [(424242, signal.SIGTERM)]
+
+    sent.clear()
+    monkeypatch.setattr(wsd_up, "_WORKER_GRACE", 0.2)
+    monkeypatch.setattr(wsd_up, "_TORCHRUN_GRACE", 0.2)
+    stuck = subprocess.Popen(python("-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                    "print('ready', flush=True); time.sleep(60)"),
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert stuck.stdout is not None and stuck.stdout.readline() == "ready\n"
+    try:
+        assert wsd_up._stop_workers(stuck) == -signal.SIGKILL
+    finally:
+        stuck.kill()
+        stuck.wait(10)
+        stuck.stdout.close()
+    assert sent == [(424242, signal.SIGTERM), (424242, signal.SIGKILL)]

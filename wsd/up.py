@@ -196,27 +196,34 @@ def up(nproc: int, config_path: str | None, *, fresh: bool = False,
         coordinator = CoordinatorProcess(config_path, env=env, new_session=True).start(timeout=30.0)
         torchrun = None
         try:
-            worker_env = {**env, "WSD_COORDINATOR_MODE": "external",
-                          "WSD_COORDINATOR_CONNECT_ENDPOINT": coordinator.agent_endpoint}
-            torchrun = subprocess.Popen(_torchrun_command(nproc, config_path), env=worker_env,
-                                        start_new_session=True)
-            out(f"wsd up: clients on {coordinator.client_endpoint} (agents on {coordinator.agent_endpoint}); "
-                f"{nproc} workers under torchrun, pid {torchrun.pid}, "
-                f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}")
-            out(f"wsd up: try   WSD_ENDPOINT={coordinator.client_endpoint} wsctl status")
-            if coordinator.metrics_url is not None:
-                out(f"wsd up: Prometheus metrics on {coordinator.metrics_url}")
-            out("wsd up: Ctrl-C stops everything")
-            _wait_while(stop, lambda: torchrun.poll() is None and coordinator.alive())
-            if torchrun.poll() == ExitCode.RANK_LOST and coordinator.alive():
-                out(f"wsd up: a rank is gone; the coordinator keeps serving, so that wsctl shows what it saw "
-                    f"(WSD_ENDPOINT={coordinator.client_endpoint} wsctl status); Ctrl-C stops it")
-                _wait_while(stop, coordinator.alive)
+            # A signal while the coordinator started (up to 30 s) starts no worker.
+            if not stop.is_set():
+                worker_env = {**env, "WSD_COORDINATOR_MODE": "external",
+                              "WSD_COORDINATOR_CONNECT_ENDPOINT": coordinator.agent_endpoint}
+                torchrun = _start_torchrun(nproc, config_path, worker_env)
+                _serve(stop, coordinator, torchrun, f"{nproc} workers under torchrun, pid {torchrun.pid}, "
+                       f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}", out)
         finally:
             workers_code = _stop_workers(torchrun) if torchrun is not None else None
             coordinator_lived = coordinator.alive()
             coordinator.stop()
     return _outcome(got, coordinator_lived, workers_code, out)
+
+
+def _serve(stop: threading.Event, coordinator: CoordinatorProcess, torchrun: subprocess.Popen, workers: str,
+           out: Callable[[str], object]) -> None:
+    """Say where the cluster is; wait for a stop signal, torchrun's or the coordinator's end;
+    after a rank lost, keep the coordinator serving until a stop signal."""
+    out(f"wsd up: clients on {coordinator.client_endpoint} (agents on {coordinator.agent_endpoint}); {workers}")
+    out(f"wsd up: try   WSD_ENDPOINT={coordinator.client_endpoint} wsctl status")
+    if coordinator.metrics_url is not None:
+        out(f"wsd up: Prometheus metrics on {coordinator.metrics_url}")
+    out("wsd up: Ctrl-C stops everything")
+    _wait_while(stop, lambda: torchrun.poll() is None and coordinator.alive())
+    if torchrun.poll() == ExitCode.RANK_LOST and coordinator.alive():
+        out(f"wsd up: a rank is gone; the coordinator keeps serving, so that wsctl shows what it saw "
+            f"(WSD_ENDPOINT={coordinator.client_endpoint} wsctl status); Ctrl-C stops it")
+        _wait_while(stop, coordinator.alive)
 
 
 def _wait_while(stop: threading.Event, going: Callable[[], bool]) -> None:
@@ -281,6 +288,10 @@ def threads_per_worker(nproc: int) -> int:
     return max(1, cpus // nproc)
 
 
+def _start_torchrun(nproc: int, config_path: str | None, env: Mapping[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(_torchrun_command(nproc, config_path), env=dict(env), start_new_session=True)
+
+
 def _torchrun_command(nproc: int, config_path: str | None) -> list[str]:
     # torchrun with one line per failed rank instead of its tracebacks (wsd.worker.launcher).
     # --standalone: a c10d rendezvous on a port the OS picks, never a fixed one.
@@ -297,13 +308,14 @@ def _stop_workers(torchrun: subprocess.Popen) -> int | None:
     workers = descendants(torchrun.pid)
     for pid in workers:
         _signal_group(pid, signal.SIGTERM)
-    code: int | None
     try:
-        code = torchrun.wait(_WORKER_GRACE)
+        return torchrun.wait(_WORKER_GRACE)  # torchrun waits for its workers: none is left
     except subprocess.TimeoutExpired:
         logger.warning("the workers did not stop within %.0f s; stopping torchrun", _WORKER_GRACE)
-        code = stop_process_group(torchrun, _TORCHRUN_GRACE)
-    for pid in workers:  # none should be left; if torchrun had to be killed, some may be
+    code = stop_process_group(torchrun, _TORCHRUN_GRACE)
+    # torchrun had to be killed, so workers may be left. Only then: after a clean
+    # exit their pids may already belong to unrelated processes.
+    for pid in workers:
         _signal_group(pid, signal.SIGKILL)
     return code
 

@@ -18,6 +18,8 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -35,15 +37,17 @@ from wsd.coordinator.loop import Coordinator
 from wsd.coordinator.metrics import (
     COMMAND_BUCKETS,
     FAMILIES,
+    RANK_STATES,
     SLOT_FAMILIES,
     Collector,
     CommandOutcome,
     CommandStats,
     Published,
     StatsView,
+    ViolationTotals,
     core_view,
 )
-from wsd.coordinator.registry import Registry
+from wsd.coordinator.registry import NEVER_REGISTERED, Registry
 from wsd.errors import ConfigError, WsdError
 from wsd.manager.stats import ManagerStats, SlotStats
 from wsd.wire import protocol as p
@@ -180,7 +184,7 @@ def test_collector_exports_every_family_with_its_labels_and_values():
     assert by(s, "wsd_group_consistent", "tp_group") == {"0": 1, "1": 0}
     assert by(s, "wsd_ranks", "state") == {"live": 2, "lost": 1, "stopped": 0, "missing": 1}
     # Ranks 2 (lost) and 3 (never registered) have no snapshot in the figures; none is stale.
-    assert s["wsd_stats_missing_ranks"] == {(): 2} and s["wsd_stats_stale_ranks"] == {(): 0}
+    assert s["wsd_stats_absent_ranks"] == {(): 2} and s["wsd_stats_stale_ranks"] == {(): 0}
     assert by(s, "wsd_events_total", "kind") == {str(kind): 0 for kind in EventKind}  # none given: all at 0
     assert nonzero(by(s, "wsd_commands_total", "action", "result")) == {("lock", "complete"): 1, ("lock", "partial"): 1}
     assert by(s, "wsd_agent_refusals_total", "reason") == {"registration forbidden": 3, "rate": 12}
@@ -214,6 +218,89 @@ def test_labels_gone_from_the_published_views_are_gone_from_the_next_scrape():
         assert set(by(second, name, "rank", "ubatch")) == {("0", "0"), ("1", "0")}, name
     assert set(by(second, "wsd_rank_workspace_bytes", "rank")) == {"0", "1"}
     assert set(by(second, "wsd_group_workspace_bytes", "tp_group")) == {"0"}
+
+
+def test_rank_lock_violations_never_go_down_when_slots_are_dropped_or_start_again():
+    """Summed over the current slots, the rank's counter fell from 40 to 10 when set_ubatches
+    dropped a slot, and Prometheus read the drop as a reset: increase() then counted the
+    10 left as new violations (WsdLockViolations fired with none). The slots gone keep
+    their last count; a slot counting again from 0 (set back up, or a new process) adds on."""
+    registry = Registry(2, 2, 5.0)
+    core = core_view(registry, seq=0, heartbeats=0, inconsistent=set(), commands=CommandStats())
+
+    def ranks(*slots: list[int]) -> StatsView:
+        snapshots = {}
+        for rank, violations in enumerate(slots):
+            snapshots[rank] = ManagerStats(device="cpu", num_ubatches=len(violations), num_lanes=1, locked=True,
+                                           slots=tuple(SlotStats(ubatch=u, lane=0, capacity_bytes=64,
+                                                                 peak_requested_bytes=64, requests=1, resizes=0,
+                                                                 lock_violations=v, last_violation=None,
+                                                                 persistent=()) for u, v in enumerate(violations)))
+        return stats_view(snapshots, 2, 2)
+
+    published = Published(core=core, stats=ranks([30, 10], [1]))
+    collector = Collector(lambda: published)
+
+    def totals() -> dict[Any, float]:
+        return by(parse(collector.render().decode())[1], "wsd_rank_lock_violations_total", "rank")
+
+    assert totals() == {"0": 40, "1": 1}
+    published = Published(core=core, stats=ranks([30], [1]))  # set_ubatches 1: slot 1 and its 10 gone
+    assert totals() == {"0": 40, "1": 1}
+    published = Published(core=core, stats=ranks([32], [1]))  # two new ones
+    assert totals() == {"0": 42, "1": 1}
+    published = Published(core=core, stats=ranks([32, 0], [1]))  # set_ubatches 2: slot 1 from 0
+    assert totals() == {"0": 42, "1": 1}
+    published = Published(core=core, stats=ranks([32, 3], [0]))  # rank 1 a new process: from 0
+    assert totals() == {"0": 45, "1": 1}
+    published = Published(core=core, stats=ranks([5, 3], [2]))  # rank 0's slot 0 a new life at 5
+    assert totals() == {"0": 50, "1": 3}
+
+
+def test_violation_totals_keep_what_each_slot_counted():
+    """The bookkeeping alone: a slot gone keeps its count, a lower count is a new life."""
+    totals = ViolationTotals()
+
+    def columns(counts: dict[tuple[int, int], int]) -> dict[str, list[int]]:
+        return {"ubatch": [u for u, _ in counts], "lane": [lane for _, lane in counts],
+                "lock_violations": list(counts.values())}
+
+    assert totals.total(0, columns({(0, 0): 4, (0, 1): 6, (1, 0): 1})) == 11
+    assert totals.total(0, columns({(0, 0): 4, (0, 1): 6, (1, 0): 1})) == 11  # the same view again
+    assert totals.total(0, columns({(0, 0): 4, (0, 1): 6})) == 11  # slot (1, 0) gone
+    assert totals.total(0, columns({(0, 0): 4, (0, 1): 2})) == 13  # (0, 1) from 0, at 2 already: 1 + 6 + 4 + 2
+    assert totals.total(1, columns({(0, 0): 9})) == 9  # ranks apart
+    assert totals.total(0, columns({})) == 13
+
+
+def test_concurrent_scrapes_of_one_view_share_one_render_and_the_ages_still_grow():
+    """The text is written once per published view (two Prometheus servers, or overlapping
+    scrapes, each wrote their own 14 MB before); the ages are the scrape's own."""
+    registry = Registry(2, 2, 5.0)
+    published = Published(core=core_view(registry, seq=0, heartbeats=0, inconsistent=set(), commands=CommandStats()),
+                          stats=stats_view({0: manager([64, 64]), 1: manager([64])}, 2, 2, time=100.0, pushed=99.0))
+    wall = [100.0]
+    collector = Collector(lambda: published, wall=lambda: wall[0])
+    writes = []
+    write = collector._write
+    collector._write = lambda view: writes.append(view) or write(view)  # type: ignore[method-assign]
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(lambda _: collector.render(), range(16)))
+    assert len(writes) == 1 and len({t[:t.index(b"# HELP process_")] for t in texts}) == 1  # process_*: live
+    wall[0] = 110.0
+    _, s = parse(collector.render().decode())
+    assert len(writes) == 1
+    assert s["wsd_stats_age_seconds"] == {(): 11.0} and by(s, "wsd_rank_stats_age_seconds", "rank") == {
+        "0": 11.0, "1": 11.0}
+    published = replace(published, stats=stats_view({0: manager([64])}, 2, 2, time=110.0, pushed=110.0))
+    _, s = parse(collector.render().decode())
+    assert len(writes) == 2 and s["wsd_stats_absent_ranks"] == {(): 1}
+
+
+def test_rank_states_are_the_registrys_own_counts():
+    """wsd_ranks shows what status shows: the registry's counts, missing for NEVER_REGISTERED."""
+    assert tuple(Registry(3, 1, 5.0).counts()) == RANK_STATES
+    assert Registry(3, 1, 5.0).missing() == dict.fromkeys(range(3), NEVER_REGISTERED)
 
 
 def test_nothing_published_yet_gives_empty_families_not_an_error():
@@ -260,7 +347,7 @@ def test_every_state_is_missing_not_never_registered_and_there_from_the_start():
     _, s = collect(Published(core=core_view(Registry(3, 1, 5.0), seq=0, heartbeats=0, inconsistent=set(),
                                             commands=CommandStats())))
     assert by(s, "wsd_ranks", "state") == {"live": 0, "lost": 0, "stopped": 0, "missing": 3}
-    assert s["wsd_stats_missing_ranks"] == {(): 3}  # nothing copied yet: every expected rank
+    assert s["wsd_stats_absent_ranks"] == {(): 3}  # nothing copied yet: every expected rank
 
 
 def test_slots_off_drops_the_per_slot_series_and_keeps_every_other():
@@ -393,7 +480,7 @@ def test_a_rank_that_stops_pushing_turns_stale_then_lost(tmp_path):
     push(core, b"p0", 1, [64])
     core.tick()
     _, s = collect(core.published, wall=clock.now)
-    assert s["wsd_stats_missing_ranks"] == {(): 1} and s["wsd_stats_stale_ranks"] == {(): 0}  # p1: nothing yet
+    assert s["wsd_stats_absent_ranks"] == {(): 1} and s["wsd_stats_stale_ranks"] == {(): 0}  # p1: nothing yet
     push(core, b"p1", 1, [64])
     for _ in range(7):  # rank 0 keeps confirming its snapshot; rank 1 falls silent
         clock.now += 0.5
@@ -404,13 +491,13 @@ def test_a_rank_that_stops_pushing_turns_stale_then_lost(tmp_path):
     assert by(s, "wsd_rank_stats_stale", "rank") == {"0": 0, "1": 1}
     assert by(s, "wsd_rank_stats_age_seconds", "rank") == {"0": 0.0, "1": 3.5}
     assert by(s, "wsd_rank_up", "rank") == {"0": 1, "1": 1}
-    assert s["wsd_stats_missing_ranks"] == {(): 0} and s["wsd_stats_stale_ranks"] == {(): 1}
+    assert s["wsd_stats_absent_ranks"] == {(): 0} and s["wsd_stats_stale_ranks"] == {(): 1}
     clock.now += 1.6  # 5.1 s silent: past the heartbeat timeout
     core.tick()
     _, s = collect(core.published, wall=clock.now)
     assert set(by(s, "wsd_rank_workspace_bytes", "rank")) == {"0"}
     assert by(s, "wsd_rank_up", "rank") == {"0": 1, "1": 0}
-    assert s["wsd_stats_missing_ranks"] == {(): 1} and s["wsd_stats_stale_ranks"] == {(): 0}
+    assert s["wsd_stats_absent_ranks"] == {(): 1} and s["wsd_stats_stale_ranks"] == {(): 0}
 
 
 def test_core_without_a_metrics_port_runs_no_rounds_and_publishes_nothing(tmp_path):
@@ -555,11 +642,11 @@ def test_every_expected_rank_is_down_from_the_first_scrape_with_world_size_alone
     # The TP group is not known yet: empty, which Prometheus reads as no label.
     assert {dict(labels)["tp_group"] for labels in first["wsd_rank_up"]} == {""}
     assert by(first, "wsd_ranks", "state") == {"live": 0, "lost": 0, "stopped": 0, "missing": 4}
-    assert first["wsd_stats_missing_ranks"] == {(): 4}
+    assert first["wsd_stats_absent_ranks"] == {(): 4}
     with SimulatedRanks(coordinator.agent_endpoint, [0, 1], world_size=4, tp_size=2, num_ubatches=2,
                         **HEARTBEAT) as ranks:
         assert ranks.wait_registered(10)
-        s = wait_until(lambda: (m := scrape(coordinator.metrics_url)) and m["wsd_stats_missing_ranks"] == {(): 2}
+        s = wait_until(lambda: (m := scrape(coordinator.metrics_url)) and m["wsd_stats_absent_ranks"] == {(): 2}
                        and m, 10, "ranks 0 and 1 in the scrape")
         assert by(s, "wsd_rank_up", "rank", "tp_group") == {("0", "0"): 1, ("1", "0"): 1, ("2", "1"): 0, ("3", "1"): 0}
         assert by(s, "wsd_ranks", "state") == {"live": 2, "lost": 0, "stopped": 0, "missing": 2}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import platform
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,19 +42,18 @@ from wsd.coordinator.registry import RankState, Registry
 from wsd.manager.stats import SLOT_NUMBERS
 from wsd.wire.protocol import PROTOCOL_VERSION, StrEnum
 
-__all__ = ["COMMAND_BUCKETS", "CONTENT_TYPE", "FAMILIES", "MISSING", "RANK_STATES", "SLOT_FAMILIES", "Collector",
+__all__ = ["COMMAND_BUCKETS", "CONTENT_TYPE", "FAMILIES", "RANK_STATES", "SLOT_FAMILIES", "Collector",
            "CommandOutcome", "CommandStats", "CoreView", "GroupFigures", "Published", "RankFigures", "RankRow",
-           "StatsView", "core_view"]
+           "StatsView", "ViolationTotals", "core_view"]
 
 _SLOT = ("rank", "tp_group", "ubatch", "lane")
 _RANK = ("rank", "tp_group")
 _GROUP = ("tp_group",)
 
-MISSING = "missing"
-"""The state of an expected rank that never registered: the same word in ``ranks``,
-``wsctl status`` and ``wsd_ranks``."""
-RANK_STATES = (*(str(s) for s in RankState), MISSING)
-"""The ``state`` values of ``wsd_ranks``, every one exported from the start."""
+RANK_STATES = (*(str(s) for s in RankState), "missing")
+"""The ``state`` values of ``wsd_ranks``, every one exported from the start: the keys of
+``Registry.counts()``, ``missing`` being an expected rank the registry lists as
+``NEVER_REGISTERED`` (the word ``ranks`` and ``wsctl status`` use)."""
 
 FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     **{n.metric: ("counter" if n.counter else "gauge", _SLOT) for n in SLOT_NUMBERS},
@@ -77,7 +77,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "wsd_agent_refusals_total": ("counter", ("reason",)),
     "wsd_command_seq": ("gauge", ()),
     "wsd_stats_age_seconds": ("gauge", ()),
-    "wsd_stats_missing_ranks": ("gauge", ()),
+    "wsd_stats_absent_ranks": ("gauge", ()),
     "wsd_stats_stale_ranks": ("gauge", ()),
     "wsd_events_total": ("counter", ("kind",)),
     "wsd_build_info": ("gauge", ("version", "python", "pyzmq", "libzmq", "protocol")),
@@ -99,7 +99,8 @@ _HELP = {
     "wsd_rank_workspace_bytes": "Total bytes of the rank's workspace (scratch and persistent).",
     "wsd_rank_stats_age_seconds": "Seconds since the rank's snapshot (the wsd_slot_* figures) was known current.",
     "wsd_rank_stats_stale": "1 if the rank's snapshot is older than [coordinator] stats_stale_after.",
-    "wsd_rank_lock_violations_total": "Requests refused because the workspace was locked, over the rank's slots.",
+    "wsd_rank_lock_violations_total": "Requests refused because the workspace was locked, over the rank's slots, "
+                                      "past ones included: never lower while the coordinator runs.",
     "wsd_group_workspace_bytes": "Workspace bytes summed over the TP group's reporting ranks.",
     "wsd_group_skew_bytes": "Largest minus smallest rank workspace total in the TP group.",
     "wsd_group_consistent": "1 if the TP group's live ranks agree on lock state and slot count.",
@@ -113,8 +114,8 @@ _HELP = {
                                 "claims beyond the issued seq).",
     "wsd_command_seq": "The last command sequence number handed out.",
     "wsd_stats_age_seconds": "Seconds since the oldest rank's snapshot was known current.",
-    "wsd_stats_missing_ranks": "Expected ranks without a snapshot in the per-slot figures (lost, stopped, missing, "
-                               "or live with nothing pushed yet).",
+    "wsd_stats_absent_ranks": "Expected ranks absent from the per-slot figures: lost, stopped, missing, or live "
+                              "without a snapshot yet.",
     "wsd_stats_stale_ranks": "Ranks whose snapshot in the per-slot figures is older than stats_stale_after.",
     "wsd_events_total": "Events the coordinator logged, by kind (wsctl events).",
     "wsd_build_info": "1, labelled with the coordinator's wsd version, Python, pyzmq, libzmq and protocol version.",
@@ -240,10 +241,8 @@ def core_view(registry: Registry, *, seq: int, heartbeats: int, inconsistent: se
     for a rank that never registered also when only ``world_size`` is configured.
     """
     rows = [_rank_row(registry, rank) for rank in registry.expected()]
-    states = dict.fromkeys(RANK_STATES, 0)  # the same counts by state as ``status`` shows
-    for row in rows:
-        info = registry.ranks.get(row.rank)
-        states[MISSING if info is None else str(info.state)] += 1
+    counted = registry.counts()  # the registry's own counts, as ``status`` shows them
+    states = {state: counted[state] for state in RANK_STATES}
     counts, latency = commands.snapshot()
     logged = {str(kind): 0 for kind in EventKind} | dict(events or {})
     return CoreView(seq=seq, heartbeats=heartbeats, ranks=tuple(rows), states=tuple(states.items()),
@@ -275,6 +274,36 @@ def _process_registry() -> CollectorRegistry:
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     return registry
+
+
+class ViolationTotals:
+    """``wsd_rank_lock_violations_total`` per rank: never lower than before while the coordinator runs.
+
+    A rank's slots each count their own lock violations, and ``set_ubatches`` drops slots
+    with their counts; the plain sum over the current slots would go down, which
+    Prometheus reads as a counter reset (``increase()`` then adds the remaining count as
+    new violations). So each rank's last count per slot (ubatch, lane) is remembered: a
+    slot that is gone, or whose count is lower than before (a new life of the slot, or a
+    new process of the rank, counting from 0), keeps its last count in the rank's
+    retired total. Seen at each published view a scrape reads; a coordinator restart
+    starts again from the ranks' counts (a true counter reset). Not thread-safe: the
+    ``Collector`` calls it under its lock.
+    """
+
+    def __init__(self) -> None:
+        self._slots: dict[int, dict[tuple[int, int], int]] = {}
+        self._retired: dict[int, int] = {}
+
+    def total(self, rank: int, columns: Mapping[str, Sequence[int]]) -> int:
+        """The rank's total, given its current slot columns (``ubatch``, ``lane``, ``lock_violations``)."""
+        now = dict(zip(zip(columns["ubatch"], columns["lane"]), columns["lock_violations"]))
+        retired = self._retired.get(rank, 0)
+        for slot, count in self._slots.get(rank, {}).items():
+            if now.get(slot, 0) < count:
+                retired += count
+        self._retired[rank] = retired
+        self._slots[rank] = now
+        return retired + sum(now.values())
 
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -317,20 +346,42 @@ class _Text:
     def add(self, name: str, values: Iterable[object], value: float) -> None:
         self.lines[name].append(f"{name}{_labels(FAMILIES[name][1], values)} {_number(value)}\n")
 
-    def render(self) -> bytes:
-        out: list[str] = []
+    def family(self, name: str) -> bytes:
+        """One family's text: its HELP and TYPE lines, then its samples."""
+        return (f"# HELP {name} {_HELP[name]}\n# TYPE {name} {FAMILIES[name][0]}\n"
+                + "".join(self.lines[name])).encode()
+
+    def chunks(self, apart: Iterable[str] = ()) -> list[bytes | str]:
+        """Every family's text in ``FAMILIES`` order, runs of families joined into one bytes;
+        the families named in ``apart`` are left as their names, to be written later."""
+        out: list[bytes | str] = []
+        run: list[str] = []
         for name, (kind, _) in FAMILIES.items():
-            out.append(f"# HELP {name} {_HELP[name]}\n# TYPE {name} {kind}\n")
-            out += self.lines[name]
-        return "".join(out).encode()
+            if name in apart:
+                out += ["".join(run).encode(), name]
+                run = []
+                continue
+            run.append(f"# HELP {name} {_HELP[name]}\n# TYPE {name} {kind}\n")
+            run += self.lines[name]
+        out.append("".join(run).encode())
+        return out
+
+
+# Families that change with the time of the scrape, not only with what was published:
+# written afresh at every scrape, where the rest is written once per published view.
+_PER_SCRAPE = ("wsd_rank_stats_age_seconds", "wsd_stats_age_seconds")
 
 
 class Collector:
-    """Writes every family afresh at each scrape from ``source()``, the latest ``Published``,
-    followed by prometheus_client's ``process_*`` and ``python_info``.
+    """Writes every family from ``source()``, the latest ``Published``, followed by
+    prometheus_client's ``process_*`` and ``python_info``.
 
-    ``slots`` False leaves the per-slot families (``SLOT_FAMILIES``, four samples in five
-    of a large scrape) without samples; every per-rank and per-group family stays.
+    The text is written once per published view and shared by every scrape of it (two
+    Prometheus servers, or a slow scrape overlapping the next, cost one render, and hold
+    one copy of the text); only the ages, which grow with the time of the scrape, are
+    written afresh each time. ``slots`` False leaves the per-slot families
+    (``SLOT_FAMILIES``, four samples in five of a large scrape) without samples; every
+    per-rank and per-group family stays. Safe to call from several threads.
     """
 
     def __init__(self, source: Callable[[], Published], *, wall: Callable[[], float] = time.time,
@@ -340,10 +391,25 @@ class Collector:
         self.slots = slots
         self._build = _build_labels()
         self._process = _process_registry()
+        self._violations = ViolationTotals()
+        # The view last written and its text; the lock makes concurrent scrapes of a new
+        # view wait for one render instead of each writing its own.
+        self._lock = threading.Lock()
+        self._written: tuple[Published, list[bytes | str]] | None = None
 
     def render(self) -> bytes:
         """One scrape, in the text exposition format (``CONTENT_TYPE``)."""
         published = self._source()  # one read: the views below belong together
+        with self._lock:
+            if self._written is None or self._written[0] is not published:
+                self._written = (published, self._write(published))
+            chunks = self._written[1]
+        ages = _Text()
+        if published.stats is not None:
+            self._ages(published.stats, ages)
+        return b"".join(c if isinstance(c, bytes) else ages.family(c) for c in chunks) + generate_latest(self._process)
+
+    def _write(self, published: Published) -> list[bytes | str]:
         text = _Text()
         text.add("wsd_build_info", self._build, 1)
         if published.core is not None:
@@ -352,7 +418,7 @@ class Collector:
             self._stats(published.stats, text)
         if published.core is not None:
             self._completeness(published.core, published.stats, text)
-        return text.render() + generate_latest(self._process)
+        return text.chunks(apart=_PER_SCRAPE)
 
     @staticmethod
     def _core(view: CoreView, text: _Text) -> None:
@@ -393,21 +459,25 @@ class Collector:
         text.add("wsd_command_seq", (), view.seq)
 
     def _stats(self, view: StatsView, text: _Text) -> None:
-        since = max(0.0, self._wall() - view.time)  # the ages were measured when the view was made
-        oldest = 0.0
         for rank in view.ranks:
             labels = (rank.rank, rank.tp_group)
             text.add("wsd_rank_workspace_bytes", labels, rank.total_bytes)
-            age = rank.age + since
-            oldest = max(oldest, age)
-            text.add("wsd_rank_stats_age_seconds", labels, age)
             text.add("wsd_rank_stats_stale", labels, rank.stale)
-            text.add("wsd_rank_lock_violations_total", labels, sum(rank.columns["lock_violations"]))
+            text.add("wsd_rank_lock_violations_total", labels, self._violations.total(rank.rank, rank.columns))
             if self.slots:
                 self._slots(rank, text)
         for group in view.groups:
             text.add("wsd_group_workspace_bytes", (group.tp_group,), group.total_bytes)
             text.add("wsd_group_skew_bytes", (group.tp_group,), group.skew_bytes)
+
+    def _ages(self, view: StatsView, text: _Text) -> None:
+        """The ``_PER_SCRAPE`` families: each rank's age at this scrape, and the oldest."""
+        since = max(0.0, self._wall() - view.time)  # the ages were measured when the view was made
+        oldest = 0.0
+        for rank in view.ranks:
+            age = rank.age + since
+            oldest = max(oldest, age)
+            text.add("wsd_rank_stats_age_seconds", (rank.rank, rank.tp_group), age)
         text.add("wsd_stats_age_seconds", (), oldest)
 
     @staticmethod
@@ -426,5 +496,5 @@ class Collector:
     def _completeness(core: CoreView, stats: StatsView | None, text: _Text) -> None:
         """How far the per-slot figures are from every expected rank's current snapshot."""
         reported = set() if stats is None else {r.rank for r in stats.ranks}
-        text.add("wsd_stats_missing_ranks", (), sum(1 for r in core.ranks if r.rank not in reported))
+        text.add("wsd_stats_absent_ranks", (), sum(1 for r in core.ranks if r.rank not in reported))
         text.add("wsd_stats_stale_ranks", (), 0 if stats is None else sum(1 for r in stats.ranks if r.stale))

@@ -28,6 +28,7 @@ def config(tmp_path, monkeypatch):
 
     def write(text: str):
         path.write_text(text)
+        path.chmod(0o600)  # whatever the umask: one open to others is refused
         return path
 
     return write
@@ -55,14 +56,14 @@ def pinged(capsys, *argv: str) -> str:
 
 def test_precedence_flag_then_context_then_environment_then_current(config, capsys, monkeypatch,
                                                                     start_coordinator, closed_port):
-    """Fails if a context is not used, or used over what should win: --endpoint, then --context,
+    """Fails if a context is not used, or used over what should win: --endpoint or --context,
     then $WSD_ENDPOINT, then the file's current context."""
     one, two = start_coordinator(), start_coordinator()
     config(f'current = "one"\n\n[contexts.one]\nendpoint = "{one.client_endpoint}"\n\n'
            f'[contexts.two]\nendpoint = "{two.client_endpoint}"\n\n[contexts.down]\nendpoint = "{closed_port}"\n')
     assert pinged(capsys) == one.client_endpoint  # the current context
     assert pinged(capsys, "--context", "two") == two.client_endpoint
-    assert pinged(capsys, "--context", "down", "--endpoint", one.client_endpoint) == one.client_endpoint
+    assert pinged(capsys, "--endpoint", two.client_endpoint) == two.client_endpoint
     monkeypatch.setenv("WSD_ENDPOINT", two.client_endpoint)
     assert pinged(capsys) == two.client_endpoint  # the environment over the current context
     code, _, err = run(capsys, "ping", "--context", "down")  # --context over the environment
@@ -156,6 +157,47 @@ def test_a_broken_file_does_not_stop_an_explicit_endpoint(config, capsys, start_
     coordinator = start_coordinator()
     config("current = [")
     assert pinged(capsys, "--endpoint", coordinator.client_endpoint) == coordinator.client_endpoint
+
+
+@pytest.mark.parametrize("argv", [
+    ["--context", "secure", "--endpoint", "{other}", "lock"],
+    ["lock", "--endpoint", "{other}", "--context", "secure"],
+    ["--endpoint", "{other}", "lock", "--context", "secure"],  # one before the command, one after
+])
+def test_endpoint_and_context_together_are_a_usage_error(config, capsys, tmp_path, argv):
+    """Fails if --endpoint with --context is accepted: the context's CURVE keys (and the
+    command) would go to another cluster's endpoint. Nothing is sent: the other endpoint is
+    a plain socket that records whether anyone connected."""
+    config('[contexts.secure]\nendpoint = "tcp://127.0.0.1:1"\n'
+           'server_key = "keys/server.key"\nclient_key = "keys/ops.key_secret"\n')
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen(1)
+        other.setblocking(False)
+        endpoint = f"tcp://127.0.0.1:{other.getsockname()[1]}"
+        code, out, err = run(capsys, *(a.format(other=endpoint) for a in argv))
+        assert (code, out) == (2, ""), err
+        assert "argument --context: not allowed with argument --endpoint" in err
+        with pytest.raises(BlockingIOError):
+            other.accept()  # nobody came
+
+
+def test_a_contexts_file_others_can_write_is_refused(config, capsys, tmp_path):
+    """Fails if wsctl trusts a contexts file that group or others can write: whoever can
+    write it chooses the server key wsctl trusts (and the endpoint it sends commands to), so
+    it is refused as ``load_public`` refuses such a key file, with exit 2 and the fix."""
+    path = config('current = "lab"\n[contexts.lab]\nendpoint = "tcp://127.0.0.1:7601"\n')
+    for mode in (0o664, 0o646, 0o666):
+        path.chmod(mode)
+        for argv in (["ping"], ["config", "get-contexts"], ["config", "use-context", "lab"]):
+            code, out, err = run(capsys, *argv)
+            assert (code, out) == (2, ""), (oct(mode), argv, err)
+            assert err == (f"wsctl: {path}: the contexts file has mode {mode:04o}: group and others must not be "
+                           f"able to write it, as it names the server keys wsctl trusts (chmod 644 {path})\n")
+    path.chmod(0o644)  # readable by others is fine: it holds no secret, only paths
+    assert run(capsys, "config", "current-context")[:2] == (0, "lab\n")
+    path.chmod(0o600)
+    assert run(capsys, "config", "current-context")[:2] == (0, "lab\n")
 
 
 def test_the_python_client_takes_a_context_too(config, start_coordinator):

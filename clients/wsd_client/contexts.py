@@ -16,7 +16,9 @@ The file is ``$WSCTL_CONFIG``, else ``$XDG_CONFIG_HOME/wsd/wsctl.toml`` (else
 Relative key paths are read from the file's folder. ``wsctl --context NAME``
 uses one; ``wsctl config use-context NAME`` sets ``current``, which applies
 when neither ``--endpoint`` nor ``$WSD_ENDPOINT`` names a coordinator. A bad
-file is a ``ConfigError`` naming the file and the key. Imports no torch.
+file is a ``ConfigError`` naming the file and the key; so is one that group or
+others can write, as a public key file is (``wsd.wire.curve.load_public``): the
+file decides which server key wsctl trusts. Imports no torch.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -81,11 +84,17 @@ class Contexts:
         """The file at ``path`` (default ``default_path()``); none at all when it does not exist."""
         path = path or default_path()
         try:
-            raw = path.read_bytes()
+            with path.open("rb") as f:
+                mode = os.fstat(f.fileno()).st_mode  # of the file read, not of one put there since
+                raw = f.read()
         except FileNotFoundError:
             return cls(path, None, {})
         except OSError as e:
             raise ConfigError(f"{path}: cannot read the contexts file: {e.strerror or e}") from e
+        if mode & 0o022:
+            raise ConfigError(
+                f"{path}: the contexts file has mode {stat.S_IMODE(mode):04o}: group and others must not be "
+                f"able to write it, as it names the server keys wsctl trusts (chmod 644 {path})")
         return cls._parse(path, raw)
 
     @classmethod

@@ -160,10 +160,11 @@ def common(p: argparse.ArgumentParser, top: bool) -> None:
         return value if top else argparse.SUPPRESS
 
     p.add_argument("--endpoint", type=endpoint, default=default(None),
-                   help="the coordinator's client endpoint (default: --context's, else $WSD_ENDPOINT, "
-                        "else the current context's, else tcp://127.0.0.1:7601)")
+                   help="the coordinator's client endpoint, not with --context (default: --context's, "
+                        "else $WSD_ENDPOINT, else the current context's, else tcp://127.0.0.1:7601)")
     p.add_argument("--context", metavar="NAME", default=default(None),
-                   help="a cluster's endpoint and keys by name, from the contexts file ($WSCTL_CONFIG, "
+                   help="a cluster's endpoint and keys by name, not with --endpoint, from the contexts "
+                        "file ($WSCTL_CONFIG, "
                         "else $XDG_CONFIG_HOME/wsd/wsctl.toml; see `wsctl config`)")
     p.add_argument("--timeout", metavar="SECONDS", type=_seconds,
                    default=default(DEFAULT_TIMEOUT),

@@ -37,7 +37,7 @@ Keys (no coordinator involved)::
                                     DIR/NAME.key_secret (mode 0600)
 
 Options taken by every command, before or after its name: ``--endpoint``
-(default: ``--context NAME``'s, else ``$WSD_ENDPOINT``, else the current
+or ``--context NAME``, not both (default: ``$WSD_ENDPOINT``, else the current
 context's, else ``tcp://127.0.0.1:7601``), ``--timeout`` seconds
 for the whole command, retries included (for ``watch`` and ``events --follow``:
 each round; default 5, at most 3600), ``--json``; with CURVE, ``--curve-server-key FILE`` (the
@@ -296,9 +296,10 @@ def _command(call: Callable[[Client, argparse.Namespace], CommandResult]) -> Han
 def _connection(args: argparse.Namespace) -> tuple[str | None, str | None, str | None]:
     """The endpoint and CURVE keys to connect with, None leaving it to ``Client`` ($WSD_*, default).
 
-    Flags win; then ``--context``'s; else ``$WSD_ENDPOINT``, or when it is unset the current
-    context. A context applies whole or not at all: an ``--endpoint`` or ``$WSD_ENDPOINT``
-    names another coordinator, whose keys the current context does not hold.
+    ``--endpoint`` (never with ``--context``: ``main`` refuses both) or ``--context``'s; else
+    ``$WSD_ENDPOINT``, or when it is unset the current context. A context applies whole or
+    not at all: an ``--endpoint`` or ``$WSD_ENDPOINT`` names another coordinator, whose keys
+    the context does not hold. Key flags win over a context's keys.
     """
     context = None
     if args.context is not None:
@@ -311,7 +312,7 @@ def _connection(args: argparse.Namespace) -> tuple[str | None, str | None, str |
         return args.endpoint, *keys
     if not any(keys):
         keys = (context.server_key, context.client_key)
-    return args.endpoint or context.endpoint, *keys
+    return context.endpoint, *keys
 
 
 def _config(client: Client | None, args: argparse.Namespace, out: Output) -> Exit:
@@ -415,8 +416,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
     try:
-        args = _parser().parse_args(argv)
+        args = parser.parse_args(argv)
+        # Not an argparse group: each may come before or after the command name, which
+        # two parsers read. Together, one cluster's keys would go to another's endpoint.
+        if args.endpoint is not None and args.context is not None:
+            parser.error("argument --context: not allowed with argument --endpoint "
+                         "(a context names its own endpoint and keys)")
     except SystemExit as e:  # usage error (2) or --help (0): a code, as for every outcome
         return e.code if isinstance(e.code, int) else Exit.USAGE
     out = Output(args.json, sys.stdout)

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import zmq
 from conftest import wait_until
+from simkit import reporting
 
-from wsd.agent.simulated import SimulatedRanks
 from wsd.coordinator.events import EventKind, EventLog
 from wsd_client import wsctl
 from wsd_client.client import TAIL, Client, Events, Pong, Ranks, Stats, Status, Unavailable
-from wsd_client.results import RankCounts
+from wsd_client.results import GroupStatus, MissingRank, RankCounts, RankEntry, Sequenced
 
 
 def test_a_cursor_past_the_newest_event_is_the_tail():
@@ -46,14 +46,8 @@ def cluster(start_coordinator):
     """A coordinator expecting 8 ranks in TP groups of 4, and 8 simulated ranks (2 slots each)
     whose first snapshots have all arrived."""
     coordinator = start_coordinator(world_size=RANKS, tp_size=4)
-    sim = SimulatedRanks(coordinator.agent_endpoint, range(RANKS), world_size=RANKS, tp_size=4,
-                         num_ubatches=2, heartbeat_interval=0.2, heartbeat_timeout=3.0).start()
-    try:
-        assert sim.wait_registered(10), f"only {sim.registered()} of {RANKS} ranks registered"
-        wait_until(lambda: len(coordinator.core.latest.ranks) == RANKS, 10, "every rank's first snapshot")
+    with reporting(coordinator, range(RANKS), world_size=RANKS, tp_size=4, num_ubatches=2):
         yield coordinator
-    finally:
-        sim.stop(timeout=10)
 
 
 def test_read_calls_return_typed_answers_that_still_read_as_maps(cluster):
@@ -70,6 +64,53 @@ def test_read_calls_return_typed_answers_that_still_read_as_maps(cluster):
     assert isinstance(stats, Stats) and stats.complete and stats.missing == [] and stats.stale == []
     assert stats.total_bytes == sum(r["total_bytes"] for r in stats.ranks) == stats["total_bytes"]
     assert dict(stats) == stats.doc and set(stats) >= {"ranks", "slots", "groups", "group_slots"}
+    assert isinstance(pong, Sequenced) and isinstance(status, Sequenced) and status.epoch == pong.epoch
+
+
+def test_groups_and_ranks_are_typed_too_and_still_read_as_maps(cluster):
+    """Fails if ``Status.groups`` or ``Ranks.ranks`` hand out bare maps again (issue 17's
+    review: the typed results stopped at the top level), if a typed field disagrees with the
+    map it reads, or if indexing an entry (the old way) stops working."""
+    with Client(cluster.client_endpoint, timeout=5) as client:
+        assert client.lock(group=1).complete
+        # What ranks report reaches the coordinator with their next heartbeat.
+        status = wait_until(lambda: (s := client.status()).groups[1].locked == [True] and s, 5, "group 1 locked")
+        ranks = client.ranks()
+    groups = status.groups
+    assert all(isinstance(g, GroupStatus) for g in groups) and groups == status.doc["groups"]
+    one = groups[1]
+    assert (one.tp_group, one.ranks, one.live, one.missing) == (1, [4, 5, 6, 7], [4, 5, 6, 7], [])
+    assert one.locked == [True] and one.num_ubatches == [2] and one.applied_seq == [1]
+    assert one.consistent is True and one.drift == [] and one.desired["locked"] is True
+    assert one["tp_group"] == 1 and groups[0].locked == [False] == groups[0]["locked"]
+    entries = ranks.ranks
+    assert all(isinstance(r, RankEntry) for r in entries) and entries == ranks.doc["ranks"]
+    five = entries[5]
+    assert (five.rank, five.state, five.tp_group, five.step >= 0, five.locked, five.num_ubatches) == (
+        5, "live", 1, True, True, 2)
+    assert five.pid == five["pid"] and five.host == five["host"] and five.device == five["device"]
+    assert five.lost_at is None and five.stopped_at is None and five.last_seen >= five.registered_at > 0
+    assert five.idle is True and five.applied_seq == 1  # simulated ranks apply on receipt, as --idle
+
+
+def test_missing_ranks_are_typed_and_named_missing_only(start_coordinator):
+    """Fails if a rank that never registered is not a typed ``MissingRank`` in ``ranks``,
+    ``status`` and ``stats``, or if the client still falls back to the old key name
+    ``never_registered`` (wsd is unreleased: one name, ``missing``)."""
+    coordinator = start_coordinator(world_size=2, tp_size=2)
+    with reporting(coordinator, [0], world_size=2, tp_size=2, num_ubatches=1), \
+            Client(coordinator.client_endpoint, timeout=5) as client:
+        status, ranks, stats = client.status(), client.ranks(), client.stats()
+    for missing in (ranks.missing, status.groups[0].missing, stats.missing):
+        assert [(type(m), m.rank, m.reason) for m in missing] == [(MissingRank, 1, "never registered")]
+        assert missing == [{"rank": 1, "reason": "never registered"}]
+    assert status.counts == RankCounts(live=1, lost=0, stopped=0, missing=1)
+    renamed = {**status.doc["ranks"]}
+    renamed["never_registered"] = renamed.pop("missing")
+    with pytest.raises(KeyError):
+        RankCounts.from_wire(renamed)
+    with pytest.raises(KeyError):
+        _ = Ranks({"ranks": [], "never_registered": [{"rank": 1, "reason": "never registered"}]}).missing
 
 
 def test_stats_is_not_expanded_until_rows_are_asked_for(cluster):

@@ -19,9 +19,8 @@ import termios
 import time
 
 import pytest
-from conftest import wait_until
+from simkit import reporting
 
-from wsd.agent.simulated import SimulatedRanks
 from wsd_client import render, wsctl
 from wsd_client.client import Client
 from wsd_client.select import Selection
@@ -32,14 +31,8 @@ WORLD, SIMULATED, TP, SLOTS = 72, 64, 8, 8
 @pytest.fixture
 def cluster(start_coordinator):
     coordinator = start_coordinator(world_size=WORLD, tp_size=TP)
-    sim = SimulatedRanks(coordinator.agent_endpoint, range(SIMULATED), world_size=WORLD, tp_size=TP,
-                         num_ubatches=SLOTS, heartbeat_interval=0.2, heartbeat_timeout=3.0).start()
-    try:
-        assert sim.wait_registered(10), f"only {sim.registered()} of {SIMULATED} ranks registered"
-        wait_until(lambda: len(coordinator.core.latest.ranks) == SIMULATED, 10, "every rank's first snapshot")
+    with reporting(coordinator, range(SIMULATED), world_size=WORLD, tp_size=TP, num_ubatches=SLOTS):
         yield coordinator
-    finally:
-        sim.stop(timeout=10)
 
 
 def run(capsys, endpoint: str, *argv: str) -> tuple[int, str, str]:

@@ -141,7 +141,7 @@ def ranks(doc: dict[str, Any], width: int | None = None) -> str:
         for r in doc["ranks"]
     ]
     rows += [[m["rank"], "missing", "-", "-", "-", "-", "-", "-", "-", "-", "-"]
-             for m in doc.get("missing", doc.get("never_registered", []))]
+             for m in doc["missing"]]
     if not rows:
         return "no ranks registered"
     rows.sort(key=lambda row: row[0])

@@ -5,7 +5,10 @@ and a read-only mapping of it too (``stats["ranks"]``), so that code written
 when the calls returned plain maps keeps working. Nothing is copied or expanded
 when one is made: ``Client.stats()`` at 4,096 ranks costs what decoding costs
 (rows are built only when asked for, by ``Stats.rows()``); the lists and maps a
-property gives are the answer's own, to read, not to change. Commands return
+property gives are the answer's own, to read, not to change. The entries of
+``Status.groups``, ``Ranks.ranks`` and the ``missing`` lists are typed views of
+the same kind (``GroupStatus``, ``RankEntry``, ``MissingRank``), one small object
+per entry, made when the property is read. Commands return
 ``wsd.commands.CommandResult``. Imports no torch.
 """
 
@@ -17,7 +20,8 @@ from typing import Any
 
 from wsd_client import rows as _rows
 
-__all__ = ["Answer", "Events", "Pong", "RankCounts", "Ranks", "Stats", "Status"]
+__all__ = ["Answer", "Events", "GroupStatus", "MissingRank", "Pong", "RankCounts", "RankEntry", "Ranks",
+           "Sequenced", "Stats", "Status"]
 
 
 class Answer(Mapping[str, Any]):
@@ -41,8 +45,10 @@ class Answer(Mapping[str, Any]):
         return f"{type(self).__name__}({self.doc!r})"
 
 
-class Pong(Answer):
-    """``ping``: who answered and where its command sequence stands."""
+class Sequenced(Answer):
+    """An answer that says which coordinator gave it and where its command sequence stands."""
+
+    __slots__ = ()
 
     @property
     def epoch(self) -> str:
@@ -51,7 +57,14 @@ class Pong(Answer):
 
     @property
     def seq(self) -> int:
+        """The last command the coordinator numbered (0: none yet)."""
         return int(self.doc["seq"])
+
+
+class Pong(Sequenced):
+    """``ping``: who answered and where its command sequence stands."""
+
+    __slots__ = ()
 
     @property
     def time(self) -> float:
@@ -62,7 +75,7 @@ class Pong(Answer):
 @dataclass(frozen=True)
 class RankCounts:
     """Expected ranks by state. ``missing``: never registered (the state ``ranks`` shows
-    as ``missing``), under either name the coordinator gives it."""
+    as ``missing``)."""
 
     live: int
     lost: int
@@ -71,8 +84,7 @@ class RankCounts:
 
     @classmethod
     def from_wire(cls, counts: dict[str, int]) -> RankCounts:
-        missing = counts.get("missing", counts.get("never_registered", 0))
-        return cls(live=counts["live"], lost=counts["lost"], stopped=counts.get("stopped", 0), missing=missing)
+        return cls(live=counts["live"], lost=counts["lost"], stopped=counts["stopped"], missing=counts["missing"])
 
     @property
     def absent(self) -> int:
@@ -80,16 +92,76 @@ class RankCounts:
         return self.lost + self.stopped + self.missing
 
 
-class Status(Answer):
+class MissingRank(Answer):
+    """An expected rank that is not there, and why (``never registered``, ``lost at ...``)."""
+
+    __slots__ = ()
+
+    @property
+    def rank(self) -> int:
+        return int(self.doc["rank"])
+
+    @property
+    def reason(self) -> str:
+        return str(self.doc["reason"])
+
+
+class GroupStatus(Answer):
+    """One TP group of ``status``: its members, which are live and which missing, and what
+    its live ranks report (a list of the distinct values, one entry when they agree)."""
+
+    __slots__ = ()
+
+    @property
+    def tp_group(self) -> int:
+        return int(self.doc["tp_group"])
+
+    @property
+    def ranks(self) -> list[int]:
+        """Every rank the group should have."""
+        return self.doc["ranks"]
+
+    @property
+    def live(self) -> list[int]:
+        return self.doc["live"]
+
+    @property
+    def missing(self) -> list[MissingRank]:
+        """The group's expected ranks that are not live: lost, stopped or never registered."""
+        return [MissingRank(m) for m in self.doc["missing"]]
+
+    @property
+    def locked(self) -> list[bool | None]:
+        return self.doc["locked"]
+
+    @property
+    def num_ubatches(self) -> list[int | None]:
+        return self.doc["num_ubatches"]
+
+    @property
+    def applied_seq(self) -> list[int]:
+        return self.doc["applied_seq"]
+
+    @property
+    def consistent(self) -> bool:
+        """The live ranks agree with each other."""
+        return bool(self.doc["consistent"])
+
+    @property
+    def desired(self) -> dict[str, Any]:
+        """The group's desired state: ``{locked, num_ubatches, reserve_bytes}``, None where never set."""
+        return self.doc["desired"]
+
+    @property
+    def drift(self) -> list[str]:
+        """How the live ranks differ from the desired state once every command is applied."""
+        return self.doc["drift"]
+
+
+class Status(Sequenced):
     """``status``: the world, the desired state and every TP group at a glance."""
 
-    @property
-    def epoch(self) -> str:
-        return str(self.doc["epoch"])
-
-    @property
-    def seq(self) -> int:
-        return int(self.doc["seq"])
+    __slots__ = ()
 
     @property
     def world_size(self) -> int | None:
@@ -110,25 +182,98 @@ class Status(Answer):
         return RankCounts.from_wire(self.doc["ranks"])
 
     @property
-    def groups(self) -> list[dict[str, Any]]:
-        """Per TP group: ``{tp_group, ranks, live, missing, locked, num_ubatches, applied_seq,
-        consistent, desired, drift}`` (docs/wsctl.md)."""
-        return self.doc["groups"]
+    def groups(self) -> list[GroupStatus]:
+        """Per TP group, typed and readable as a map (docs/wsctl.md)."""
+        return [GroupStatus(g) for g in self.doc["groups"]]
+
+
+class RankEntry(Answer):
+    """One rank of ``ranks`` that registered."""
+
+    __slots__ = ()
+
+    @property
+    def rank(self) -> int:
+        return int(self.doc["rank"])
+
+    @property
+    def state(self) -> str:
+        """``live``, ``lost`` or ``stopped``."""
+        return str(self.doc["state"])
+
+    @property
+    def tp_group(self) -> int:
+        return int(self.doc["tp_group"])
+
+    @property
+    def host(self) -> str:
+        return str(self.doc["host"])
+
+    @property
+    def pid(self) -> int:
+        return int(self.doc["pid"])
+
+    @property
+    def device(self) -> str:
+        return str(self.doc["device"])
+
+    @property
+    def step(self) -> int:
+        return int(self.doc["step"])
+
+    @property
+    def applied_seq(self) -> int:
+        return int(self.doc["applied_seq"])
+
+    @property
+    def locked(self) -> bool | None:
+        """As the rank last reported; None before its first report."""
+        return self.doc["locked"]
+
+    @property
+    def num_ubatches(self) -> int | None:
+        return self.doc["num_ubatches"]
+
+    @property
+    def idle(self) -> bool:
+        """The worker serves the manager only (``--idle``): an engine drives it."""
+        return bool(self.doc["idle"])
+
+    @property
+    def registered_at(self) -> float:
+        """Wall-clock Unix seconds, as every time of a rank."""
+        return float(self.doc["registered_at"])
+
+    @property
+    def last_seen(self) -> float:
+        return float(self.doc["last_seen"])
+
+    @property
+    def lost_at(self) -> float | None:
+        """None unless the rank is (or was) lost."""
+        return self.doc["lost_at"]
+
+    @property
+    def stopped_at(self) -> float | None:
+        """None unless the rank said goodbye."""
+        return self.doc["stopped_at"]
 
 
 class Ranks(Answer):
     """``ranks``: every rank known, and the expected ones that never registered."""
 
-    @property
-    def ranks(self) -> list[dict[str, Any]]:
-        """``{rank, state, tp_group, host, pid, device, idle, step, applied_seq, ...}`` per rank
-        that registered; ``state`` is ``live``, ``lost`` or ``stopped``."""
-        return self.doc["ranks"]
+    __slots__ = ()
 
     @property
-    def missing(self) -> list[dict[str, Any]]:
-        """``{rank, reason}`` per expected rank that never registered (state ``missing``)."""
-        return self.doc.get("missing", self.doc.get("never_registered", []))
+    def ranks(self) -> list[RankEntry]:
+        """Per rank that registered, typed and readable as a map (``{rank, state, tp_group, host,
+        pid, device, idle, step, applied_seq, ...}``)."""
+        return [RankEntry(r) for r in self.doc["ranks"]]
+
+    @property
+    def missing(self) -> list[MissingRank]:
+        """Per expected rank that never registered (state ``missing``)."""
+        return [MissingRank(m) for m in self.doc["missing"]]
 
 
 class Stats(Answer):
@@ -150,9 +295,10 @@ class Stats(Answer):
         return int(self.doc["total_bytes"])
 
     @property
-    def missing(self) -> list[dict[str, Any]]:
-        """``{rank, reason}`` per expected rank absent from the answer."""
-        return self.doc["missing"]
+    def missing(self) -> list[MissingRank]:
+        """Per expected rank absent from the answer: lost, stopped, never registered, or live
+        with no usable snapshot (its ``reason`` says which)."""
+        return [MissingRank(m) for m in self.doc["missing"]]
 
     @property
     def stale(self) -> list[int]:

@@ -65,7 +65,7 @@ def test_sourcing_registers_the_completion(scripts):
     ("wsctl config u", ["use-context"]),
     ("wsctl completion ", ["bash", "zsh"]),
     ("wsctl stats --st", ["--state"]),
-    ("wsctl stats --state ", ["missing", "stale", "locked", "unlocked", "violations"]),
+    ("wsctl stats --state ", ["missing", "absent", "stale", "locked", "unlocked", "violations"]),
     ("wsctl watch --by", ["--by-group", "--by-slot"]),
     ("wsctl events --f", ["--follow"]),
     ("wsctl --vers", ["--version"]),

@@ -19,6 +19,7 @@ import termios
 import time
 
 import pytest
+from conftest import wait_until
 from simkit import reporting
 
 from wsd_client import render, wsctl
@@ -104,6 +105,31 @@ def test_rank_group_and_state_select_what_is_shown(cluster, capsys):
     assert sorted({int(line.split()[0]) for line in out.split("\n\n")[2].splitlines()[1:]}) == list(range(16, 24))
 
 
+def test_state_missing_is_never_registered_and_absent_is_every_rank_not_reporting(start_coordinator, capsys):
+    """Fails if --state missing keeps a rank that registered and then stopped (the rank state
+    missing means never registered, as in ``ranks`` and ``status``), or if --state absent
+    does not keep every expected rank absent from the answer. World of 4: ranks 0-1 report,
+    rank 2 registered and fell silent (lost, after the coordinator's 1 s heartbeat timeout),
+    rank 3 never registered."""
+    coordinator = start_coordinator(world_size=4, tp_size=2)
+    ep = coordinator.client_endpoint
+    with reporting(coordinator, [2], world_size=4, tp_size=2, num_ubatches=1):
+        pass  # registered, reported, then silent
+    with Client(ep, timeout=5) as client:
+        wait_until(lambda: [r.state for r in client.ranks().ranks] == ["lost"], 10, "rank 2 lost")
+    with reporting(coordinator, [0, 1], world_size=4, tp_size=2, num_ubatches=1):
+        code, doc = run_json(capsys, ep, "stats", "--state", "missing")
+        assert code == 3 and doc["ranks"] == [] and doc["missing"] == [{"rank": 3, "reason": "never registered"}]
+        assert [g["tp_group"] for g in doc["groups"]] == [1]
+        code, doc = run_json(capsys, ep, "stats", "--state", "absent")
+        assert code == 3 and doc["ranks"] == [] and [m["rank"] for m in doc["missing"]] == [2, 3]
+        assert doc["missing"][0]["reason"].startswith("lost at")
+        code, doc = run_json(capsys, ep, "stats", "--state", "missing", "--group", "0,1", "--rank", "0-2")
+        assert code == 0 and doc["missing"] == []  # rank 2 lost: absent, not missing
+        code, out, _ = run(capsys, ep, "stats", "--state", "missing")
+        assert code == 3 and out.splitlines()[-1] == "missing: rank 3 (never registered)"
+
+
 def test_selection_of_stale_ranks_and_violations():
     """Fails if --state stale or violations keeps a rank that is not, on an answer whose
     flags are set here (a stale rank takes seconds of silence to make for real)."""
@@ -184,7 +210,8 @@ def test_on_an_80_column_terminal_tables_fit_and_json_is_whole(cluster):
     (["stats", "--rank", "5-2"], "argument --rank: a range must not go down, got '5-2'"),
     (["stats", "--rank", "x"], "argument --rank: expected ranks and ranges such as 0-3,8, got 'x'"),
     (["watch", "--group", "0,65536"], "argument --group: must be between 0 and 65535, got 65536"),
-    (["stats", "--state", "sleepy"], "argument --state: must be among missing, stale, locked, unlocked, violations"),
+    (["stats", "--state", "sleepy"],
+     "argument --state: must be among missing, absent, stale, locked, unlocked, violations"),
     (["stats", "--by-group", "--by-slot"], "argument --by-slot: not allowed with argument --by-group"),
 ])
 def test_bad_selections_are_usage_errors(capsys, argv, message):

@@ -77,7 +77,7 @@ def selection(p: argparse.ArgumentParser) -> None:
                    help="only these ranks: 5, or a list such as 0-7,64-71")
     p.add_argument("--state", metavar="S", default=None, type=state_list,
                    help="only ranks in one of these states: " + "; ".join(f"{k}: {v}" for k, v in STATES.items())
-                        + " (a list such as stale,missing)")
+                        + " (a list such as stale,absent)")
     view = p.add_mutually_exclusive_group()
     view.add_argument("--by-group", dest="grouped", action="store_const", const=True, default=None,
                       help=f"one line per TP group (the default above {render.SUMMARY_ABOVE} slots)")

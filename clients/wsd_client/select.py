@@ -1,7 +1,7 @@
 """Which ranks ``wsctl stats`` and ``wsctl watch`` show: by rank, TP group and state.
 
 At 256 ranks of 8 slots a frame is 2,048 rows: an operator wants the ranks that
-matter (``--rank 0-7``, ``--group 3``, ``--state stale,missing``). A
+matter (``--rank 0-7``, ``--group 3``, ``--state stale,absent``). A
 ``Selection`` applies to the rows ``Stats.rows()`` gives, the same for the JSON
 and the tables; the answer's own totals (``complete``, ``total_bytes``) stay
 as the coordinator gave them. Imports no torch.
@@ -14,10 +14,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from wsd.coordinator.registry import NEVER_REGISTERED
+
 __all__ = ["STATES", "Selection", "complete", "number_list", "ranges", "state_list"]
 
 STATES: dict[str, str] = {
-    "missing": "expected but absent from the answer: lost, stopped or never registered",
+    "missing": "never registered (the rank state missing)",
+    "absent": "expected but absent from the answer: lost, stopped, missing, or live with no usable snapshot",
     "stale": "its snapshot is older than [coordinator] stats_stale_after",
     "locked": "its workspace is locked",
     "unlocked": "its workspace is not locked",
@@ -25,13 +28,22 @@ STATES: dict[str, str] = {
 }
 """The states ``--state`` selects, with what each means."""
 
-# A reporting rank (an entry of ``ranks``) in each state; ``missing`` ranks report nothing.
+# A reporting rank (an entry of ``ranks``) in each state; ``missing`` and ``absent`` ranks
+# report nothing.
 _HAS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "missing": lambda rank: False,
+    "absent": lambda rank: False,
     "stale": lambda rank: bool(rank["stale"]),
     "locked": lambda rank: rank["locked"] is True,
     "unlocked": lambda rank: rank["locked"] is False,
     "violations": lambda rank: rank["lock_violations"] > 0,
+}
+# An absent rank (an entry of ``missing``, ``{rank, reason}``) in each state; the others are
+# states of reporting ranks. The reason is the coordinator's: NEVER_REGISTERED for exactly
+# the ranks that ``ranks`` and ``status`` call missing.
+_ABSENT_IN: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "missing": lambda entry: entry["reason"] == NEVER_REGISTERED,
+    "absent": lambda entry: True,
 }
 # More numbers than any world holds: a list such as 0-99999999 is a typo, not a request.
 _MAX_LISTED = 1 << 20
@@ -63,7 +75,7 @@ def number_list(low: int, high: int, what: str) -> Callable[[str], frozenset[int
 
 
 def state_list(text: str) -> frozenset[str]:
-    """An argparse ``type``: states of ``STATES``, comma-separated (``stale,missing``)."""
+    """An argparse ``type``: states of ``STATES``, comma-separated (``stale,absent``)."""
     states = frozenset(s.strip() for s in text.split(","))
     unknown = sorted(states - STATES.keys())
     if unknown:
@@ -118,7 +130,7 @@ class Selection:
         group_of = {r: g["tp_group"] for g in doc["groups"] for r in g["ranks"]}
         ranks = [r for r in doc["ranks"] if self.keeps(r)]
         missing = [m for m in doc["missing"] if self._where(m["rank"], group_of.get(m["rank"]))
-                   and (not self.states or "missing" in self.states)]
+                   and (not self.states or any(s in _ABSENT_IN and _ABSENT_IN[s](m) for s in self.states))]
         shown = {r["rank"] for r in ranks} | {m["rank"] for m in missing}
         return {
             **doc,

@@ -24,6 +24,7 @@ from procs import (  # noqa: F401  (spawn is a fixture)
 import wsd.up as wsd_up
 from wsd.config import load_config
 from wsd.errors import ConfigError, ExitCode, LaunchError
+from wsd.launch import children
 from wsd_client.client import Client
 
 
@@ -38,11 +39,37 @@ SMALL_WORKLOAD = {"hidden_size": 32, "ffn_size": 64, "max_tokens": 32, "warmup_s
 OUR_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \S+ (rank \d+/\d+|wsd-coordinator) \S+ INFO ")
 
 
-@pytest.mark.parametrize(("sig", "group"), [(signal.SIGINT, True), (signal.SIGTERM, False)],
-                         ids=["ctrl-c", "sigterm"])
+def _groups(pids):
+    """The process groups of ``pids`` (those still running)."""
+    found = set()
+    for pid in pids:
+        try:
+            found.add(os.getpgid(pid))
+        except ProcessLookupError:
+            pass
+    return found
+
+
+def _in_groups(groups):
+    """Every process now in one of the process ``groups``."""
+    found = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.getpgid(int(name)) in groups:
+                    found.add(int(name))
+            except ProcessLookupError:
+                pass
+    return found
+
+
+@pytest.mark.parametrize(("sig", "group"), [(signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGHUP, False)],
+                         ids=["ctrl-c", "sigterm", "sighup"])
 def test_wsd_up_runs_a_cluster_and_leaves_no_process_behind(tmp_path, spawn, sig, group):  # noqa: F811
-    """Ctrl-C (SIGINT to the terminal's process group) or SIGTERM to `wsd up` stops the
-    workers, torchrun and the coordinator; every process it started is gone."""
+    """Ctrl-C (SIGINT to the terminal's process group), SIGTERM or SIGHUP (a closed terminal or
+    ssh session) to `wsd up` stops the workers, torchrun and the coordinator; every process it
+    started is gone, and so is every process group they led. SIGHUP used to kill wsd up
+    alone, leaving the rest running under PID 1."""
     config = write_config(tmp_path / "wsd.toml", {
         "coordinator": coordinator_section(tmp_path),
         "workload": {"hidden_size": 32, "ffn_size": 64, "max_tokens": 32, "warmup_steps": 4, "pace": 0.05},
@@ -56,9 +83,11 @@ def test_wsd_up_runs_a_cluster_and_leaves_no_process_behind(tmp_path, spawn, sig
     up.wait_for(r"warm-up done", 30)
     pids = up.tree()
     assert len(pids) >= 5, pids  # wsd up, the coordinator, torchrun, two workers
+    groups = _groups(pids - {up.pid})  # each in a session, so a group, of its own
     up.send(sig, group=group)
     assert up.wait(60) == 0, up.output()
     wait_gone(pids, 10, "processes started by wsd up")
+    wait_gone(_in_groups(groups), 10, "processes in the groups wsd up started")
     assert up.count("stopped cleanly after") == 2, up.output()
     assert up.count(f"wsd up: stopped by {signal.Signals(sig).name}") == 1
     assert up.count("Traceback") == 0, up.output()
@@ -368,7 +397,8 @@ def test_stopping_the_workers_kills_their_groups_only_if_torchrun_had_to_be_kill
     monkeypatch.setattr(wsd_up, "descendants", lambda pid: [424242])
     monkeypatch.setattr(wsd_up, "_signal_group", lambda pid, sig: sent.append((pid, sig)))
     clean = subprocess.Popen(python("-c", "pass"))
-    assert wsd_up._stop_workers(clean) == 0
+    ours = {*children(os.getpid()), clean.pid}
+    assert wsd_up._stop_workers(clean, ours, False) == 0
     assert sent == [(424242, signal.SIGTERM)]
 
     sent.clear()
@@ -379,9 +409,44 @@ def test_stopping_the_workers_kills_their_groups_only_if_torchrun_had_to_be_kill
                              stdout=subprocess.PIPE, text=True, start_new_session=True)
     assert stuck.stdout is not None and stuck.stdout.readline() == "ready\n"
     try:
-        assert wsd_up._stop_workers(stuck) == -signal.SIGKILL
+        assert wsd_up._stop_workers(stuck, {*ours, stuck.pid}, False) == -signal.SIGKILL
     finally:
         stuck.kill()
         stuck.wait(10)
         stuck.stdout.close()
     assert sent == [(424242, signal.SIGTERM), (424242, signal.SIGKILL)]
+
+
+def test_workers_whose_torchrun_died_are_adopted_and_stopped_by_wsd_up(tmp_path, spawn):  # noqa: F811
+    """torchrun SIGKILLed: its workers are re-parented to wsd up (a child subreaper), not to
+    PID 1, so wsd up still finds them, stops them and reaps them, and exits 1 saying how
+    torchrun ended. They used to run on under PID 1, out of reach of wsd up's snapshot of
+    torchrun's descendants."""
+    up, endpoint = _up(tmp_path, spawn)
+    torchrun = int(up.wait_for(r"workers under torchrun, pid (\d+)", 10).group(1))
+    with Client(endpoint, timeout=5) as client:
+        wait_until(lambda: client.status().counts.live == 2, 60, "both ranks to register")
+    up.wait_for(r"warm-up done", 30)
+    pids = up.tree()
+    workers = set(wsd_up.descendants(torchrun))
+    assert len(workers) >= 2, workers
+    os.kill(torchrun, signal.SIGKILL)
+    assert up.wait(60) == 1, up.output()
+    assert up.count(f"wsd up: the workers ended with exit code {-signal.SIGKILL}") == 1, up.output()
+    assert up.count("stopped cleanly after") == 2, up.output()  # SIGTERM from wsd up, not a kill
+    wait_gone(pids, 10, "processes started by wsd up")
+
+
+def test_the_children_of_a_killed_wsd_up_follow_it(tmp_path, spawn):  # noqa: F811
+    """wsd up SIGKILLed (nothing it can handle): the coordinator exits with its parent, and
+    torchrun is sent SIGTERM by the kernel, on which it stops its workers; nothing is left
+    running under PID 1."""
+    up, endpoint = _up(tmp_path, spawn)
+    with Client(endpoint, timeout=5) as client:
+        wait_until(lambda: client.status().counts.live == 2, 60, "both ranks to register")
+    up.wait_for(r"warm-up done", 30)
+    pids = up.tree()
+    assert len(pids) >= 5, pids
+    up.send(signal.SIGKILL)
+    assert up.wait(30) == -signal.SIGKILL
+    wait_gone(pids, 60, "processes started by the killed wsd up")

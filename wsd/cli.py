@@ -56,10 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=flag_number(int, 1, MAX_DEMO_STEPS, what="an integer"), default=100,
                       help=f"steady-state steps, 1..{MAX_DEMO_STEPS} (default: 100)")
     up = sub.add_parser(
-        "up", help="start a local cluster: a coordinator and torchrun workers, until Ctrl-C or SIGTERM",
+        "up", help="start a local cluster: a coordinator and torchrun workers, until Ctrl-C, SIGTERM or SIGHUP",
         epilog="A worker that dies is reported in one line and not restarted; the coordinator keeps serving "
                "until Ctrl-C, so that wsctl shows the rank lost. Exit codes: "
-               f"{ExitCode.OK:d} stopped by Ctrl-C or SIGTERM, or the workers finished; "
+               f"{ExitCode.OK:d} stopped by Ctrl-C, SIGTERM or SIGHUP, or the workers finished; "
                f"{ExitCode.USAGE:d} a bad configuration; {ExitCode.RANK_LOST:d} a rank lost; "
                f"{ExitCode.ERROR:d} otherwise.",
     )

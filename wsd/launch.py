@@ -6,13 +6,15 @@ which is how whoever started it learns ports chosen by the OS.
 ``CoordinatorProcess`` starts that as a child and waits for the line; the
 embedded mode of the worker and ``wsd up`` (``wsd.up``) both use it.
 ``stop_process_group`` and ``descendants`` end what was started, with bounded
-waits and a kill.
+waits and a kill; ``child_subreaper`` and ``die_with_parent`` (Linux) keep a
+process tree together when a process in the middle of it dies.
 
 Imports no torch: the coordinator runs where there is none.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import re
@@ -22,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -30,8 +32,8 @@ from wsd.config import WsdConfig
 from wsd.errors import ConfigError, ExitCode, LaunchError
 from wsd.security import load_agent_token
 
-__all__ = ["POLL", "READY", "CoordinatorProcess", "descendants", "serve_coordinator", "stop_process_group",
-           "stop_signals"]
+__all__ = ["LAUNCHER_PARENT_ENV", "POLL", "READY", "CoordinatorProcess", "child_subreaper", "children",
+           "descendants", "die_with_parent", "reap", "serve_coordinator", "stop_process_group", "stop_signals"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,20 +43,82 @@ followed by ``metrics URL`` when it serves metrics."""
 _READY_LINE = re.compile(re.escape(READY) + r" agents (\S+) clients (\S+)(?: metrics (\S+))?")
 POLL = 0.2
 """Seconds between a foreground loop's looks at its flags and children."""
+LAUNCHER_PARENT_ENV = "WSD_LAUNCHER_PARENT_PID"
+"""The pid whose death ends torchrun as ``wsd up`` runs it (``wsd.worker.launcher``, ``die_with_parent``)."""
 _COORDINATOR_GRACE = 10.0
 _KILL_WAIT = 5.0
+# prctl(2) options (linux/prctl.h).
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 
 
 @contextmanager
 def stop_signals(on_signal: Callable[[int], None]) -> Iterator[None]:
-    """Within the block, SIGTERM and SIGINT call ``on_signal(signum)`` instead of killing us."""
+    """Within the block, SIGTERM, SIGINT and SIGHUP call ``on_signal(signum)`` instead of killing us.
+
+    SIGHUP as SIGTERM: a closed terminal or ssh session sends it, and dying of it
+    would leave whatever we started running.
+    """
     previous = {sig: signal.signal(sig, lambda signum, frame: on_signal(signum))
-                for sig in (signal.SIGTERM, signal.SIGINT)}
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _prctl(option: int, arg: int | ctypes.c_int) -> bool:
+    """prctl(2) through libc; False where there is none (not Linux) or it fails."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        value = ctypes.byref(arg) if isinstance(arg, ctypes.c_int) else ctypes.c_ulong(arg)
+        return bool(libc.prctl(option, value, ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+@contextmanager
+def child_subreaper() -> Iterator[bool]:
+    """Within the block, a process below us whose parent dies re-parents to us, not to
+    PID 1, so that it can still be found (``children``) and stopped; yields whether
+    that holds (Linux only). Those adopted must be reaped (``reap``)."""
+    before = ctypes.c_int(0)
+    if not _prctl(_PR_GET_CHILD_SUBREAPER, before) or not _prctl(_PR_SET_CHILD_SUBREAPER, 1):
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        _prctl(_PR_SET_CHILD_SUBREAPER, before.value)
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
+    """Have ``sig`` sent to this process when its parent, pid ``parent``, dies (Linux; a
+    no-op elsewhere); sent now if it is already gone."""
+    if _prctl(_PR_SET_PDEATHSIG, sig) and os.getppid() != parent:
+        os.kill(os.getpid(), sig)  # it died before the request was made
+
+
+def reap(pids: Iterable[int], timeout: float) -> set[int]:
+    """Wait up to ``timeout`` s for those of ``pids`` that are our children to exit, and reap
+    them; those still running at the end. Others (not our children) are left alone."""
+    left = set(pids)
+    deadline = time.monotonic() + timeout
+    while True:
+        for pid in list(left):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # not ours, or reaped already
+                done = pid
+            if done:
+                left.discard(pid)
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(min(POLL, max(0.0, deadline - time.monotonic())))
 
 
 def serve_coordinator(config: WsdConfig, *, exit_with_parent: bool = False) -> int:
@@ -214,6 +278,11 @@ def _await_line(proc: subprocess.Popen, stream, pattern: re.Pattern[str], timeou
             if match:
                 return match
             print(line)  # not ours: pass it on
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc, else ``ps``), exited ones not yet reaped included."""
+    return [child for child, parent in _parent_pairs() if parent == pid]
 
 
 def descendants(pid: int) -> list[int]:

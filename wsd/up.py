@@ -2,7 +2,12 @@
 
 The coordinator and torchrun each run in a session of their own, so that
 Ctrl-C reaches only ``wsd up``, which then stops the workers first and the
-coordinator last, with bounded waits and a kill. Before anything starts, the
+coordinator last, with bounded waits and a kill; SIGTERM and SIGHUP (a closed
+terminal or ssh session) do the same. Should ``wsd up`` itself die, its
+children follow it: the coordinator exits with its parent and torchrun gets a
+SIGTERM from the kernel (``die_with_parent``), on which it stops its workers.
+Should torchrun die, ``wsd up`` adopts its workers (``child_subreaper``) and
+stops them itself. Before anything starts, the
 configuration is loaded and checked against what is launched: the world
 (``world_env``: the coordinator expects every rank from the start) and the
 device (``check_backend``: nccl needs CUDA). The state file lies in the user's
@@ -27,12 +32,23 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from wsd.config import WsdConfig, load_config, read_toml
 from wsd.errors import ConfigError, ExitCode, StateFileError
-from wsd.launch import POLL, CoordinatorProcess, descendants, stop_process_group, stop_signals
+from wsd.launch import (
+    LAUNCHER_PARENT_ENV,
+    POLL,
+    CoordinatorProcess,
+    child_subreaper,
+    children,
+    descendants,
+    reap,
+    stop_process_group,
+    stop_signals,
+)
 from wsd.security import AGENT_TOKEN_ENV
 from wsd.worker.config import Backend
 
@@ -48,10 +64,14 @@ STATE_FILE_ENV = "WSD_COORDINATOR_STATE_FILE"
 _TORCHRUN_GRACE = 35.0
 # Workers stop at the next step boundary after SIGTERM: seconds, not more.
 _WORKER_GRACE = 15.0
+_KILL_WAIT = 5.0
 
 
 def _say(line: str) -> None:
-    print(line, flush=True)  # flushed: whoever reads our stdout through a pipe sees it now
+    try:
+        print(line, flush=True)  # flushed: whoever reads our stdout through a pipe sees it now
+    except OSError:
+        pass  # the terminal is gone (SIGHUP): stopping everything matters more than saying so
 
 
 def state_folder(env: Mapping[str, str] | None = None) -> str:
@@ -155,13 +175,13 @@ def describe_desired(desired: Mapping[str, Any]) -> str:
 
 def up(nproc: int, config_path: str | None, *, fresh: bool = False,
        out: Callable[[str], object] = _say) -> int:
-    """A local cluster: a coordinator and ``nproc`` torchrun workers, until Ctrl-C or SIGTERM.
+    """A local cluster: a coordinator and ``nproc`` torchrun workers, until Ctrl-C, SIGTERM or SIGHUP.
 
     ``fresh``: remove the cluster's state file and journal first, so that the
     coordinator starts with no desired state and seq 0. When a worker dies,
     torchrun stops the others and says which rank died, in one line; the
     coordinator keeps serving, so that ``wsctl`` shows the rank lost, until
-    Ctrl-C or SIGTERM, and ``up`` then returns ``ExitCode.RANK_LOST``.
+    Ctrl-C, SIGTERM or SIGHUP, and ``up`` then returns ``ExitCode.RANK_LOST``.
     """
     config = load_config(config_path)  # fail now, with the file and key, not in every worker
     env = dict(os.environ)
@@ -192,19 +212,24 @@ def up(nproc: int, config_path: str | None, *, fresh: bool = False,
     # The coordinator admits only registrations that prove they hold this token,
     # which only the workers started here are given (see docs/security.md).
     env.setdefault(AGENT_TOKEN_ENV, secrets.token_hex(32))
-    with stop_signals(on_signal):
-        coordinator = CoordinatorProcess(config_path, env=env, new_session=True).start(timeout=30.0)
+    with stop_signals(on_signal), child_subreaper() as adopting:
+        spare = set(children(os.getpid()))  # not ours to stop: whatever our caller started
+        coordinator = CoordinatorProcess(config_path, env=env, new_session=True,
+                                         exit_with_parent=True).start(timeout=30.0)
+        if coordinator.proc is not None:
+            spare.add(coordinator.proc.pid)
         torchrun = None
         try:
             # A signal while the coordinator started (up to 30 s) starts no worker.
             if not stop.is_set():
                 worker_env = {**env, "WSD_COORDINATOR_MODE": "external",
-                              "WSD_COORDINATOR_CONNECT_ENDPOINT": coordinator.agent_endpoint}
+                              "WSD_COORDINATOR_CONNECT_ENDPOINT": coordinator.agent_endpoint,
+                              LAUNCHER_PARENT_ENV: str(os.getpid())}
                 torchrun = _start_torchrun(nproc, config_path, worker_env)
                 _serve(stop, coordinator, torchrun, f"{nproc} workers under torchrun, pid {torchrun.pid}, "
                        f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}", out)
         finally:
-            workers_code = _stop_workers(torchrun) if torchrun is not None else None
+            workers_code = _stop_workers(torchrun, spare, adopting) if torchrun is not None else None
             coordinator_lived = coordinator.alive()
             coordinator.stop()
     return _outcome(got, coordinator_lived, workers_code, out)
@@ -300,23 +325,45 @@ def _torchrun_command(nproc: int, config_path: str | None) -> list[str]:
     return command + (["--config", str(config_path)] if config_path is not None else [])
 
 
-def _stop_workers(torchrun: subprocess.Popen) -> int | None:
-    """Stop the workers, then torchrun, and every process under it, whatever its session."""
+def _stop_workers(torchrun: subprocess.Popen, spare: Collection[int], adopting: bool) -> int | None:
+    """Stop the workers, then torchrun, and every process under it, whatever its session;
+    torchrun's exit code.
+
+    ``spare``: our children that are not workers. ``adopting``: we are a child
+    subreaper, so that workers whose torchrun died are our children, found
+    among them, stopped and reaped here.
+    """
     # torchrun starts each worker in a session of its own. Signalling the
     # workers first lets them stop at one step and exit 0, so torchrun ends by
     # itself, quietly; signalling torchrun instead works too, noisily.
-    workers = descendants(torchrun.pid)
+    adopted = [p for c in children(os.getpid()) if c != torchrun.pid and c not in spare
+               for p in (c, *descendants(c))]
+    workers = descendants(torchrun.pid) + adopted
     for pid in workers:
         _signal_group(pid, signal.SIGTERM)
+    deadline = time.monotonic() + _WORKER_GRACE
+    code: int | None
     try:
-        return torchrun.wait(_WORKER_GRACE)  # torchrun waits for its workers: none is left
+        code = torchrun.wait(_WORKER_GRACE)  # torchrun waits for its workers
+        killed = False
     except subprocess.TimeoutExpired:
         logger.warning("the workers did not stop within %.0f s; stopping torchrun", _WORKER_GRACE)
-    code = stop_process_group(torchrun, _TORCHRUN_GRACE)
-    # torchrun had to be killed, so workers may be left. Only then: after a clean
-    # exit their pids may already belong to unrelated processes.
-    for pid in workers:
+        code = stop_process_group(torchrun, _TORCHRUN_GRACE)
+        killed = True
+    if adopting:
+        # Any worker left is now ours, running or not yet reaped, so its pid
+        # (and group) cannot have been reused: wait for it, then kill its group.
+        left = reap(workers, max(0.0, deadline - time.monotonic()))
+    elif killed:
+        left = set(workers)  # torchrun was killed, so workers may be left; we cannot tell which
+    else:
+        left = set()  # torchrun waited for them; their pids may already be unrelated processes'
+    if left:
+        logger.warning("%d worker processes did not stop; killing them", len(left))
+    for pid in left:
         _signal_group(pid, signal.SIGKILL)
+    if adopting:
+        reap(left, _KILL_WAIT)
     return code
 
 

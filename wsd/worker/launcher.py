@@ -14,18 +14,23 @@ exited ``ExitCode.RANK_LOST`` (a worker's code when a collective failed because 
 rank was gone). Exit codes (``exit_code``): OK when no worker failed; USAGE
 when every rank that failed of its own accord refused its configuration (its
 own line above says why), whatever the ranks stopped because of it reported;
-RANK_LOST otherwise. Imports torch only in ``main``, as every launcher.
+RANK_LOST otherwise. Started by ``wsd up`` (``LAUNCHER_PARENT_ENV`` set), it
+stops its workers when ``wsd up`` dies, as on SIGTERM, and a stop signal ends
+it with one line and exit code 128 + the signal, not a traceback. Imports torch only in
+``main``, as every launcher.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from wsd.errors import ExitCode
+from wsd.launch import LAUNCHER_PARENT_ENV, die_with_parent
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -78,10 +83,15 @@ def describe_failures(failures: Mapping[int, ProcessFailure]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     args = parse_args(argv)
+    parent = os.environ.pop(LAUNCHER_PARENT_ENV, None)  # popped: the workers have no use for it
+    if parent is not None:
+        # SIGTERM, not SIGKILL: torchrun then stops its workers, which would outlive a killed torchrun.
+        die_with_parent(int(parent), signal.SIGTERM)
     for name in _NARRATORS:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
@@ -90,6 +100,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in describe_failures(e.failures):
             print(f"wsd up: {line}", file=sys.stderr, flush=True)
         return exit_code(e.failures)
+    except SignalException as e:  # torchrun has stopped its workers
+        name = signal.Signals(e.sigval).name
+        print(f"wsd up: torchrun stopped the workers on {name}", file=sys.stderr, flush=True)
+        return 128 + e.sigval
     return ExitCode.OK
 
 

@@ -40,25 +40,52 @@ def test_state_file_is_one_per_cluster_unless_the_configuration_names_one(tmp_pa
     state_file, in the file or the environment, wins."""
     env = {"XDG_STATE_HOME": str(tmp_path / "state")}
     folder = str(tmp_path / "state" / "wsd")
-    assert wsd_up.up_state_file(load_config(None, env=env), env) == (os.path.join(folder, "default.state"), False)
+    assert wsd_up.up_state_file(load_config(None, env=env), 2, env) == (
+        os.path.join(folder, "default-world2-tp2.state"), False)
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     a = write_config(tmp_path / "a" / "wsd.toml", {"workload": {"max_tokens": 32}})
     b = write_config(tmp_path / "b" / "wsd.toml", {"workload": {"max_tokens": 32}})
-    path_a, chosen = wsd_up.up_state_file(load_config(a, env=env), env)
-    path_b, _ = wsd_up.up_state_file(load_config(b, env=env), env)
+    path_a, chosen = wsd_up.up_state_file(load_config(a, env=env), 2, env)
+    path_b, _ = wsd_up.up_state_file(load_config(b, env=env), 2, env)
     assert not chosen and path_a != path_b
-    assert os.path.dirname(path_a) == folder and os.path.basename(path_a).startswith("wsd-")
+    assert os.path.dirname(path_a) == folder and os.path.basename(path_a).startswith("wsd-world2-tp2-")
     monkeypatch.chdir(tmp_path / "a")
     os.symlink(a, tmp_path / "link.toml")
     for other in ("wsd.toml", str(tmp_path / "link.toml")):
-        assert wsd_up.up_state_file(load_config(other, env=env), env)[0] == path_a
+        assert wsd_up.up_state_file(load_config(other, env=env), 2, env)[0] == path_a
 
     named = write_config(tmp_path / "named.toml", {"coordinator": {"state_file": str(tmp_path / "mine.state")}})
-    assert wsd_up.up_state_file(load_config(named, env=env), env) == (str(tmp_path / "mine.state"), True)
+    assert wsd_up.up_state_file(load_config(named, env=env), 2, env) == (str(tmp_path / "mine.state"), True)
     env_named = {**env, "WSD_COORDINATOR_STATE_FILE": str(tmp_path / "env.state")}
-    assert wsd_up.up_state_file(load_config(a, env=env_named), env_named) == (str(tmp_path / "env.state"), True)
+    assert wsd_up.up_state_file(load_config(a, env=env_named), 2, env_named) == (str(tmp_path / "env.state"), True)
+
+
+def test_state_file_is_one_per_world(tmp_path, monkeypatch):
+    """A cluster is its configuration and its world: `wsd up --nproc 2` and `wsd up --nproc 4`
+    (the quick start, no configuration file), or the same file with another TP size, are
+    different clusters with different state files. Keyed by the file alone, every `wsd up`
+    without --config shared default.state, and a 4-rank cluster replayed a 2-rank one's state."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    for name in ("WSD_CONFIG", "WSD_COORDINATOR_STATE_FILE", "WSD_WORKER_TP_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    seen: list[str] = []
+
+    def start(self, timeout):
+        seen.append(self.env["WSD_COORDINATOR_STATE_FILE"])
+        raise LaunchError("stopped here by the test")
+
+    monkeypatch.setattr(wsd_up.CoordinatorProcess, "start", start)
+    tp2 = write_config(tmp_path / "tp2.toml", {"worker": {"tp_size": 2}})
+    for nproc, config in ((2, None), (4, None), (2, None), (4, tp2), (4, tp2)):
+        with pytest.raises(LaunchError):
+            wsd_up.up(nproc, config, out=lambda line: None)
+    folder = tmp_path / "wsd"
+    assert seen[:3] == [str(folder / "default-world2-tp2.state"), str(folder / "default-world4-tp4.state"),
+                        str(folder / "default-world2-tp2.state")]
+    assert seen[3] == seen[4] and os.path.basename(seen[3]).startswith("tp2-world4-tp2-"), seen
+    assert len(set(seen)) == 3
 
 
 def test_forget_state_removes_the_snapshot_and_its_journal(tmp_path):
@@ -91,7 +118,7 @@ def test_up_fresh_removes_the_state_and_hands_the_coordinator_its_path(tmp_path,
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
     monkeypatch.delenv("WSD_COORDINATOR_STATE_FILE", raising=False)
     monkeypatch.delenv("WSD_CONFIG", raising=False)
-    path = str(tmp_path / "wsd" / "default.state")
+    path = str(tmp_path / "wsd" / "default-world1-tp1.state")
     os.makedirs(os.path.dirname(path))
     _seed(path)
     seen: list[dict[str, str]] = []
@@ -126,7 +153,7 @@ def test_wsd_up_recovers_its_clusters_state_from_the_user_state_folder(tmp_path,
     })
     env = {k: v for k, v in worker_env(XDG_STATE_HOME=str(tmp_path / "xdg")).items()
            if k not in ("WSD_COORDINATOR_STATE_FILE", "WSD_CONFIG")}
-    path, chosen = wsd_up.up_state_file(load_config(config, env=env), env)
+    path, chosen = wsd_up.up_state_file(load_config(config, env=env), 1, env)
     assert not chosen
     os.makedirs(os.path.dirname(path))
     _seed(path)

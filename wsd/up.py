@@ -85,19 +85,23 @@ def state_folder(env: Mapping[str, str] | None = None) -> str:
     return os.path.join(base, "wsd")
 
 
-def up_state_file(config: WsdConfig, env: Mapping[str, str] | None = None) -> tuple[str, bool]:
-    """The state file of ``wsd up``'s coordinator, and whether the configuration chose it.
+def up_state_file(config: WsdConfig, nproc: int, env: Mapping[str, str] | None = None) -> tuple[str, bool]:
+    """The state file of ``wsd up``'s coordinator for ``nproc`` workers, and whether the
+    configuration chose it.
 
     The configuration's ``[coordinator] state_file`` (in the file or
     ``WSD_COORDINATOR_STATE_FILE``) when it sets one. Otherwise one file per
-    cluster in ``state_folder``: ``default.state`` without a configuration file,
-    else named after the file and a hash of its real path, so that two clusters
-    never replay each other's desired state (``./wsd-coordinator.state``, the
-    coordinator's own default, was shared by whatever ran in that folder).
+    cluster in ``state_folder``, a cluster being its configuration file and its
+    world (``--nproc`` and the TP size): ``default-world2-tp2.state`` without a
+    configuration file, else named after the file and a hash of its real path
+    (``wsd-world2-tp2-3f2a9c1b7e04.state``), so that two clusters never replay
+    each other's desired state (``./wsd-coordinator.state``, the coordinator's
+    own default, was shared by whatever ran in that folder).
     """
     env = os.environ if env is None else env
     if STATE_FILE_ENV in env:
         return config.coordinator.state_file, True
+    world = f"world{nproc}-tp{_tp_size(config, nproc)}"
     if config.source != "<defaults>":
         section = read_toml(config.source).get("coordinator", {})
         if "state_file" in section:
@@ -105,9 +109,9 @@ def up_state_file(config: WsdConfig, env: Mapping[str, str] | None = None) -> tu
         real = os.path.realpath(config.source)
         stem = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.splitext(os.path.basename(real))[0]) or "config"
         digest = hashlib.sha256(real.encode(errors="surrogateescape")).hexdigest()[:12]
-        name = f"{stem}-{digest}.state"
+        name = f"{stem}-{world}-{digest}.state"
     else:
-        name = "default.state"
+        name = f"default-{world}.state"
     return os.path.join(state_folder(env), name), False
 
 
@@ -187,7 +191,7 @@ def up(nproc: int, config_path: str | None, *, fresh: bool = False,
     env = dict(os.environ)
     check_backend(config, env)
     env.update(world_env(config, nproc))
-    state_file, chosen = up_state_file(config, env)
+    state_file, chosen = up_state_file(config, nproc, env)
     if not chosen:
         try:
             os.makedirs(os.path.dirname(state_file), mode=0o700, exist_ok=True)
@@ -292,7 +296,7 @@ def world_env(config: WsdConfig, nproc: int) -> dict[str, str]:
     """The world ``up`` launches, for its coordinator (``WSD_COORDINATOR_WORLD_SIZE`` and
     ``_TP_SIZE``), so that it expects every rank from the start and names those that never
     register. ConfigError if the configuration says otherwise."""
-    tp = config.worker.tp_size or nproc  # the workers' default: one TP group per node
+    tp = _tp_size(config, nproc)
     if nproc % tp:
         raise ConfigError(f"[worker] tp_size = {tp} does not divide --nproc {nproc}: "
                           f"pass a multiple of {tp} to --nproc, or change tp_size")
@@ -302,6 +306,10 @@ def world_env(config: WsdConfig, nproc: int) -> dict[str, str]:
             raise ConfigError(f"[coordinator] {key} = {configured}, but wsd up starts a world of "
                               f"{nproc} ranks in TP groups of {tp}: leave {key} unset (wsd up sets it)")
     return {"WSD_COORDINATOR_WORLD_SIZE": str(nproc), "WSD_COORDINATOR_TP_SIZE": str(tp)}
+
+
+def _tp_size(config: WsdConfig, nproc: int) -> int:
+    return config.worker.tp_size or nproc  # the workers' default: one TP group per node
 
 
 def threads_per_worker(nproc: int) -> int:

@@ -45,7 +45,8 @@ _MiB = 1024 * 1024
 
 
 class ExitCode(enum.IntEnum):
-    """The exit codes of wsd's processes: ``wsd``, its workers, torchrun as ``wsd up`` runs it."""
+    """The exit codes of wsd's processes: ``wsd``, its workers, torchrun as ``wsd up`` runs it,
+    and ``wsctl``."""
 
     OK = 0
     ERROR = 1
@@ -58,6 +59,8 @@ class ExitCode(enum.IntEnum):
     another rank was gone), or, for ``wsctl``, some ranks are lost, stopped or missing."""
     RANK_LOST = 3
     """``PARTIAL``, as ``wsd up`` and the workers mean it: a rank of the job is gone."""
+    INTERRUPTED = 130
+    """Stopped by Ctrl-C where that is not how it ends normally (``wsctl`` but ``watch``)."""
 
 
 class WsdError(Exception):

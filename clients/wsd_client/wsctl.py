@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import enum
 import functools
 import json
 import os
@@ -81,6 +80,7 @@ from wsd import __version__
 from wsd.commands import COMMANDS as COMMAND_TABLE
 from wsd.commands import CommandSpec
 from wsd.errors import ConfigError
+from wsd.errors import ExitCode as Exit  # one list of exit codes for every wsd command
 from wsd.wire.curve import keygen
 from wsd_client import completion, render
 from wsd_client import options as opt
@@ -107,14 +107,6 @@ examples:
 --timeout bounds the whole command, retries included (watch, events -f: each round).
 Exit codes: 0 ok, 1 error or unreachable, 2 usage, 3 partial, 130 interrupted.
 """
-
-
-class Exit(enum.IntEnum):
-    OK = 0
-    ERROR = 1
-    USAGE = 2
-    PARTIAL = 3
-    INTERRUPTED = 130
 
 
 class Output:

@@ -8,7 +8,10 @@ client_auth_required a scraper without a client certificate is refused and one
 with a certificate the CA signed is served; plain HTTP to the TLS port fails;
 a client that connects and says nothing holds up no one else's scrape
 (prometheus_client's own server stalls there: its handshake runs in its one
-accepting thread). Bad TLS configuration fails at start-up naming the key.
+accepting thread). Hundreds of idle connections neither stop a scrape nor take
+a thread each; a client trickling its request a byte at a time is cut off at
+the connection's deadline. Bad TLS configuration fails at start-up naming the
+key, and client certificates are checked against the CAs given, never the system's.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ import gzip
 import http.client
 import ipaddress
 import platform
+import select
 import socket
 import ssl
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -37,8 +42,10 @@ from test_metrics import by, parse
 import wsd
 from wsd.agent.simulated import SimulatedRanks
 from wsd.config import load_config
+from wsd.coordinator import metrics_server
 from wsd.coordinator.loop import Coordinator
 from wsd.coordinator.metrics import CONTENT_TYPE, SLOT_FAMILIES
+from wsd.coordinator.metrics_server import HANDSHAKE_TIMEOUT, MAX_CONNECTIONS
 from wsd.errors import ConfigError
 
 HEARTBEAT = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0}
@@ -198,6 +205,27 @@ def test_https_scrape_with_the_ca_and_plain_http_to_the_tls_port_fails(start_coo
     plain.close()
 
 
+def test_client_certificates_are_checked_against_the_given_cas_never_the_systems(start_coordinator, pki, tmp_path):
+    """With client_auth_required and no CA file, any certificate a public CA signed passed (the
+    system's CAs were loaded); a CA file without client_auth_required did nothing. Both refused
+    at load; with both set, a certificate from another CA is refused."""
+    with pytest.raises(ConfigError, match="metrics_client_auth_required needs metrics_client_cafile or "
+                                          "metrics_client_capath"):
+        load_config(env={"WSD_COORDINATOR_METRICS_CERTFILE": "a.pem", "WSD_COORDINATOR_METRICS_KEYFILE": "a.key",
+                         "WSD_COORDINATOR_METRICS_CLIENT_AUTH_REQUIRED": "true"})
+    with pytest.raises(ConfigError, match="metrics_client_capath would check nothing without "
+                                          "metrics_client_auth_required"):
+        load_config(env={"WSD_COORDINATOR_METRICS_CERTFILE": "a.pem", "WSD_COORDINATOR_METRICS_KEYFILE": "a.key",
+                         "WSD_COORDINATOR_METRICS_CLIENT_CAPATH": "cas"})
+    other_key = ec.generate_private_key(ec.SECP256R1())
+    other = _certificate("another CA", other_key, None, other_key, ca=True)
+    (tmp_path / "other-ca.pem").write_bytes(other.public_bytes(serialization.Encoding.PEM))
+    coordinator = start_coordinator(metrics_port=0, **tls_options(
+        pki, metrics_client_cafile=str(tmp_path / "other-ca.pem"), metrics_client_auth_required=True))
+    with pytest.raises((ssl.SSLError, ConnectionError, urllib.error.URLError)):
+        get(coordinator.metrics_url, context=client_context(pki, certificate=True))
+
+
 def test_client_auth_required_refuses_a_scraper_without_a_certificate(start_coordinator, pki):
     coordinator = start_coordinator(metrics_port=0, **tls_options(
         pki, metrics_client_cafile=str(pki.ca), metrics_client_auth_required=True))
@@ -217,7 +245,70 @@ def test_a_client_silent_during_its_handshake_holds_up_no_other_scrape(start_coo
     with socket.create_connection(("127.0.0.1", coordinator.metrics.port), timeout=5):
         started = time.monotonic()
         status, _, _ = get(coordinator.metrics_url, context=client_context(pki))
-        assert status == 200 and time.monotonic() - started < 2
+        # Behind the silent client, the scrape would take the whole handshake timeout.
+        assert status == 200 and time.monotonic() - started < HANDSHAKE_TIMEOUT / 2
+
+
+@pytest.mark.parametrize("https", [False, True], ids=["http", "https"])
+def test_hundreds_of_idle_connections_neither_stop_a_scrape_nor_take_a_thread_each(start_coordinator, pki, https):
+    """One thread per connection, with no limit: 300 idle connections held 302 threads (and
+    each would have held a scrape's text). Now at most MAX_CONNECTIONS are served at once;
+    one more evicts the oldest that has sent no request, so a scrape still gets in."""
+    options = tls_options(pki) if https else {}
+    coordinator = start_coordinator(world_size=2, metrics_port=0, **options)
+    context = client_context(pki) if https else None
+    before = threading.active_count()
+    idle = []
+    try:
+        for _ in range(300):
+            idle.append(socket.create_connection(("127.0.0.1", coordinator.metrics.port), timeout=5))
+        status, _, body = get(coordinator.metrics_url, context=context)
+        assert status == 200 and "wsd_rank_up" in parse(body.decode())[1]
+        # The evicted connections' threads end as their sockets are shut, at once; the rest stay
+        # bounded. (Before, each waited out its handshake or request timeout: 10 s, 60 s.)
+        wait_until(lambda: threading.active_count() <= before + MAX_CONNECTIONS, HANDSHAKE_TIMEOUT / 2,
+                   "connection threads within the limit")
+        status, _, _ = get(coordinator.metrics_url, context=context)
+        assert status == 200
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def trickle(sock: socket.socket | ssl.SSLSocket, seconds: float) -> float | None:
+    """Send a request a byte at a time, one every 0.1 s, for at most ``seconds``; the seconds
+    until the server closed the connection, or None if it never did."""
+    started = time.monotonic()
+    request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: " + b"y" * 10_000
+    for byte in request:
+        if time.monotonic() - started > seconds:
+            return None
+        readable, _, _ = select.select([sock], [], [], 0.1)
+        try:
+            if readable and sock.recv(1) == b"":
+                return time.monotonic() - started
+            sock.send(bytes([byte]))
+        except (ConnectionError, ssl.SSLError, OSError):
+            return time.monotonic() - started
+    return None
+
+
+@pytest.mark.parametrize("https", [False, True], ids=["http", "https"])
+def test_a_client_trickling_its_request_is_cut_off_at_its_deadline(start_coordinator, pki, monkeypatch, https):
+    """The timeout applied per read: a client sending a byte now and then held its thread for
+    ever. One deadline now covers the handshake and the request line and headers."""
+    monkeypatch.setattr(metrics_server, "HANDSHAKE_TIMEOUT", 1.0)
+    coordinator = start_coordinator(metrics_port=0, **(tls_options(pki) if https else {}))
+    sock: socket.socket | ssl.SSLSocket = socket.create_connection(("127.0.0.1", coordinator.metrics.port),
+                                                                   timeout=5)
+    if https:
+        sock = client_context(pki).wrap_socket(sock, server_hostname="127.0.0.1")
+    with sock:
+        closed_after = trickle(sock, 30.0)
+    assert closed_after is not None, "the server never closed a connection trickling its request"
+    assert closed_after < 1.0 + 10.0  # the deadline, with a margin for a busy machine
+    status, _, _ = get(coordinator.metrics_url, context=client_context(pki) if https else None)
+    assert status == 200
 
 
 @pytest.mark.parametrize("options, message", [
@@ -225,16 +316,18 @@ def test_a_client_silent_during_its_handshake_holds_up_no_other_scrape(start_coo
      r"\[coordinator\] metrics_certfile: file .*missing\.pem not found"),
     ({"metrics_certfile": "server.pem", "metrics_keyfile": "ca.pem"},
      r"metrics_certfile .*server\.pem, metrics_keyfile .*ca\.pem: not a certificate and its private key"),
-    ({"metrics_certfile": "server.pem", "metrics_keyfile": "server.key", "metrics_client_cafile": "nope.pem"},
+    ({"metrics_certfile": "server.pem", "metrics_keyfile": "server.key", "metrics_client_cafile": "nope.pem",
+      "metrics_client_auth_required": True},
      r"\[coordinator\] metrics_client_cafile: file .*nope\.pem not found"),
-    ({"metrics_certfile": "server.pem", "metrics_keyfile": "server.key", "metrics_client_capath": "ca.pem"},
+    ({"metrics_certfile": "server.pem", "metrics_keyfile": "server.key", "metrics_client_capath": "ca.pem",
+      "metrics_client_auth_required": True},
      r"\[coordinator\] metrics_client_capath: .*ca\.pem is not a folder"),
     ({"metrics_certfile": ".", "metrics_keyfile": "server.key"},
      r"\[coordinator\] metrics_certfile: .* is a folder; a PEM file is expected"),
 ])
 def test_bad_tls_files_fail_the_start_naming_the_key(tmp_path, pki, options, message):
     """Files are checked when the endpoint starts, before any port is left bound."""
-    paths = {k: str(pki.ca.parent / v) for k, v in options.items()}
+    paths = {k: str(pki.ca.parent / v) if isinstance(v, str) else v for k, v in options.items()}
     config = coordinator_config(tmp_path, metrics_port=0, **paths)
     with pytest.raises(ConfigError, match=message):
         Coordinator(config)
@@ -244,6 +337,9 @@ def test_bad_tls_files_fail_the_start_naming_the_key(tmp_path, pki, options, mes
     ({"WSD_COORDINATOR_METRICS_CERTFILE": "a.pem"}, "metrics_certfile and metrics_keyfile go together"),
     ({"WSD_COORDINATOR_METRICS_CLIENT_AUTH_REQUIRED": "true"}, "metrics_client_auth_required need.* HTTPS"),
     ({"WSD_COORDINATOR_METRICS_CLIENT_CAFILE": "ca.pem"}, "metrics_client_cafile need.* HTTPS"),
+    ({"WSD_COORDINATOR_METRICS_CERTFILE": "a.pem", "WSD_COORDINATOR_METRICS_KEYFILE": "a.key",
+      "WSD_COORDINATOR_METRICS_CLIENT_CAFILE": "ca.pem"},
+     "metrics_client_cafile would check nothing without metrics_client_auth_required = true"),
     ({"WSD_COORDINATOR_METRICS_SLOTS": "sometimes"}, "METRICS_SLOTS"),
 ])
 def test_tls_options_that_would_serve_plain_http_are_refused(env, message):

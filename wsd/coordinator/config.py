@@ -89,11 +89,13 @@ class CoordinatorConfig:
     """PEM private key of ``metrics_certfile`` (prometheus_client's ``keyfile``)."""
     metrics_client_cafile: str | None = None
     """PEM file of the CAs that client certificates are checked against (prometheus_client's
-    ``client_cafile``). None, with no ``metrics_client_capath`` either: the system's CAs."""
+    ``client_cafile``); only with ``metrics_client_auth_required``."""
     metrics_client_capath: str | None = None
-    """Folder of hashed CA certificates, as ``openssl rehash`` writes it (``client_capath``)."""
+    """Folder of hashed CA certificates, as ``openssl rehash`` writes it (``client_capath``);
+    only with ``metrics_client_auth_required``."""
     metrics_client_auth_required: bool = False
-    """Refuse a scraper without a client certificate the CAs vouch for
+    """Refuse a scraper without a client certificate that ``metrics_client_cafile`` or
+    ``metrics_client_capath`` (one of them required) vouch for, never the system's CAs
     (``client_auth_required``); false: client certificates are not asked for."""
     resume_seq: int | None = None
     """Recovery after the state file was lost: number commands after this seq, the highest
@@ -165,6 +167,17 @@ class CoordinatorConfig:
             client.append("metrics_client_auth_required")
         if client and self.metrics_certfile is None:
             raise ValueError(f"{', '.join(client)} need(s) HTTPS: set metrics_certfile and metrics_keyfile")
+        # Client certificates are checked against the CAs given here, never the system's:
+        # those would let in any certificate a public CA signed.
+        cas = [n for n in paths[2:] if getattr(self, n) is not None]
+        if self.metrics_client_auth_required and not cas:
+            raise ValueError("metrics_client_auth_required needs metrics_client_cafile or metrics_client_capath: "
+                             "the CAs that sign the scrapers' client certificates (the system's CAs would "
+                             "accept any certificate a public CA signed)")
+        if cas and not self.metrics_client_auth_required:
+            raise ValueError(f"{' and '.join(cas)} would check nothing without metrics_client_auth_required = true: "
+                             f"set it to require client certificates those CAs signed, or remove "
+                             f"{'them' if len(cas) > 1 else 'it'}")
 
     @property
     def pushed_interval(self) -> float:

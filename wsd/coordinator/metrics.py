@@ -399,15 +399,20 @@ class Collector:
 
     def render(self) -> bytes:
         """One scrape, in the text exposition format (``CONTENT_TYPE``)."""
+        return b"".join(self.chunks())
+
+    def chunks(self) -> list[bytes]:
+        """One scrape as pieces to send one after the other, most of them shared with every
+        other scrape of the same published view (the HTTP server sends them as they are)."""
         published = self._source()  # one read: the views below belong together
         with self._lock:
             if self._written is None or self._written[0] is not published:
                 self._written = (published, self._write(published))
-            chunks = self._written[1]
+            written = self._written[1]
         ages = _Text()
         if published.stats is not None:
             self._ages(published.stats, ages)
-        return b"".join(c if isinstance(c, bytes) else ages.family(c) for c in chunks) + generate_latest(self._process)
+        return [c if isinstance(c, bytes) else ages.family(c) for c in written] + [generate_latest(self._process)]
 
     def _write(self, published: Published) -> list[bytes | str]:
         text = _Text()

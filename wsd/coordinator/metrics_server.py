@@ -6,10 +6,20 @@ objects (about 300 ms for the 50,000 samples of 1,024 ranks of 8 slots, where
 ``Collector`` writes the text in about 30 ms), and it does the TLS handshake in
 its one accepting thread with no timeout, so that one client that connects
 and says nothing stops every scrape until it leaves. This server is the
-standard library's threaded WSGI server, as prometheus_client's is, with the
-handshake on each connection's own thread, bounded in time, and an
+standard library's threaded WSGI server, as prometheus_client's is, with an
 ``ssl.SSLContext`` built as prometheus_client builds it (``tls_context``):
-the same option names, the same meaning.
+the same option names, the same meaning. What it adds, so that no client can
+take its threads or its memory:
+
+- at most ``MAX_CONNECTIONS`` connections at once, each on a thread of its own;
+  one more evicts the oldest that has not yet sent its request (a scrape sends
+  it at once: an idle or trickling client is the one to go), else it is closed;
+- one deadline per connection, ``HANDSHAKE_TIMEOUT`` for the TLS handshake and
+  the request line and headers together, then ``RESPONSE_TIMEOUT`` for the
+  answer, enforced by the accepting thread, which shuts the socket down (a
+  per-read timeout let a client sending a byte at a time stay for ever);
+- one text per published view, shared by concurrent scrapes (``Collector``),
+  and sent as it lies rather than joined into a copy per scrape.
 
 GET or HEAD ``/metrics`` is a scrape, gzip-compressed when the client accepts
 it (Prometheus does); any other path is 404, any other method 405. Imports no torch.
@@ -17,16 +27,16 @@ it (Prometheus does); any other path is 404, any other method 405. Imports no to
 
 from __future__ import annotations
 
-import gzip
 import logging
 import os
 import socket
 import ssl
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from socketserver import ThreadingMixIn
-from typing import Any
+from typing import Any, cast
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from wsd.coordinator.config import CoordinatorConfig
@@ -34,7 +44,7 @@ from wsd.coordinator.metrics import CONTENT_TYPE, Collector, Published
 from wsd.errors import ConfigError, WsdError
 from wsd.wire.transport import BindError
 
-__all__ = ["HANDSHAKE_TIMEOUT", "PATH", "MetricsServer", "tls_context"]
+__all__ = ["HANDSHAKE_TIMEOUT", "MAX_CONNECTIONS", "PATH", "RESPONSE_TIMEOUT", "MetricsServer", "tls_context"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +52,16 @@ PATH = "/metrics"
 """The one path that is a scrape."""
 
 HANDSHAKE_TIMEOUT = 10.0
-"""Seconds a connection may take over its TLS handshake, on its own thread."""
+"""Seconds a connection has, from its accept, for its TLS handshake and its request line and
+headers together; then it is shut down, however it trickles."""
 
-# Seconds a connection may stay silent mid-request before it is dropped (a
-# scrape of 4,096 ranks is 14 MB: a slow reader has time to take it).
-_REQUEST_TIMEOUT = 60.0
+RESPONSE_TIMEOUT = 60.0
+"""Seconds a connection has, from its request, to take the answer (a scrape of 4,096 ranks
+is 14 MB, under 1 MB gzipped: a slow reader has time)."""
+
+MAX_CONNECTIONS = 16
+"""Connections served at once (a thread each): Prometheus keeps one per target, two for an
+HA pair, and a scrape takes tens of milliseconds."""
 # stop() waits this long at most for the server's loop to notice shutdown.
 _POLL_INTERVAL = 0.1
 # gzip level 1: 3.6 MB of text shrinks to 198 KiB in 7 ms; level 9 (prometheus_client's)
@@ -71,10 +86,12 @@ def tls_context(config: CoordinatorConfig) -> ssl.SSLContext | None:
 
     As prometheus_client's ``start_http_server(certfile, keyfile, client_cafile,
     client_capath, client_auth_required)``: a server context (``PROTOCOL_TLS_SERVER``,
-    so TLS 1.2 at least); client certificates are verified against ``client_cafile``
-    and ``client_capath`` when either is given, else against the system's CAs, and are
-    asked for, and required, only with ``client_auth_required``. ConfigError naming
-    the key for a missing or unreadable file, or one that is not what it should be.
+    so TLS 1.2 at least); with ``client_auth_required``, client certificates are asked
+    for, required, and verified against ``client_cafile`` and ``client_capath`` alone.
+    Unlike prometheus_client, never against the system's CAs (any certificate a public
+    CA signed would do): ``CoordinatorConfig`` refuses ``client_auth_required`` without
+    a CA file or folder, and either without it. ConfigError naming the key for a missing
+    or unreadable file, or one that is not what it should be.
     """
     if config.metrics_certfile is None or config.metrics_keyfile is None:
         return None
@@ -85,15 +102,13 @@ def tls_context(config: CoordinatorConfig) -> ssl.SSLContext | None:
     if config.metrics_client_capath is not None:
         _readable("metrics_client_capath", config.metrics_client_capath, folder=True)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        if config.metrics_client_cafile is not None or config.metrics_client_capath is not None:
+    if config.metrics_client_auth_required:  # with a CA file or folder: the config checked it
+        try:
             context.load_verify_locations(config.metrics_client_cafile, config.metrics_client_capath)
-        else:
-            context.load_default_certs(ssl.Purpose.CLIENT_AUTH)
-    except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
-        raise ConfigError(f"[coordinator] metrics_client_cafile {config.metrics_client_cafile}, metrics_client_capath "
-                          f"{config.metrics_client_capath}: cannot load the client CA certificates: {e}") from e
-    if config.metrics_client_auth_required:
+        except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+            raise ConfigError(f"[coordinator] metrics_client_cafile {config.metrics_client_cafile}, "
+                              f"metrics_client_capath {config.metrics_client_capath}: cannot load the client CA "
+                              f"certificates: {e}") from e
         context.verify_mode = ssl.CERT_REQUIRED
     try:
         context.load_cert_chain(config.metrics_certfile, config.metrics_keyfile)
@@ -103,28 +118,124 @@ def tls_context(config: CoordinatorConfig) -> ssl.SSLContext | None:
     return context
 
 
+class _Connection:
+    """One accepted connection, as the accepting thread watches it (under ``_Server.lock``)."""
+
+    __slots__ = ("deadline", "dropped", "requested", "sock")
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock = sock
+        """The socket to shut down: the TCP one, then the TLS one wrapped around it."""
+        self.deadline = deadline
+        """Monotonic time at which it is shut down, whatever it is doing."""
+        self.requested = False
+        """True once its request line and headers are read: it is being answered."""
+        self.dropped = False
+
+
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True  # a scrape in flight never holds up the coordinator's exit
     allow_reuse_address = True
+    request_queue_size = 128  # a burst of connections waits to be accepted (or evicted), not refused
     tls: ssl.SSLContext | None = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.lock = threading.Lock()
+        self.open: list[_Connection] = []
+        """Connections not yet finished, oldest first."""
+        self._local = threading.local()  # each connection thread's own _Connection
+        super().__init__(*args, **kwargs)
+
+    # -- the accepting thread ------------------------------------------------------------------
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread for the connection, within ``MAX_CONNECTIONS``: one past it evicts the oldest
+        connection still without a request, or, every one being answered, is closed at once."""
+        with self.lock:
+            if len(self.open) >= MAX_CONNECTIONS:
+                idle = next((c for c in self.open if not c.requested), None)
+                if idle is None:
+                    self.shutdown_request(request)
+                    return
+                self._drop(idle)
+            connection = _Connection(request, time.monotonic() + HANDSHAKE_TIMEOUT)
+            self.open.append(connection)
+        threading.Thread(target=self._serve, args=(connection, request, client_address),
+                         name="wsd-metrics-connection", daemon=True).start()
+
+    def service_actions(self) -> None:
+        """Between accepts, at least every ``_POLL_INTERVAL``: connections past their deadline are shut."""
+        now = time.monotonic()
+        with self.lock:
+            for connection in [c for c in self.open if c.deadline <= now]:
+                self._drop(connection)
+
+    def _drop(self, connection: _Connection) -> None:
+        """Shut the connection's socket down (under ``lock``): its thread's read or write ends at once."""
+        connection.dropped = True
+        self.open.remove(connection)
+        try:  # socket.socket's own shutdown, also for a TLS socket: no close_notify to a stalled peer
+            socket.socket.shutdown(connection.sock, socket.SHUT_RDWR)
+        except OSError:
+            pass  # closed already
+
+    def close_all(self) -> None:
+        """Shut every open connection down (at stop)."""
+        with self.lock:
+            for connection in list(self.open):
+                self._drop(connection)
+
+    # -- each connection's thread --------------------------------------------------------------
+
+    def _serve(self, connection: _Connection, request: Any, client_address: Any) -> None:
+        self._local.connection = connection
+        try:
+            self.process_request_thread(request, client_address)  # closes the socket
+        finally:
+            with self.lock:
+                if not connection.dropped:
+                    self.open.remove(connection)
+
+    def answering(self) -> None:
+        """The request is read: from now on ``RESPONSE_TIMEOUT`` to take the answer."""
+        connection: _Connection = self._local.connection
+        with self.lock:
+            connection.requested = True
+            connection.deadline = time.monotonic() + RESPONSE_TIMEOUT
+
     def finish_request(self, request: Any, client_address: Any) -> None:
-        """On the connection's own thread: the TLS handshake (bounded), then the request."""
+        """The TLS handshake, then the request, both within the connection's deadline."""
+        request.settimeout(HANDSHAKE_TIMEOUT)  # no read ever waits past the deadline, reaped or not
         if self.tls is None:
             super().finish_request(request, client_address)
             return
-        request.settimeout(HANDSHAKE_TIMEOUT)
-        try:  # a plain-HTTP client, a missing or unknown client certificate, a silent client
-            secure = self.tls.wrap_socket(request, server_side=True)
+        connection: _Connection = self._local.connection
+        try:
+            secure = self.tls.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
         except OSError as e:
-            logger.debug("metrics: TLS handshake with %s failed: %s", client_address, e)
+            logger.debug("metrics: TLS with %s failed: %s", client_address, e)
             return
         with secure:
+            with self.lock:  # the TCP socket is detached now: the deadline shuts the TLS one
+                connection.sock = secure
+                if connection.dropped:
+                    return
+            try:  # a plain-HTTP client, a missing or unknown client certificate, a silent client
+                secure.do_handshake()
+            except OSError as e:
+                logger.debug("metrics: TLS handshake with %s failed: %s", client_address, e)
+                return
             super().finish_request(secure, client_address)
 
 
 class _QuietHandler(WSGIRequestHandler):
-    timeout = _REQUEST_TIMEOUT
+    timeout = RESPONSE_TIMEOUT  # a write; a read is bounded by the connection's deadline
+
+    def parse_request(self) -> bool:
+        if not super().parse_request():
+            return False
+        cast(_Server, self.server).answering()
+        return True
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # one line per scrape is noise; errors still reach the log through wsgiref
@@ -143,13 +254,15 @@ def _app(collector: Collector) -> Callable[..., list[bytes]]:
             start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8"),
                                              ("Content-Length", str(len(body)))])
             return [b"" if method == "HEAD" else body]
-        body = collector.render()
+        # The text as the collector holds it, shared with every other scrape of the same view.
+        chunks = collector.chunks()
         headers = [("Content-Type", CONTENT_TYPE)]
         if "gzip" in environ.get("HTTP_ACCEPT_ENCODING", ""):
-            body = gzip.compress(body, compresslevel=_GZIP_LEVEL, mtime=0)
+            packer = zlib.compressobj(_GZIP_LEVEL, zlib.DEFLATED, 16 + zlib.MAX_WBITS)  # the gzip format
+            chunks = [b"".join([*map(packer.compress, chunks), packer.flush()])]
             headers.append(("Content-Encoding", "gzip"))
-        start_response("200 OK", [*headers, ("Content-Length", str(len(body)))])
-        return [b"" if method == "HEAD" else body]
+        start_response("200 OK", [*headers, ("Content-Length", str(sum(map(len, chunks))))])
+        return [b""] if method == "HEAD" else chunks
 
     return app
 
@@ -199,6 +312,7 @@ class MetricsServer:
             # _POLL_INTERVAL; a thread that has already ended would never answer.
             self._server.shutdown()
             self._thread.join(timeout)
+        self._server.close_all()
         self._server.server_close()
         if self._thread.is_alive():
             raise WsdError(f"metrics server did not stop within {timeout} s")

@@ -5,7 +5,7 @@ of its own, its metrics endpoint on) and simulated ranks (``wsd.agent.simulated`
 8 slots each, TP groups of 8, steady) in two further processes, at 1,024 ranks
 by default: once with ``[coordinator] metrics_slots = true`` (the default) and
 once with ``false``. For each, once every rank's snapshot is in the figures
-(``wsd_stats_missing_ranks 0``): the median over ``--scrapes`` HTTP GETs of
+(``wsd_stats_absent_ranks 0``): the median over ``--scrapes`` HTTP GETs of
 the whole text, plain and gzip-compressed as Prometheus asks for it (time from
 the request to the last byte, on loopback), with the sizes and sample counts.
 
@@ -64,7 +64,7 @@ def _get(url: str, *, compressed: bool) -> tuple[bytes, float]:
 
 def _complete(url: str) -> bool:
     text = _get(url, compressed=False)[0].decode()
-    return "\nwsd_stats_missing_ranks 0\n" in text
+    return "\nwsd_stats_absent_ranks 0\n" in text
 
 
 def measure(n: int, slots: bool, scrapes: int, state_dir: str) -> Scrape:

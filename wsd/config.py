@@ -73,6 +73,7 @@ NOT_CONFIGURATION: dict[str, str] = {
     "WSD_CURVE_SERVER_KEY": "the coordinator's public certificate, for wsctl and wsd_client",
     "WSD_CURVE_CLIENT_KEY": "the client's secret certificate, for wsctl and wsd_client",
     "WSD_AGENT_TOKEN": "the registration secret a launcher hands its workers",
+    "WSD_LAUNCHER_PARENT_PID": "the process whose death ends torchrun as wsd up starts it (wsd.worker.launcher)",
     "WSD_SOAK_RECORD": "the folder bench/soak.py's workers record into",
     "WSD_VLLM_SOURCE": "a vLLM checkout, for tests/vllm_peer",
     "WSD_HOSTILE_SEED": "the seed that replays the inputs of the hostile tests",

@@ -7,8 +7,11 @@ measured with ``time.monotonic``.
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -155,3 +158,21 @@ def test_help_has_examples(capsys):
     for line in invocations:  # each parses: no typo in what users copy
         argv = re.split(r"\s{2,}", line.strip())[0].split()[1:]
         assert wsctl._parser().parse_args(argv).command in wsctl.COMMANDS, line
+
+
+@pytest.mark.parametrize("argv", [["status"], ["stats"], ["watch", "--interval", "0.05"]])
+def test_a_reader_gone_keeps_the_exit_code_and_stops_a_follower(start_coordinator, argv):
+    """``wsctl status | head -1`` with ranks missing: the pipe closes before wsctl writes.
+    The exit code still says partial (3), not 0 as when the broken pipe ended the command,
+    with no traceback; and ``watch`` stops instead of polling into the closed pipe."""
+    coordinator = start_coordinator(world_size=2, tp_size=2)  # nobody registers: 2 missing
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first write
+    try:
+        done = subprocess.run([sys.executable, "-m", "wsd_client.wsctl", *argv, "--endpoint",
+                               coordinator.client_endpoint], stdout=write_end, stderr=subprocess.PIPE,
+                              timeout=30, text=True)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 3, done.stderr
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr

@@ -115,10 +115,21 @@ class Output:
     def __init__(self, as_json: bool, stream: TextIO) -> None:
         self.as_json = as_json
         self.stream = stream
+        self.closed = False
+        """The reader went away (``wsctl stats | head -1``): nothing more is written, and a
+        command that follows (``watch``, ``events -f``) stops."""
 
     def emit(self, doc: Any, human: Callable[[], str]) -> None:
+        if self.closed:
+            return
         text = json.dumps(doc, sort_keys=True) if self.as_json else human()
-        print(text, file=self.stream, flush=True)
+        try:
+            print(text, file=self.stream, flush=True)
+        except BrokenPipeError:
+            # The command still ends with the code for what it saw (3 for a partial
+            # answer); Python must not complain again when it flushes at exit.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+            self.closed = True
 
 
 Handler = Callable[[Client, argparse.Namespace, Output], Exit]
@@ -198,7 +209,7 @@ def _watch(client: Client, args: argparse.Namespace, out: Output) -> Exit:
                 print(file=out.stream)  # frames one after the other when not on a terminal
             out.emit(doc, functools.partial(_frame, doc, previous, header, args.grouped, redraw, out.stream))
             previous = doc
-            if args.count and rounds >= args.count:
+            if out.closed or (args.count and rounds >= args.count):
                 break
             time.sleep(args.interval)  # the refresh pace, not a wait for a condition
     except KeyboardInterrupt:
@@ -255,6 +266,8 @@ def _events(client: Client, args: argparse.Namespace, out: Output) -> Exit:
                     continue
             event = queue.popleft()
             out.emit(event, functools.partial(render.event_line, event))
+            if out.closed:
+                break
             shown += 1
     except KeyboardInterrupt:
         pass

@@ -20,7 +20,10 @@ with its heartbeat), unless ``--busy-all``. At each size:
 * ``stats`` over all ranks, complete, answered from the pushed snapshots: p50
   and p99 of the round trip, and the oldest rank's age seen in any answer
   (freshness: at most the 1 s interval plus 100 ms);
-* a Prometheus scrape of the metrics endpoint (HTTP GET, the whole text), median;
+* a Prometheus scrape of the metrics endpoint (HTTP GET, the whole text), median
+  of 5, each of a view published after the one before (a scraper every 15 s
+  always finds a new one, which the endpoint writes; scrapes of one view share
+  its text, which would make back-to-back scrapes look cheaper than any is);
 * ``lock``/``unlock`` in turn, applied and acknowledged by all, median;
 * the coordinator's resident memory (VmRSS) and the simulation's lateness (how
   late its one loop sent a heartbeat at worst: near the timeout, a loss would
@@ -53,6 +56,7 @@ import zmq
 
 from bench.helpers import Helper, Row, run_coordinator, timed_us
 from wsd.agent.simulated import SimulatedRanks
+from wsd.coordinator.config import CoordinatorConfig
 from wsd_client.client import Client
 
 SIZES = (32, 128, 256, 512, 1024, 4096)
@@ -67,6 +71,7 @@ STATS_P50_4096_MS = 40.0
 FRESHNESS_S = INTERVAL + 0.1
 _REGISTER_TIMEOUT = 120.0
 _CLIENT_TIMEOUT = 30.0
+_METRICS_REFRESH = CoordinatorConfig().metrics_refresh  # seconds between two published views
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -207,7 +212,12 @@ def measure(n: int, *, soak: float, rounds: int, state_dir: str, busy: bool) -> 
             raise SystemExit(f"after the soak at {n} ranks: {status}")
         ages.clear()
         stats_us = [timed_us(stats) for _ in range(rounds)]
-        scrape_us = [timed_us(scrape) for _ in range(max(5, rounds // 10))]
+        scrape_us = []
+        for _ in range(5):
+            # Pacing, not a wait for a condition: past the next publication, so that
+            # each scrape writes its text as a scraper's would.
+            time.sleep(_METRICS_REFRESH + 0.1)
+            scrape_us.append(timed_us(scrape))
         command_us = [timed_us(partial(command, i)) for i in range(rounds)]
         lost, _ = hiccups(client, cursor)
         client.close()

@@ -69,12 +69,14 @@ def group_slots(doc: dict[str, Any], tp_group: int) -> list[dict[str, Any]]:
     """One TP group's per-slot summary as ``[{ubatch, lane, ranks, capacity_min,
     capacity_max, capacity_total, skew_bytes, peak_requested_max, requests,
     resizes, lock_violations}]``, ``ranks`` being the reporting ranks that have the slot."""
-    return _group_rows(doc, tp_group, group_columns(doc)[tp_group], rank_columns(doc))
-
-
-def _group_rows(doc: dict[str, Any], tp_group: int, columns: dict[str, list[Any]],
-                ranks: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
     [group] = (g for g in doc["groups"] if g["tp_group"] == tp_group)
+    return _group_rows(group, group_columns(doc)[tp_group], rank_columns(doc))
+
+
+def _group_rows(group: dict[str, Any], columns: dict[str, list[Any]],
+                ranks: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """``group``'s summary ``columns`` as rows, each with the reporting ranks whose own
+    slot ``columns`` (``ranks``, by rank) hold it."""
     ubatch, lane = SLOT_KEY
     holding = {r: set(zip(ranks[r][ubatch], ranks[r][lane])) for r in group["reporting"] if r in ranks}
     rows = []
@@ -105,6 +107,5 @@ def stats_rows(doc: dict[str, Any]) -> dict[str, Any]:
         **rows,
         "ranks": [{**r, "age": age[r["rank"]], "stale": r["rank"] in stale, "slots": slot_rows(columns[r["rank"]])}
                   for r in doc["ranks"]],
-        "groups": [{**g, "slots": _group_rows(doc, g["tp_group"], groups[g["tp_group"]], columns)}
-                   for g in doc["groups"]],
+        "groups": [{**g, "slots": _group_rows(g, groups[g["tp_group"]], columns)} for g in doc["groups"]],
     }

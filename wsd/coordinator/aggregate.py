@@ -216,8 +216,8 @@ _BODY_KEYS = 8  # the map entries of AnswerBody.parts
 def answer_body(members: list[tuple[Snapshot, float, float]], groups: list[GroupPart],
                 missing: dict[int, str]) -> AnswerBody:
     """The parts of a ``stats`` answer that stand until a snapshot, its confirmation or the
-    membership changes, from ``members`` (snapshot, confirmed on the caller's clock, the same
-    as Unix seconds), by rank.
+    membership changes, from ``members`` (snapshot, when it was last known current on the
+    caller's clock, and that time in Unix seconds), by rank.
 
     Each rank is an entry of ``ranks``; every rank's slots are rows of one
     table, ``slots`` (a map of equal-length columns, ``rank`` first), and so

@@ -134,15 +134,15 @@ class LatestStats:
         until a push, a confirmation or a registration changes what is remembered:
         answers between two heartbeats differ in their time and stale ranks only.
         """
-        key = (self._generation, tuple((g, tuple(r)) for g, r in sorted(scope.items())), tuple(missing.items()))
-        body = self._answers.get(key[1:])
-        if body is None or body[0] != key[0]:
-            body = (key[0], self._body(scope, missing, now, wall))
+        asked = (tuple((g, tuple(r)) for g, r in sorted(scope.items())), tuple(missing.items()))
+        kept = self._answers.get(asked)
+        if kept is None or kept[0] != self._generation:
             if len(self._answers) >= _ANSWERS_KEPT:  # scopes asked for come and go: keep a few
                 self._answers.clear()
-            self._answers[key[1:]] = body
-        stale = [rank for rank, confirmed in body[1].confirmed if now - confirmed > stale_after]
-        return packed_answer(body[1], fresh=False, as_of=round(wall, 3), stale=stale)
+            kept = self._answers[asked] = (self._generation, self._body(scope, missing, now, wall))
+        body = kept[1]
+        stale = [rank for rank, confirmed in body.confirmed if now - confirmed > stale_after]
+        return packed_answer(body, fresh=False, as_of=round(wall, 3), stale=stale)
 
     def _body(self, scope: dict[int, list[int]], missing: dict[int, str], now: float, wall: float) -> AnswerBody:
         missing = dict(missing)

@@ -221,8 +221,8 @@ def bench_fan_out(n: int, rounds: int, state_dir: str) -> dict[str, Any]:
 
         def wsd_stats(fresh: bool = False) -> None:
             result = client.stats(fresh=fresh)
-            if len(result["ranks"]) != n:
-                raise SystemExit(f"stats answered for {len(result['ranks'])} of {n} ranks")
+            if len(result.reporting) != n:
+                raise SystemExit(f"stats answered for {len(result.reporting)} of {n} ranks")
 
         deadline = time.monotonic() + START_TIMEOUT
         while not client.stats()["complete"]:  # every rank's first push in
@@ -238,7 +238,8 @@ def bench_fan_out(n: int, rounds: int, state_dir: str) -> dict[str, Any]:
         for i in range(20):  # warm up every path
             wsd_stats(), bare.round(stats_request), wsd_command(i), bare.round(command_request)
         # What the client receives and decodes whole each round; the relay answers as much.
-        answer_bytes = len(msgpack.packb(client.stats().doc, use_bin_type=True))
+        answer = msgpack.packb(client.stats().doc, use_bin_type=True)
+        answer_bytes = len(answer)
         relay_client.round(stats_request, answer_bytes)
         samples: dict[str, list[float]] = {
             k: [] for k in ("stats", "fresh stats", "bare stats", "relay stats", "command", "bare command")}
@@ -256,10 +257,13 @@ def bench_fan_out(n: int, rounds: int, state_dir: str) -> dict[str, Any]:
             for name, fn in candidates[turn:] + candidates[:turn]:
                 samples[name].append(timed_us(lambda fn=fn, i=i: fn(i)))
         client.close()
+        # Of a stats round, what the client's decoding of the answer takes alone.
+        frame = p.ok_reply_packed(1, answer)
+        decode = statistics.median(timed_us(lambda: p.decode_reply(frame)) for _ in range(rounds))
         med = {k: statistics.median(v) for k, v in samples.items()}
         return {"stats": (med["stats"], med["bare stats"]), "command": (med["command"], med["bare command"]),
                 "fresh": med["fresh stats"],
-                "relay": med["relay stats"], "answer_bytes": answer_bytes}
+                "relay": med["relay stats"], "answer_bytes": answer_bytes, "decode": decode}
     finally:
         if relay_client is not None:
             relay_client.close()
@@ -433,8 +437,10 @@ def run(quick: bool = False, state_dir: str | None = None) -> list[Row]:
               f"command {sizes['command'][0]} B out, {sizes['command'][1]} B back")
         print("  relay: the bare relay, the floor of a client asking a coordinator (see the docstring)")
         print("  stats: answered from the pushed snapshots; fresh: stats --fresh, every rank asked")
+        print("  decode: of a stats round, the client's decoding of the answer alone")
         print(f"{'N':>4} {'stats':>9} {'bare':>9} {'ratio':>7}   {'fresh':>9} {'f/bare':>7}   "
-              f"{'relay':>9} {'r/bare':>7}   {'command':>9} {'bare':>9} {'ratio':>7}   {'stats answer':>12}")
+              f"{'relay':>9} {'r/bare':>7}   {'command':>9} {'bare':>9} {'ratio':>7}   "
+              f"{'stats answer':>12} {'decode':>7}")
         for n in (1, 8, 32):
             res = bench_fan_out(n, rounds, tmp)
             (stats, bare_stats), (command, bare_command), relay = res["stats"], res["command"], res["relay"]
@@ -442,7 +448,7 @@ def run(quick: bool = False, state_dir: str | None = None) -> list[Row]:
             print(f"{n:>4} {stats:>9.0f} {bare_stats:>9.0f} {stats / bare_stats:>7.2f}   "
                   f"{fresh:>9.0f} {fresh / bare_stats:>7.2f}   {relay:>9.0f} {relay / bare_stats:>7.2f}   "
                   f"{command:>9.0f} {bare_command:>9.0f} {command / bare_command:>7.2f}"
-                  f"   {res['answer_bytes']:>10} B", flush=True)
+                  f"   {res['answer_bytes']:>10} B {res['decode']:>7.0f}", flush=True)
             for what, ratio in (("stats", stats / bare_stats), ("command", command / bare_command)):
                 rows.append(Row(f"{what}[{n}] wsd/bare", ratio, BASELINES[what],
                                 TARGETS[what] if n == 32 else None))

@@ -173,8 +173,8 @@ def measure(n: int, *, soak: float, rounds: int, state_dir: str, busy: bool) -> 
 
         def stats() -> None:
             answer = client.stats()
-            if not answer["complete"] or len(answer["ranks"]) != n:
-                raise SystemExit(f"stats at {n} ranks: {len(answer['ranks'])} answered, "
+            if not answer["complete"] or len(answer.reporting) != n:
+                raise SystemExit(f"stats at {n} ranks: {len(answer.reporting)} answered, "
                                  f"missing {answer['missing'][:5]}, stale {answer['stale'][:5]}...")
             ages.append(max(answer.ages().values()))
 

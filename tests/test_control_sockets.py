@@ -154,13 +154,13 @@ def test_stats_per_rank_and_slot(start_coordinator, agents):
     with Client(coordinator.client_endpoint, timeout=5) as client:
         stats = client.stats(fresh=True)  # every rank asked now: the numbers of this moment
         # What the ranks push reaches the same numbers within an interval, each with its age.
-        pushed = wait_until(lambda: (s := client.stats())["ranks"] and [
-            {k: v for k, v in r.items() if k != "confirmed_at"} for r in s["ranks"]] == [
-            {k: v for k, v in r.items() if k != "confirmed_at"} for r in stats["ranks"]] and s,
+        pushed = wait_until(lambda: (s := client.stats()).ranks and [
+            {k: v for k, v in r.items() if k != "confirmed_at"} for r in s.ranks] == [
+            {k: v for k, v in r.items() if k != "confirmed_at"} for r in stats.ranks] and s,
             5, "the pushed snapshots to match the fresh ones")
     assert not pushed["fresh"] and stats["fresh"]
     assert stats["complete"] and stats["missing"] == []
-    assert [r["rank"] for r in stats["ranks"]] == [0, 1]
+    assert [r["rank"] for r in stats.ranks] == [0, 1]
     assert stats["slots"]["rank"] == [0, 0, 1, 1]  # the compact answer: every rank's slots, one table
     assert stats["slots"]["capacity_bytes"] == [0, 4096, 256, 0]
     assert rank_columns(stats)[1]["requests"] == [1, 0]

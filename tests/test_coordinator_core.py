@@ -34,7 +34,7 @@ from wsd.manager.stats import (
 )
 from wsd.wire import protocol as p
 from wsd.wire.protocol import ErrorCode, Op
-from wsd_client.rows import group_columns, group_slots, rank_columns
+from wsd_client.rows import group_columns, group_slots, rank_columns, table_rows
 
 WALL0 = 1_700_000_000.0
 MONO0 = 500.0
@@ -406,7 +406,7 @@ def test_rank_stopping_while_asked_for_stats(h):
     request, _ = stats_round(h, {"group": 1, "timeout": 30.0})
     stats_reply(h, 2, request, snapshot([8]))
     result = only_reply(goodbye(h, 3)).result
-    assert [r["rank"] for r in result["ranks"]] == [2] and result["complete"] is False
+    assert result["ranks"]["rank"] == [2] and result["complete"] is False
     [missing] = result["missing"]
     assert missing["rank"] == 3 and missing["reason"].startswith("stopped (said goodbye at ")
 
@@ -619,7 +619,7 @@ def test_stats_aggregated_per_rank_slot_and_group(h):
     assert reply.id == 21
     result = reply.result
     assert result["complete"] is True and result["missing"] == []
-    by_rank = {r["rank"]: r for r in result["ranks"]}
+    by_rank = {r["rank"]: r for r in table_rows(result["ranks"])}
     assert by_rank[0]["total_bytes"] == 4000 and by_rank[0]["step"] == 5
     assert by_rank[1]["total_bytes"] == 7256 and by_rank[1]["capacity_bytes"] == 7000
     slots = rank_columns(result)
@@ -627,7 +627,7 @@ def test_stats_aggregated_per_rank_slot_and_group(h):
     assert slots[1]["persistent"] == {"slot": [0], "key": ["k"], "kind": ["tensor"], "nbytes": [256]}
     assert result["persistent"]["rank"] == [1]  # every rank's persistent buffers, one table
     assert result["total_bytes"] == 4000 + 7256 + 0 + 512
-    g0, g1 = result["groups"]
+    g0, g1 = table_rows(result["groups"])
     assert (g0["tp_group"], g0["ranks"], g0["reporting"]) == (0, [0, 1], [0, 1])
     assert (g0["total_bytes"], g0["rank_bytes_min"], g0["rank_bytes_max"], g0["skew_bytes"]) == (
         11256, 4000, 7256, 3256)
@@ -653,7 +653,7 @@ def test_stats_group_with_ranks_disagreeing_on_slots(h):
     request, _ = stats_round(h, {"group": 0})
     stats_reply(h, 0, request, snapshot([100, 200, 300]))
     result = only_reply(stats_reply(h, 1, request, snapshot([50, 400]))).result
-    [g0] = result["groups"]
+    [g0] = table_rows(result["groups"])
     s = group_columns(result)[0]
     assert s["ubatch"] == [0, 1, 2] and [row["ranks"] for row in group_slots(result, 0)] == [[0, 1], [0, 1], [0]]
     assert (s["capacity_min"], s["capacity_max"], s["skew_bytes"]) == ([50, 200, 300], [100, 400, 300], [50, 200, 0])
@@ -672,8 +672,8 @@ def test_stats_missing_ranks_and_timeout_partial(h):
     assert result["complete"] is False
     assert result["missing"] == [{"rank": 2, "reason": "no reply within the stats timeout"},
                                  {"rank": 3, "reason": "never registered"}]
-    assert [r["rank"] for r in result["ranks"]] == [0, 1]
-    assert result["groups"][1]["reporting"] == [] and result["groups"][1]["total_bytes"] == 0
+    assert result["ranks"]["rank"] == [0, 1]
+    assert result["groups"]["reporting"][1] == [] and result["groups"]["total_bytes"][1] == 0
 
 
 def test_stats_for_one_group_and_lost_rank(h):
@@ -685,9 +685,9 @@ def test_stats_for_one_group_and_lost_rank(h):
     for rank in (0, 1, 2):
         h.heartbeat(rank)
     result = only_reply(h.advance(2.5)).result  # rank 3 lost while asked
-    assert [r["rank"] for r in result["ranks"]] == [2]
+    assert result["ranks"]["rank"] == [2]
     assert result["missing"] == [{"rank": 3, "reason": "lost while asked"}]
-    assert [g["tp_group"] for g in result["groups"]] == [1]
+    assert result["groups"]["tp_group"] == [1]
 
 
 def test_stats_reply_from_a_rank_not_asked_is_ignored(h):
@@ -696,7 +696,7 @@ def test_stats_reply_from_a_rank_not_asked_is_ignored(h):
     assert stats_reply(h, 2, request, snapshot([1])) == []
     stats_reply(h, 0, request, snapshot([1]))
     result = only_reply(stats_reply(h, 1, request, snapshot([1]))).result
-    assert [r["rank"] for r in result["ranks"]] == [0, 1]
+    assert result["ranks"]["rank"] == [0, 1]
 
 
 def _without_slots(stats):
@@ -768,7 +768,7 @@ def test_invalid_stats_snapshot_does_not_break_the_round(h, spoil, named):
     bad_stats = snapshot([128])
     spoil(bad_stats)
     result = only_reply(stats_reply(h, 1, request, bad_stats)).result
-    assert [r["rank"] for r in result["ranks"]] == [0]
+    assert result["ranks"]["rank"] == [0]
     [bad] = [m for m in result["missing"] if m["rank"] == 1]
     assert "invalid stats snapshot" in bad["reason"] and named in bad["reason"]
     assert h.core.dropped_bad_agent_frames == 1
@@ -806,7 +806,7 @@ def test_any_wrong_entry_in_any_snapshot_column_is_named(tmp_path_factory, data)
     request, _ = stats_round(h, {"group": 0})
     stats_reply(h, 0, request, snapshot([128]))
     result = only_reply(stats_reply(h, 1, request, stats)).result
-    assert [r["rank"] for r in result["ranks"]] == [0]
+    assert result["ranks"]["rank"] == [0]
     [bad] = [m for m in result["missing"] if m["rank"] == 1]
     assert f"{where}[" in bad["reason"], bad["reason"]
 
@@ -820,13 +820,13 @@ def test_invalid_stats_snapshot_at_the_timeout(h):
     _text_ubatch(bad_stats)
     assert stats_reply(h, 1, request, bad_stats) == []
     result = only_reply(h.advance(2.1)).result
-    assert [r["rank"] for r in result["ranks"]] == [0]
+    assert result["ranks"]["rank"] == [0]
     assert [m["rank"] for m in result["missing"]] == [1, 2, 3]
 
 
 def test_stats_with_no_live_rank_replies_at_once(h):
     result = only_reply(h.client(Op.STATS)).result
-    assert result["ranks"] == [] and [m["rank"] for m in result["missing"]] == [0, 1, 2, 3]
+    assert table_rows(result["ranks"]) == [] and [m["rank"] for m in result["missing"]] == [0, 1, 2, 3]
 
 
 # -- events, status, ranks, ping -------------------------------------------

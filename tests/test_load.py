@@ -54,7 +54,7 @@ def hammer(endpoint: str, until: float, out: dict[str, Any]) -> None:
             latencies[op].append(time.monotonic() - started)
             # A rank missing is a loss; one stale (its heartbeat late past stats_stale_after, 3
             # intervals, on a starved machine) is still there, with its age, and is not.
-            if op == "stats" and (result["missing"] or len(result["ranks"]) != RANKS):
+            if op == "stats" and (result["missing"] or len(result.reporting) != RANKS):
                 incomplete += 1
             if op == "status" and result["ranks"]["live"] != RANKS:
                 incomplete += 1

@@ -119,7 +119,7 @@ def test_two_launchers_form_one_job_with_a_tp_group_across_them(tmp_path, spawn)
         assert len(set(steps.values())) == 1, f"applied at different steps: {steps}"
         assert result.same_step == {0: True}, result
         # Each rank pushes its snapshot at once after applying: the coordinator's answer follows.
-        wait_until(lambda: [r["num_ubatches"] for r in client.stats(timeout=5)["ranks"]] == [3] * WORLD, 5,
+        wait_until(lambda: [r["num_ubatches"] for r in client.stats(timeout=5).ranks] == [3] * WORLD, 5,
                    "every rank's snapshot after set-ubatches")
 
     # Stop: SIGTERM to every worker. They vote at the step boundary, so all four leave at the

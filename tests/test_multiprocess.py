@@ -316,7 +316,7 @@ def test_killed_rank_is_reported_lost_and_replies_name_it(cluster, start_coordin
     # Once it is lost, replies come at once, partial, naming it and why.
     asked = time.monotonic()
     stats = c.client.stats(timeout=5)
-    assert not stats["complete"] and [r["rank"] for r in stats["ranks"]] == [0]
+    assert not stats["complete"] and [r["rank"] for r in stats.ranks] == [0]
     ((missing,),) = [stats["missing"]]
     assert missing["rank"] == 1 and missing["reason"].startswith("lost at")
     unlocked = c.client.unlock(timeout=5)
@@ -371,7 +371,7 @@ def test_killed_rank_takes_its_tp_peer_down_and_the_other_group_goes_on(cluster)
     assert not result.complete and [m["rank"] for m in result.missing] == [2, 3]
     stats = c.client.stats(timeout=5)
     assert not stats["complete"] and [m["rank"] for m in stats["missing"]] == [2, 3]
-    group1 = stats["groups"][1]
+    group1 = stats.groups[1]
     assert group1["reporting"] == [] and [m["rank"] for m in group1["missing"]] == [2, 3]
     finals = c.stop()
     assert all(finals[r]["calls"] == [["lock", []]] for r in (0, 1))

@@ -34,7 +34,8 @@ from wsd.manager.stats import (
 from wsd.wire import protocol as p
 from wsd.wire.protocol import Op
 from wsd_client.client import Client
-from wsd_client.rows import ages, group_columns, group_slots, rank_columns, stats_rows
+from wsd_client.results import Stats
+from wsd_client.rows import ages, group_columns, group_slots, rank_columns, stats_rows, table_rows
 
 INTERVAL = 1.0
 TIMEOUT = 5.0
@@ -182,6 +183,26 @@ def test_an_unchanged_snapshot_is_confirmed_by_heartbeats_not_pushed_again():
     assert pair.latest.ages(pair.now) == {0: 0.0}
 
 
+def test_an_answer_kept_between_pushes_shows_each_later_confirmation():
+    """The body of an answer stands from push to push; each rank's confirmed_at and the stale
+    list are read as the answer is sent. Fails if a confirmation does not move them."""
+    latest = LatestStats()
+    wire = ManagerStats("cpu", 1, 1, False, (SlotStats(0, 0, 64, 64, 1, 1, 0, None, ()),)).to_wire()
+    for rank in (0, 1):
+        assert latest.push(rank, 0, {"version": 1, "base": None, "step": 1, "stats": wire}, 10.0)
+
+    def answer(now: float) -> Stats:  # the wall clock 1000 s ahead of the monotonic one
+        return Stats(msgpack.unpackb(latest.answer({0: [0, 1]}, {}, now, now + 1000.0, stale_after=3.0)))
+
+    first = answer(11.0)
+    assert first.ages() == {0: 1.0, 1: 1.0} and first.complete
+    assert latest.confirm(0, 1, 13.5)
+    later = answer(14.0)
+    assert later.doc["ranks"]["confirmed_at"] == [1013.5, 1010.0]
+    assert later.ages() == {0: 0.5, 1: 4.0} and later.stale == [1] and not later.complete
+    assert later.doc["slots"] == first.doc["slots"] and later.groups == first.groups
+
+
 def test_a_command_applied_is_pushed_at_once_not_at_the_next_interval():
     stats = ManagerStats("cpu", 1, 1, False, (SlotStats(0, 0, 64, 64, 1, 1, 0, None, ()),))
     pair = Pair(stats)
@@ -255,7 +276,7 @@ def _push(core: CoordinatorCore, rank: int, capacity: int) -> list:
 def test_a_stats_answer_comes_from_memory_with_each_ranks_age_and_asks_no_rank(tmp_path):
     core, clock = _core(tmp_path)
     answer = _ask(core)
-    assert answer["ranks"] == [] and not answer["complete"]
+    assert table_rows(answer["ranks"]) == [] and not answer["complete"]
     assert answer["missing"] == [{"rank": 0, "reason": NO_SNAPSHOT}, {"rank": 1, "reason": NO_SNAPSHOT}]
     (ack,) = [msgpack.unpackb(f) for _, _, f in _push(core, 0, 4096)]
     assert ack["op"] == "stats_ack" and ack["body"] == {"version": 1, "ok": True}
@@ -266,10 +287,10 @@ def test_a_stats_answer_comes_from_memory_with_each_ranks_age_and_asks_no_rank(t
     assert [kind for kind, _, _ in out] == [CLIENT]  # no stats_request to any rank
     answer = msgpack.unpackb(out[0][2])["result"]
     assert answer["complete"] and not answer["fresh"] and answer["stale"] == []
-    assert [r["rank"] for r in answer["ranks"]] == [0, 1] and ages(answer) == {0: 0.75, 1: 0.25}
-    assert answer["as_of"] == clock.now and [r["confirmed_at"] for r in answer["ranks"]] == [clock.now - 0.75,
+    assert answer["ranks"]["rank"] == [0, 1] and ages(answer) == {0: 0.75, 1: 0.25}
+    assert answer["as_of"] == clock.now and answer["ranks"]["confirmed_at"] == [clock.now - 0.75,
                                                                                           clock.now - 0.25]
-    (group,) = answer["groups"]
+    (group,) = table_rows(answer["groups"])
     assert group_columns(answer)[0]["capacity_max"] == [4096] and group["skew_bytes"] == 4096 - 1024
 
 
@@ -286,9 +307,9 @@ def test_a_silent_rank_is_stale_after_the_bound_then_lost(tmp_path):
     clock.now += TIMEOUT - 3 * INTERVAL
     core.tick()
     answer = _ask(core)
-    assert [r["rank"] for r in answer["ranks"]] == [0] and answer["stale"] == []
+    assert answer["ranks"]["rank"] == [0] and answer["stale"] == []
     assert answer["missing"][0]["rank"] == 1 and answer["missing"][0]["reason"].startswith("lost")
-    (group,) = answer["groups"]
+    (group,) = table_rows(answer["groups"])
     assert group["reporting"] == [0] and [row["ranks"] for row in group_slots(answer, 0)] == [[0]]
 
 
@@ -314,9 +335,9 @@ def test_an_answer_from_memory_follows_every_push_confirmation_and_loss(tmp_path
 # -- real sockets ------------------------------------------------------------------------------------
 
 
-def _without_ages(doc: dict[str, Any]) -> dict[str, Any]:
-    return {"ranks": [{k: v for k, v in r.items() if k != "confirmed_at"} for r in doc["ranks"]],
-            "groups": doc["groups"], "group_slots": doc["group_slots"], "missing": doc["missing"],
+def _without_ages(doc: Stats) -> dict[str, Any]:
+    return {"ranks": [{k: v for k, v in r.items() if k != "confirmed_at"} for r in doc.ranks],
+            "groups": doc.groups, "group_slots": doc["group_slots"], "missing": doc["missing"],
             "total_bytes": doc["total_bytes"]}
 
 
@@ -346,14 +367,14 @@ def test_fresh_gives_the_same_numbers_as_the_pushed_view(cluster):
 def test_aggregates_after_set_ubatches_drops_slots_and_a_rank_leaves_are_exact(cluster):
     _, ranks, client = cluster
     assert client.set_ubatches(3).complete
-    wait_until(lambda: (d := client.stats()) and all(r["num_ubatches"] == 3 for r in d["ranks"])
+    wait_until(lambda: (d := client.stats()) and all(r["num_ubatches"] == 3 for r in d.ranks)
                and len(d["slots"]["ubatch"]) == 3 * 4, 5, "the pushes after set-ubatches")
     ranks[3].stop()  # gone: lost once silent for the heartbeat timeout
-    doc = wait_until(lambda: (d := client.stats()) and len(d["ranks"]) == 3 and d, 5, "rank 3 gone from the answer")
-    by_rank = {r["rank"]: r for r in doc["ranks"]}
+    doc = wait_until(lambda: (d := client.stats()) and len(d.ranks) == 3 and d, 5, "rank 3 gone from the answer")
+    by_rank = {r["rank"]: r for r in doc.ranks}
     slots = rank_columns(doc)
     summaries = group_columns(doc)
-    for group in doc["groups"]:
+    for group in doc.groups:
         members = [by_rank[r] for r in group["reporting"]]
         assert group["reporting"] == ([0, 1] if group["tp_group"] == 0 else [2])
         for number in SLOT_NUMBERS:
@@ -365,4 +386,4 @@ def test_aggregates_after_set_ubatches_drops_slots_and_a_rank_leaves_are_exact(c
                     (group["tp_group"], column)
         assert group["total_bytes"] == sum(m["total_bytes"] for m in members)
     assert [m["rank"] for m in doc["missing"]] == [3] and doc["missing"][0]["reason"].startswith("lost")
-    assert doc["total_bytes"] == sum(r["total_bytes"] for r in doc["ranks"])
+    assert doc["total_bytes"] == sum(r["total_bytes"] for r in doc.ranks)

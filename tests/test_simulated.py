@@ -50,14 +50,14 @@ def test_stats_has_every_rank_with_its_slots(swarm):
     with Client(coordinator.client_endpoint, timeout=5) as client:
         stats = wait_until(lambda: (s := client.stats())["complete"] and s, 5, "every rank's pushed snapshot")
     assert stats["missing"] == []
-    assert [r["rank"] for r in stats["ranks"]] == list(range(RANKS))
+    assert [r["rank"] for r in stats.ranks] == list(range(RANKS))
     slots = rank_columns(stats)
     assert all(len(slots[r]["capacity_bytes"]) == SLOTS for r in range(RANKS))
-    assert len(stats["groups"]) == 4
+    assert len(stats.groups) == 4
     assert all(len(g["capacity_max"]) == SLOTS for g in group_columns(stats).values())
     # The wire form is exactly what a real manager sends (a simulated rank's counters move
     # only when it is busy).
-    assert ManagerStats.from_wire({**stats["ranks"][0], "slots": slots[0]}) == SimulatedManager(SLOTS).stats()
+    assert ManagerStats.from_wire({**stats.ranks[0], "slots": slots[0]}) == SimulatedManager(SLOTS).stats()
     assert stats["total_bytes"] == RANKS * SimulatedManager(SLOTS).stats().total_bytes
 
 

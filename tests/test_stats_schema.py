@@ -26,7 +26,7 @@ from wsd.manager.stats import (
     SlotStats,
 )
 from wsd_client import render
-from wsd_client.rows import group_columns, group_slots, stats_rows
+from wsd_client.rows import group_columns, group_slots, stats_rows, table_rows
 
 
 def _snapshot(rng: random.Random, slots: int) -> ManagerStats:
@@ -89,7 +89,7 @@ def test_aggregation_reads_the_columns_by_name_not_by_position():
     b.add(read_snapshot(0, 0, 1, reordered))
     first, second = (msgpack.unpackb(r.finish({0: [0]}, {}, as_of=1.0)) for r in (a, b))
     assert first["groups"] == second["groups"] and first["group_slots"] == second["group_slots"]
-    assert first["ranks"][0]["capacity_bytes"] == sum(snapshot["slots"]["capacity_bytes"])
+    assert table_rows(first["ranks"])[0]["capacity_bytes"] == sum(snapshot["slots"]["capacity_bytes"])
 
 
 def test_every_slot_number_has_its_metric_family_and_help():

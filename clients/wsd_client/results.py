@@ -1,11 +1,12 @@
 """What the client's read calls return: typed views over the coordinator's answers.
 
 Each is the decoded answer as it came (``doc``), read through typed properties,
-and a read-only mapping of it too (``stats["ranks"]``), so that code written
+and a read-only mapping of it too (``status["ranks"]``), so that code written
 when the calls returned plain maps keeps working. Nothing is copied or expanded
 when one is made: ``Client.stats()`` at 4,096 ranks costs what decoding costs
-(rows are built only when asked for, by ``Stats.rows()``); the lists and maps a
-property gives are the answer's own, to read, not to change. The entries of
+(its tables become rows only when asked for: ``Stats.ranks``, ``Stats.groups``,
+``Stats.rows()``); the lists and maps a property gives are otherwise the
+answer's own, to read, not to change. The entries of
 ``Status.groups``, ``Ranks.ranks`` and the ``missing`` lists are typed views of
 the same kind (``GroupStatus``, ``RankEntry``, ``MissingRank``), one small object
 per entry, made when the property is read. Commands return
@@ -311,10 +312,16 @@ class Stats(Answer):
         return float(self.doc["as_of"])
 
     @property
+    def reporting(self) -> list[int]:
+        """The ranks in the answer, in its order (the ``ranks`` table's ``rank`` column)."""
+        return self.doc["ranks"]["rank"]
+
+    @property
     def ranks(self) -> list[dict[str, Any]]:
         """Per reporting rank, its figures without its slots (``rank_columns``, ``rows()``), and
-        ``confirmed_at``: when its snapshot was last known current (``ages()``)."""
-        return self.doc["ranks"]
+        ``confirmed_at``: when its snapshot was last known current (``ages()``). Built from the
+        answer's ``ranks`` table on each read."""
+        return _rows.table_rows(self.doc["ranks"])
 
     def ages(self) -> dict[int, float]:
         """Each rank's age, seconds: ``as_of`` less its ``confirmed_at`` (0 for ``fresh``)."""
@@ -322,8 +329,9 @@ class Stats(Answer):
 
     @property
     def groups(self) -> list[dict[str, Any]]:
-        """Per TP group, its totals and skew without its per-slot summary (``group_columns``)."""
-        return self.doc["groups"]
+        """Per TP group, its totals and skew without its per-slot summary (``group_columns``).
+        Built from the answer's ``groups`` table on each read."""
+        return _rows.table_rows(self.doc["groups"])
 
     def rows(self) -> dict[str, Any]:
         """The answer with each rank's and group's slots as rows under it, and each rank's

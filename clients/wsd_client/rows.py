@@ -1,17 +1,18 @@
 """The ``stats`` answer in rows: the documented shape ``wsctl stats --json`` prints.
 
-``Client.stats()`` returns the coordinator's compact answer: one entry per
-rank in ``ranks`` (its figures, and ``confirmed_at``: when its snapshot was
+``Client.stats()`` returns the coordinator's compact answer, whose parts are
+tables: maps of equal-length columns, one row per entry. ``ranks`` has a row
+per reporting rank (its figures, and ``confirmed_at``: when its snapshot was
 last known current, Unix seconds; ``as_of - confirmed_at`` is its age, as
-``ages`` gives), and every rank's
-slots as rows of one table, ``slots``, a map of equal-length columns whose
+``ages`` gives). Every rank's slots are rows of one table, ``slots``, whose
 ``rank`` column says whose each row is (``{"rank": [0, 0, 1, 1], "ubatch":
 [0, 1, 0, 1], "capacity_bytes": [4096, 0, ...], ...}``); the last violations
 and persistent buffers likewise (``last_violation`` and ``persistent``, whose
-``slot`` is the index of the slot among its rank's). Each TP group is an entry
-of ``groups``, and every group's per-slot summary rows of one table too,
+``slot`` is the index of the slot among its rank's). ``groups`` has a row per
+TP group, and every group's per-slot summary rows are one table too,
 ``group_slots``, whose ``tp_group`` column says whose each row is.
-``stats_rows`` turns it into one map per slot under each rank and group, the
+``table_rows`` gives a table's rows as maps; ``stats_rows`` turns the whole
+answer into one map per rank and group with one map per slot under each, the
 shape ``wsctl``'s JSON and tables show, with each rank's ``age`` and whether
 it is ``stale``; the one place that does. Imports no torch.
 """
@@ -23,9 +24,15 @@ from typing import Any
 
 from wsd.manager.stats import GROUP_COLUMNS, SLOT_COLUMNS, SLOT_KEY, slot_rows
 
-__all__ = ["ages", "group_columns", "group_slots", "rank_columns", "rank_slots", "stats_rows"]
+__all__ = ["ages", "group_columns", "group_slots", "rank_columns", "rank_slots", "stats_rows", "table_rows"]
 
 _TABLES = ("slots", "last_violation", "persistent", "group_slots")
+
+
+def table_rows(table: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """A table's rows, each a map of its columns' names to the row's values."""
+    names = tuple(table)
+    return [dict(zip(names, values)) for values in zip(*table.values())]
 
 
 def _split(table: dict[str, list[Any]], owner: str = "rank") -> dict[int, dict[str, list[Any]]]:
@@ -47,8 +54,8 @@ def rank_columns(doc: dict[str, Any]) -> dict[int, dict[str, Any]]:
     columns, with its last violations and persistent buffers as tables keyed by slot index)."""
     slots, violations, persistent = (_split(doc.get(name) or {}) for name in _TABLES[:3])
     empty: dict[str, list[Any]] = {c: [] for c in SLOT_COLUMNS}
-    return {r["rank"]: {**slots.get(r["rank"], empty), "last_violation": violations.get(r["rank"], {}),
-                        "persistent": persistent.get(r["rank"], {})} for r in doc["ranks"]}
+    return {r: {**slots.get(r, empty), "last_violation": violations.get(r, {}), "persistent": persistent.get(r, {})}
+            for r in doc["ranks"]["rank"]}
 
 
 def rank_slots(doc: dict[str, Any], rank: int) -> list[dict[str, Any]]:
@@ -62,14 +69,14 @@ def group_columns(doc: dict[str, Any]) -> dict[int, dict[str, list[Any]]]:
     with no rank reporting has empty ones."""
     tables = _split(doc.get("group_slots") or {}, "tp_group")
     empty: dict[str, list[Any]] = {c: [] for c in GROUP_COLUMNS}
-    return {g["tp_group"]: tables.get(g["tp_group"], empty) for g in doc["groups"]}
+    return {g: tables.get(g, empty) for g in doc["groups"]["tp_group"]}
 
 
 def group_slots(doc: dict[str, Any], tp_group: int) -> list[dict[str, Any]]:
     """One TP group's per-slot summary as ``[{ubatch, lane, ranks, capacity_min,
     capacity_max, capacity_total, skew_bytes, peak_requested_max, requests,
     resizes, lock_violations}]``, ``ranks`` being the reporting ranks that have the slot."""
-    [group] = (g for g in doc["groups"] if g["tp_group"] == tp_group)
+    [group] = (g for g in table_rows(doc["groups"]) if g["tp_group"] == tp_group)
     return _group_rows(group, group_columns(doc)[tp_group], rank_columns(doc))
 
 
@@ -92,12 +99,14 @@ def ages(doc: dict[str, Any]) -> dict[int, float]:
     """Each rank's age: seconds from when its snapshot was last known current to ``as_of``,
     when the answer was sent (both the coordinator's clock), to the millisecond."""
     as_of = doc["as_of"]
-    return {r["rank"]: round(max(0.0, as_of - r["confirmed_at"]), 3) for r in doc["ranks"]}
+    ranks = doc["ranks"]
+    return {r: round(max(0.0, as_of - at), 3) for r, at in zip(ranks["rank"], ranks["confirmed_at"])}
 
 
 def stats_rows(doc: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a ``stats`` answer with each rank's slots as rows under it, each group's likewise,
-    and each rank's ``age`` and whether it is ``stale``."""
+    """A copy of a ``stats`` answer with a map per rank and group (``table_rows``), each rank's
+    slots as rows under it, each group's likewise, and each rank's ``age`` and whether it is
+    ``stale``."""
     columns = rank_columns(doc)
     groups = group_columns(doc)
     age = ages(doc)
@@ -106,6 +115,6 @@ def stats_rows(doc: dict[str, Any]) -> dict[str, Any]:
     return {
         **rows,
         "ranks": [{**r, "age": age[r["rank"]], "stale": r["rank"] in stale, "slots": slot_rows(columns[r["rank"]])}
-                  for r in doc["ranks"]],
-        "groups": [{**g, "slots": _group_rows(g, groups[g["tp_group"]], columns)} for g in doc["groups"]],
+                  for r in table_rows(doc["ranks"])],
+        "groups": [{**g, "slots": _group_rows(g, groups[g["tp_group"]], columns)} for g in table_rows(doc["groups"])],
     }

@@ -33,8 +33,8 @@ from wsd.manager.stats import (
     VIOLATION_COLUMNS,
 )
 
-__all__ = ["AnswerBody", "GroupPart", "Snapshot", "StatsRound", "answer_body", "group_part", "packed_answer",
-           "packed_entry", "read_changes", "read_snapshot"]
+__all__ = ["GROUP_TABLE", "RANK_TABLE", "AnswerBody", "GroupPart", "Snapshot", "StatsRound", "answer_body",
+           "group_part", "packed_answer", "read_changes", "read_snapshot"]
 
 _RANK_FIELDS = {"device": str, "num_ubatches": int, "num_lanes": int, "locked": bool, "slots": dict}
 # The sparse tables' columns and the type of each.
@@ -97,10 +97,10 @@ class Snapshot:
     """One rank's checked snapshot, the columns aggregation reads, and its encoded parts.
 
     ``columns`` maps each of ``SLOT_COLUMNS`` to its column. ``entry`` is the
-    rank's entry of the ``stats`` answer (but for its age), and ``tables`` its
-    rows of the answer's slot, violation and persistent tables, encoded now:
-    an answer splices them behind headers (``packed_answer``), whatever the
-    number of ranks, instead of encoding them again.
+    rank's row of the answer's ``ranks`` table (but for ``confirmed_at``), and
+    ``tables`` its rows of the answer's slot, violation and persistent tables,
+    encoded now: an answer splices them behind headers (``packed_answer``),
+    whatever the number of ranks, instead of encoding them again.
     """
 
     __slots__ = ("columns", "entry", "locked", "num_ubatches", "rank", "tables", "total_bytes", "tp_group")
@@ -114,19 +114,10 @@ class Snapshot:
         self.total_bytes = stats.get("total_bytes", 0)
         self.locked = stats["locked"]
         self.num_ubatches = stats["num_ubatches"]
-        entry = {
-            "rank": rank,
-            "tp_group": tp_group,
-            "step": step,
-            "device": stats["device"],
-            "num_ubatches": self.num_ubatches,
-            "num_lanes": stats["num_lanes"],
-            "locked": self.locked,
-            "total_bytes": self.total_bytes,
-            "capacity_bytes": sum(columns["capacity_bytes"]),
-            "lock_violations": sum(columns["lock_violations"]),
-        }
-        self.entry = b"".join(_packer.pack(k) + _packer.pack(v) for k, v in entry.items())
+        # In the order of RANK_TABLE, but for confirmed_at, which an answer adds.
+        self.entry: tuple[bytes, ...] = tuple(map(_packer.pack, (
+            rank, tp_group, step, stats["device"], self.num_ubatches, stats["num_lanes"], self.locked,
+            self.total_bytes, sum(columns["capacity_bytes"]), sum(columns["lock_violations"]))))
         slots = stats["slots"]
         if previous is None:
             sparse = [(slots.get(name) or {}, names) for name, names in _SPARSE]
@@ -144,11 +135,16 @@ class Snapshot:
             for (name, names), kept in zip(_SPARSE, previous.tables[1:])))
 
 
-_ENTRY_KEYS = 10  # the keys Snapshot.entry holds
+RANK_TABLE = ("rank", "tp_group", "step", "device", "num_ubatches", "num_lanes", "locked", "total_bytes",
+              "capacity_bytes", "lock_violations", "confirmed_at")
+"""The columns of the answer's ``ranks`` table, one row per rank reporting."""
+GROUP_TABLE = ("tp_group", "ranks", "reporting", "missing", "total_bytes", "rank_bytes_min", "rank_bytes_max",
+               "skew_bytes", "locked_consistent", "num_ubatches_consistent")
+"""The columns of the answer's ``groups`` table, one row per TP group in scope."""
 _SPARSE = (("last_violation", VIOLATION_COLUMNS), ("persistent", PERSISTENT_COLUMNS))
 # The answer's tables: every rank's rows of each, one after the other, ``rank`` first.
 _TABLES = (("slots", ("rank", *SLOT_COLUMNS)), *((name, ("rank", *names)) for name, names in _SPARSE))
-_GROUP_TABLE = ("tp_group", *GROUP_COLUMNS)
+_GROUP_SLOTS_TABLE = ("tp_group", *GROUP_COLUMNS)
 
 
 def _items(values: list[Any]) -> bytes:
@@ -165,90 +161,91 @@ def _rows(owner: int, columns: list[list[Any]]) -> tuple[int, tuple[bytes, ...]]
     return n, (_items([owner] * n), *map(_items, columns))
 
 
-def _spliced_table(name: str, columns: tuple[str, ...], parts: list[tuple[int, tuple[bytes, ...]]]) -> list[bytes]:
+def _spliced_table(name: str, columns: tuple[str, ...], parts: list[tuple[int, tuple[bytes, ...]]],
+                   *, of: int | None = None) -> list[bytes]:
     """One table of the answer, ``name`` and a map of ``columns``, spliced from the owners'
-    rows (``_rows``) one after the other."""
+    rows (``_rows``) one after the other; ``of``: the map has that many columns, the rest to
+    be appended by the caller."""
     pack = _packer.pack
     rows = sum(n for n, _ in parts)
     items = [p for n, p in parts if n]
-    out = [pack(name), _packer.pack_map_header(len(columns))]
+    out = [pack(name), _packer.pack_map_header(len(columns) if of is None else of)]
     for c, column in enumerate(columns):
         out += [pack(column), _packer.pack_array_header(rows), *map(itemgetter(c), items)]
     return out
 
 
-def packed_entry(snapshot: Snapshot, confirmed_at: float) -> bytes:
-    """A rank's entry of the ``stats`` answer: its snapshot's figures and ``confirmed_at``, when
-    (Unix seconds, the coordinator's clock) the snapshot was last known current."""
-    return b"".join((_packer.pack_map_header(_ENTRY_KEYS + 1), snapshot.entry,
-                     _packer.pack("confirmed_at"), _packer.pack(confirmed_at)))
-
-
 class GroupPart(NamedTuple):
-    """A TP group's part of the ``stats`` answer, encoded: its entry of ``groups`` and its
-    rows of the ``group_slots`` table (their number, and each column's items)."""
+    """A TP group's part of the ``stats`` answer, encoded: its row of the ``groups`` table and
+    its rows of the ``group_slots`` table (their number, and each column's items)."""
 
-    entry: bytes
+    entry: tuple[int, tuple[bytes, ...]]
     rows: tuple[int, tuple[bytes, ...]]
 
 
 def group_part(group: int, members: list[Snapshot], expected: list[int], missing: dict[int, str]) -> GroupPart:
     """A TP group's part of the ``stats`` answer: its summary and its per-slot rows."""
     slots = _group_slots(members)
-    return GroupPart(_packer.pack(_group_summary(group, members, expected, missing)),
+    summary = _group_summary(group, members, expected, missing)
+    return GroupPart((1, tuple(_packer.pack(summary[c]) for c in GROUP_TABLE)),
                      _rows(group, [slots[c] for c in GROUP_COLUMNS]))
 
 
 class AnswerBody(NamedTuple):
     """A ``stats`` answer but for what depends on when it is sent (``packed_answer``): the
-    encoded entries of everything the ranks pushed, and when each was last known current."""
+    encoded parts of everything the ranks pushed, either side of the ``ranks`` table's
+    ``confirmed_at`` column, which changes with every heartbeat that confirms a snapshot."""
 
-    parts: bytes
-    confirmed: tuple[tuple[int, float], ...]
-    """(rank, when its snapshot was last known current on the caller's clock), per rank in it."""
+    head: bytes
+    tail: bytes
+    ranks: tuple[int, ...]
+    """The ranks in it, in the order of its rows."""
     missing: bool
     """Some expected rank is missing from it."""
 
 
-_BODY_KEYS = 8  # the map entries of AnswerBody.parts
+_BODY_KEYS = 8  # the map entries of an AnswerBody
 
 
-def answer_body(members: list[tuple[Snapshot, float, float]], groups: list[GroupPart],
-                missing: dict[int, str]) -> AnswerBody:
-    """The parts of a ``stats`` answer that stand until a snapshot, its confirmation or the
-    membership changes, from ``members`` (snapshot, when it was last known current on the
-    caller's clock, and that time in Unix seconds), by rank.
+def answer_body(members: list[Snapshot], groups: list[GroupPart], missing: dict[int, str]) -> AnswerBody:
+    """The parts of a ``stats`` answer that stand until a snapshot or the membership changes,
+    from ``members``, by rank.
 
-    Each rank is an entry of ``ranks``; every rank's slots are rows of one
-    table, ``slots`` (a map of equal-length columns, ``rank`` first), and so
-    are the last violations and persistent buffers (``slot`` is the index of
-    the slot among its rank's). Each TP group is an entry of ``groups``, and
-    every group's per-slot summary rows of one table too, ``group_slots``
-    (``tp_group`` first). Tables rather than columns per rank or group: a
-    client decodes a few long lists much faster than thousands of short ones.
-    msgpack frames a map or an array as a header followed by its items, so
-    the parts encoded as each snapshot arrived are spliced in behind headers.
+    Every answer part is a table (a map of equal-length columns): each rank
+    is a row of ``ranks`` (``RANK_TABLE``); every rank's slots are rows of
+    ``slots`` (``rank`` first), and so are the last violations and persistent
+    buffers (``slot`` is the index of the slot among its rank's). Each TP
+    group is a row of ``groups`` (``GROUP_TABLE``), and every group's per-slot
+    summary rows of ``group_slots`` (``tp_group`` first). Tables rather than a
+    map per rank, group or slot: a client decodes a few long lists much faster
+    than thousands of small maps, each repeating its keys. msgpack frames a
+    map or an array as a header followed by its items, so the parts encoded
+    as each snapshot arrived are spliced in behind headers.
     """
     pack = _packer.pack
-    out = [
-        pack("total_bytes"), pack(sum(s.total_bytes for s, _, _ in members)),
-        pack("ranks"), _packer.pack_array_header(len(members)),
-        *(packed_entry(s, at) for s, _, at in members),
+    # The ranks table last but for its last column, confirmed_at, which packed_answer adds.
+    head = [
+        pack("total_bytes"), pack(sum(s.total_bytes for s in members)),
+        *_spliced_table("ranks", RANK_TABLE[:-1], [(1, s.entry) for s in members], of=len(RANK_TABLE)),
+        pack(RANK_TABLE[-1]),
     ]
+    tail = []
     for i, (name, columns) in enumerate(_TABLES):
-        out += _spliced_table(name, columns, [s.tables[i] for s, _, _ in members])
-    out += [
-        pack("groups"), _packer.pack_array_header(len(groups)), *(g.entry for g in groups),
-        *_spliced_table("group_slots", _GROUP_TABLE, [g.rows for g in groups]),
+        tail += _spliced_table(name, columns, [s.tables[i] for s in members])
+    tail += [
+        *_spliced_table("groups", GROUP_TABLE, [g.entry for g in groups]),
+        *_spliced_table("group_slots", _GROUP_SLOTS_TABLE, [g.rows for g in groups]),
         pack("missing"), pack([{"rank": rank, "reason": reason} for rank, reason in sorted(missing.items())]),
     ]
-    return AnswerBody(b"".join(out), tuple((s.rank, confirmed) for s, confirmed, _ in members), bool(missing))
+    return AnswerBody(b"".join(head), b"".join(tail), tuple(s.rank for s in members), bool(missing))
 
 
-def packed_answer(body: AnswerBody, *, fresh: bool, as_of: float, stale: list[int]) -> bytes:
+def packed_answer(body: AnswerBody, *, fresh: bool, as_of: float, confirmed_at: list[float],
+                  stale: list[int]) -> bytes:
     """The encoded ``stats`` result (a msgpack map): ``body``, with ``as_of`` (Unix seconds,
-    when it is sent: each rank's age is ``as_of - confirmed_at``), the ``stale`` ranks and
-    whether it is ``complete`` (no rank missing, none stale)."""
+    when it is sent), each rank's ``confirmed_at`` (Unix seconds, when its snapshot was last
+    known current: its age is ``as_of - confirmed_at``), the ``stale`` ranks and whether it
+    is ``complete`` (no rank missing, none stale)."""
     pack = _packer.pack
     return b"".join((
         _packer.pack_map_header(_BODY_KEYS + 4),
@@ -256,7 +253,7 @@ def packed_answer(body: AnswerBody, *, fresh: bool, as_of: float, stale: list[in
         pack("fresh"), pack(fresh),
         pack("as_of"), pack(as_of),
         pack("stale"), pack(stale),
-        body.parts,
+        body.head, pack(confirmed_at), body.tail,
     ))
 
 
@@ -453,5 +450,5 @@ class StatsRound:
             if packed is None or members != self.expected.get(g) or any(r in missing for r in members):
                 packed = group_part(g, by_group[g], members, missing)
             groups.append(packed)
-        body = answer_body([(s, 0.0, as_of) for s in ordered], groups, missing)
-        return packed_answer(body, fresh=True, as_of=as_of, stale=[])
+        body = answer_body(ordered, groups, missing)
+        return packed_answer(body, fresh=True, as_of=as_of, confirmed_at=[as_of] * len(ordered), stale=[])

@@ -124,6 +124,9 @@ class CoordinatorCore:
             self.log.bump_to(config.resume_seq)
         self._commands: dict[int, _PendingCommand] = {}
         self._stats: dict[int, _PendingStats] = {}  # fresh rounds (wsctl stats --fresh)
+        # Per group asked for (None: all), the scope and missing ranks of an answer from memory,
+        # as of the registry's count of changes.
+        self._stats_scopes: dict[int | None, tuple[Any, dict[int, list[int]], dict[int, str]]] = {}
         self._stats_ids = 0
         # Each rank's latest snapshot as its agent pushed it: what stats answers come from.
         self.latest = LatestStats()
@@ -586,8 +589,11 @@ class CoordinatorCore:
 
     def _remembered(self, group: int | None) -> bytes:
         """The encoded ``stats`` answer from the ranks' pushed snapshots (group None: all)."""
-        return self.latest.answer(self._stats_scope(group), self.registry.missing(group), self.clock(),
-                                  self.wall(), self.config.stale_after)
+        key = (self.registry.changes, group)  # its scope and missing ranks stand while it does
+        kept = self._stats_scopes.get(group)
+        if kept is None or kept[0] != key:
+            kept = self._stats_scopes[group] = (key, self._stats_scope(group), self.registry.missing(group))
+        return self.latest.answer(kept[1], kept[2], self.clock(), self.wall(), self.config.stale_after, key=key)
 
     def _start_stats(self, route: Route, request_id: int, group: int | None, timeout: float) -> list[Out]:
         """Ask every live rank of ``group`` (None: all) for a snapshot now, and answer when all did."""

@@ -7,11 +7,14 @@ last acknowledged. ``LatestStats`` keeps, per rank, the snapshot that makes
 current (a push, or a heartbeat saying it is unchanged). A ``stats`` answer is
 then spliced from memory: no rank is asked, and each rank carries its age.
 A TP group's summary is kept encoded until one of its members' snapshots, or
-its membership, changes. No sockets, no torch.
+its membership, changes; an answer's body likewise, for its scope, but for
+each rank's ``confirmed_at``, which every heartbeat changes. No sockets, no
+torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 from wsd.coordinator.aggregate import (
@@ -55,11 +58,11 @@ class LatestStats:
         self.invalid: dict[int, str] = {}
         # Per TP group: what its encoded summary was built from, and the summary.
         self._groups: dict[int, tuple[Any, GroupPart]] = {}
-        # Counts every change to what is remembered (a push, a confirmation, a rank forgotten
-        # or invalid): an answer's body built at one count stands until the next.
+        # Counts every change to what is remembered but confirmations (a push, a rank
+        # forgotten or invalid): an answer's body built at one count stands until the next.
         self._generation = 0
-        # Per (scope, missing ranks): the generation and the body built then.
-        self._answers: dict[Any, tuple[int, AnswerBody]] = {}
+        # Per (scope, missing ranks): the generation, the body built then and its ranks' Latest.
+        self._answers: dict[Any, tuple[int, AnswerBody, tuple[Latest, ...]]] = {}
 
     def push(self, rank: int, tp_group: int, body: dict[str, Any], now: float) -> bool:
         """Take one ``stats_push`` body; True if it is the rank's snapshot now, False if it
@@ -107,8 +110,7 @@ class LatestStats:
         held = self.ranks.get(rank)
         if held is None or held.version != version:
             return False
-        held.confirmed = now
-        self._generation += 1
+        held.confirmed = now  # read when each answer is sent: no body to build again
         return True
 
     def forget(self, rank: int) -> None:
@@ -122,31 +124,37 @@ class LatestStats:
         return {rank: max(0.0, now - held.confirmed) for rank, held in self.ranks.items()}
 
     def answer(self, scope: dict[int, list[int]], missing: dict[int, str], now: float, wall: float,
-               stale_after: float) -> bytes:
+               stale_after: float, *, key: Hashable = None) -> bytes:
         """The encoded ``stats`` result for the TP groups of ``scope`` (group -> expected ranks).
 
         ``missing`` gives the reason for each expected rank that is not live; a live
         rank with nothing pushed yet is missing too. A snapshot last known current
         more than ``stale_after`` seconds before ``now`` is in the answer, marked
         stale, and the answer is not complete. ``wall``: the Unix time of ``now``.
+        ``key``, if given, stands for ``scope`` and ``missing``: the caller gives the
+        same key only with the same scope and missing ranks.
 
-        What does not depend on ``now`` is kept, for the same scope and missing ranks,
-        until a push, a confirmation or a registration changes what is remembered:
-        answers between two heartbeats differ in their time and stale ranks only.
+        What depends on neither ``now`` nor confirmations is kept, for the same scope
+        and missing ranks, until a push or a registration changes what is
+        remembered: answers in between differ in their time, each rank's
+        ``confirmed_at`` and the stale ranks only.
         """
-        asked = (tuple((g, tuple(r)) for g, r in sorted(scope.items())), tuple(missing.items()))
+        asked = key if key is not None else (tuple((g, tuple(r)) for g, r in sorted(scope.items())),
+                                             tuple(missing.items()))
         kept = self._answers.get(asked)
         if kept is None or kept[0] != self._generation:
             if len(self._answers) >= _ANSWERS_KEPT:  # scopes asked for come and go: keep a few
                 self._answers.clear()
-            kept = self._answers[asked] = (self._generation, self._body(scope, missing, now, wall))
-        body = kept[1]
-        stale = [rank for rank, confirmed in body.confirmed if now - confirmed > stale_after]
-        return packed_answer(body, fresh=False, as_of=round(wall, 3), stale=stale)
+            kept = self._answers[asked] = (self._generation, *self._body(scope, missing))
+        _, body, members = kept
+        # Each rank's confirmation on the Unix clock: wall is now on it.
+        confirmed_at = [round(wall - (now - held.confirmed), 3) for held in members]
+        stale = [held.snapshot.rank for held in members if now - held.confirmed > stale_after]
+        return packed_answer(body, fresh=False, as_of=round(wall, 3), confirmed_at=confirmed_at, stale=stale)
 
-    def _body(self, scope: dict[int, list[int]], missing: dict[int, str], now: float, wall: float) -> AnswerBody:
+    def _body(self, scope: dict[int, list[int]], missing: dict[int, str]) -> tuple[AnswerBody, tuple[Latest, ...]]:
         missing = dict(missing)
-        answered: list[tuple[Snapshot, float, float]] = []
+        answered: list[Latest] = []
         groups: list[GroupPart] = []
         for group, expected in sorted(scope.items()):
             members: list[Latest] = []
@@ -167,9 +175,8 @@ class LatestStats:
                 cached = (key, group_part(group, [m.snapshot for m in members], expected, group_missing))
                 self._groups[group] = cached
             groups.append(cached[1])
-            for held in members:
-                answered.append((held.snapshot, held.confirmed, round(wall - (now - held.confirmed), 3)))
-        return answer_body(answered, groups, missing)
+            answered += members
+        return answer_body([held.snapshot for held in answered], groups, missing), tuple(answered)
 
     def figures(self, scope: dict[int, list[int]], missing: dict[int, str], now: float,
                 stale_after: float) -> tuple[tuple[RankFigures, ...], tuple[GroupFigures, ...]]:

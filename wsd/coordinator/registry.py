@@ -132,6 +132,9 @@ class Registry:
         self.timeout = timeout
         self.ranks: dict[int, RankInfo] = {}
         self._by_peer: dict[bytes, int] = {}
+        # Counts registrations, goodbyes and losses: what ``expected`` and ``missing`` give
+        # stands from one count to the next.
+        self.changes = 0
         # No live rank can expire before this (monotonic) time. Signs of life
         # only move a rank's expiry later, so a bound computed once stays true
         # until a registration adds an earlier one: ``expire`` walks the ranks
@@ -188,6 +191,7 @@ class Registry:
         )
         self.ranks[info.rank] = info
         self._by_peer[peer] = info.rank
+        self.changes += 1
         self._expiry_bound = min(self._expiry_bound, now + self.timeout)
         return info, old
 
@@ -236,6 +240,7 @@ class Registry:
             return None
         info.state = RankState.STOPPED
         info.stopped_at = self.wall()
+        self.changes += 1
         _note(info, body)
         self._by_peer.pop(peer, None)
         return info
@@ -255,6 +260,7 @@ class Registry:
             if now - info.last_seen > self.timeout:
                 info.state = RankState.LOST
                 info.lost_at = self.wall()
+                self.changes += 1
                 self._by_peer.pop(info.peer, None)
                 lost.append(info)
             else:

@@ -252,10 +252,14 @@ def _core(tmp_path) -> tuple[CoordinatorCore, Clock]:
                                              heartbeat_interval=INTERVAL, heartbeat_timeout=TIMEOUT),
                            clock=clock, wall=clock)
     for rank in (0, 1):
-        core.handle_agent((b"p%d" % rank,), p.encode(Op.REGISTER, {
-            "rank": rank, "world_size": 2, "tp_size": 2, "tp_group": 0, "host": "h", "pid": rank,
-            "device": "cpu", "applied_seq": None, "acks": [], "step": 0, "idle": True, "state": {}}))
+        _register(core, rank)
     return core, clock
+
+
+def _register(core: CoordinatorCore, rank: int) -> None:
+    core.handle_agent((b"p%d" % rank,), p.encode(Op.REGISTER, {
+        "rank": rank, "world_size": 2, "tp_size": 2, "tp_group": 0, "host": "h", "pid": rank,
+        "device": "cpu", "applied_seq": None, "acks": [], "step": 0, "idle": True, "state": {}}))
 
 
 def _ask(core: CoordinatorCore, **body: Any) -> dict[str, Any]:
@@ -315,7 +319,8 @@ def test_a_silent_rank_is_stale_after_the_bound_then_lost(tmp_path):
 
 def test_an_answer_from_memory_follows_every_push_confirmation_and_loss(tmp_path):
     """Answers between two changes share what does not depend on the time; a push, a
-    heartbeat confirming a snapshot, or a rank lost each shows in the very next answer."""
+    heartbeat confirming a snapshot, a goodbye, a registration or a rank lost each shows in
+    the very next answer."""
     core, clock = _core(tmp_path)
     _push(core, 0, 64)
     _push(core, 1, 64)
@@ -327,6 +332,11 @@ def test_an_answer_from_memory_follows_every_push_confirmation_and_loss(tmp_path
     core.handle_agent((b"p1",), p.encode(Op.HEARTBEAT, {"rank": 1, "step": 6, "applied_seq": 0, "held_seq": 0,
                                                         "state": {}, "stats_version": 1}))
     assert ages(_ask(core)) == {0: 0.5, 1: 0.0}
+    core.handle_agent((b"p1",), p.encode(Op.GOODBYE, {"rank": 1, "step": 6}))
+    answer = _ask(core)
+    assert answer["ranks"]["rank"] == [0] and answer["missing"][0]["reason"].startswith("stopped")
+    _register(core, 1)
+    assert [m["reason"] for m in _ask(core)["missing"]] == [NO_SNAPSHOT]  # live again, nothing pushed yet
     clock.now += TIMEOUT + 0.1
     core.tick()
     assert [m["rank"] for m in _ask(core)["missing"]] == [0, 1]

@@ -191,8 +191,8 @@ def test_an_answer_kept_between_pushes_shows_each_later_confirmation():
     for rank in (0, 1):
         assert latest.push(rank, 0, {"version": 1, "base": None, "step": 1, "stats": wire}, 10.0)
 
-    def answer(now: float) -> Stats:  # the wall clock 1000 s ahead of the monotonic one
-        return Stats(msgpack.unpackb(latest.answer({0: [0, 1]}, {}, now, now + 1000.0, stale_after=3.0)))
+    def answer(now: float, offset: float = 1000.0) -> Stats:  # the wall clock ahead of the monotonic one
+        return Stats(msgpack.unpackb(latest.answer({0: [0, 1]}, {}, now, now + offset, stale_after=3.0)))
 
     first = answer(11.0)
     assert first.ages() == {0: 1.0, 1: 1.0} and first.complete
@@ -201,6 +201,8 @@ def test_an_answer_kept_between_pushes_shows_each_later_confirmation():
     assert later.doc["ranks"]["confirmed_at"] == [1013.5, 1010.0]
     assert later.ages() == {0: 0.5, 1: 4.0} and later.stale == [1] and not later.complete
     assert later.doc["slots"] == first.doc["slots"] and later.groups == first.groups
+    stepped = answer(14.0, offset=1060.0)  # the wall clock stepped a minute: times follow it, ages do not
+    assert stepped.doc["ranks"]["confirmed_at"] == [1073.5, 1070.0] and stepped.ages() == later.ages()
 
 
 def test_a_command_applied_is_pushed_at_once_not_at_the_next_interval():

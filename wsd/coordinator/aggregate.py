@@ -240,12 +240,11 @@ def answer_body(members: list[Snapshot], groups: list[GroupPart], missing: dict[
     return AnswerBody(b"".join(head), b"".join(tail), tuple(s.rank for s in members), bool(missing))
 
 
-def packed_answer(body: AnswerBody, *, fresh: bool, as_of: float, confirmed_at: list[float],
-                  stale: list[int]) -> bytes:
+def packed_answer(body: AnswerBody, *, fresh: bool, as_of: float, confirmed_at: bytes, stale: list[int]) -> bytes:
     """The encoded ``stats`` result (a msgpack map): ``body``, with ``as_of`` (Unix seconds,
-    when it is sent), each rank's ``confirmed_at`` (Unix seconds, when its snapshot was last
-    known current: its age is ``as_of - confirmed_at``), the ``stale`` ranks and whether it
-    is ``complete`` (no rank missing, none stale)."""
+    when it is sent), each rank's ``confirmed_at`` (encoded: an array of Unix seconds, when
+    its snapshot was last known current; its age is ``as_of - confirmed_at``), the ``stale``
+    ranks and whether it is ``complete`` (no rank missing, none stale)."""
     pack = _packer.pack
     return b"".join((
         _packer.pack_map_header(_BODY_KEYS + 4),
@@ -253,7 +252,7 @@ def packed_answer(body: AnswerBody, *, fresh: bool, as_of: float, confirmed_at: 
         pack("fresh"), pack(fresh),
         pack("as_of"), pack(as_of),
         pack("stale"), pack(stale),
-        body.head, pack(confirmed_at), body.tail,
+        body.head, confirmed_at, body.tail,
     ))
 
 
@@ -451,4 +450,5 @@ class StatsRound:
                 packed = group_part(g, by_group[g], members, missing)
             groups.append(packed)
         body = answer_body(ordered, groups, missing)
-        return packed_answer(body, fresh=True, as_of=as_of, confirmed_at=[as_of] * len(ordered), stale=[])
+        return packed_answer(body, fresh=True, as_of=as_of, confirmed_at=_packer.pack([as_of] * len(ordered)),
+                             stale=[])

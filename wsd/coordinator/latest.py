@@ -14,8 +14,11 @@ torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from typing import Any
+
+import msgpack
 
 from wsd.coordinator.aggregate import (
     AnswerBody,
@@ -32,8 +35,10 @@ from wsd.manager.stats import apply_snapshot_delta
 
 __all__ = ["NO_SNAPSHOT", "Latest", "LatestStats"]
 
-NO_SNAPSHOT = "live, no snapshot pushed yet"
+_packer = msgpack.Packer(use_bin_type=True)
 _ANSWERS_KEPT = 64  # answer bodies kept, each for one scope (all groups, or one) and its missing ranks
+
+NO_SNAPSHOT = "live, no snapshot pushed yet"
 """Why a live rank is missing from an answer from memory: it has registered and not pushed yet."""
 
 
@@ -49,6 +54,22 @@ class Latest:
         self.confirmed = confirmed
 
 
+class _Kept:
+    """An answer's body for one scope, built at one generation, and its ``confirmed_at``
+    column (encoded), built at a count of confirmations and a clock offset."""
+
+    __slots__ = ("body", "column", "confirmations", "generation", "members", "offset", "oldest")
+
+    def __init__(self, generation: int, body: AnswerBody, members: tuple[Latest, ...]) -> None:
+        self.generation = generation
+        self.body = body
+        self.members = members  # the ranks' Latest, in the body's order
+        self.confirmations = -1  # none read yet
+        self.offset = math.nan
+        self.column = b""
+        self.oldest = math.inf  # the oldest confirmation of a member, monotonic seconds
+
+
 class LatestStats:
     """Every rank's latest pushed snapshot, and ``stats`` answers from them."""
 
@@ -61,8 +82,10 @@ class LatestStats:
         # Counts every change to what is remembered but confirmations (a push, a rank
         # forgotten or invalid): an answer's body built at one count stands until the next.
         self._generation = 0
-        # Per (scope, missing ranks): the generation, the body built then and its ranks' Latest.
-        self._answers: dict[Any, tuple[int, AnswerBody, tuple[Latest, ...]]] = {}
+        # Counts confirmations: an answer's confirmed_at column stands from one to the next.
+        self._confirmations = 0
+        # Per (scope, missing ranks): the body built at a generation, and its confirmations.
+        self._answers: dict[Any, _Kept] = {}
 
     def push(self, rank: int, tp_group: int, body: dict[str, Any], now: float) -> bool:
         """Take one ``stats_push`` body; True if it is the rank's snapshot now, False if it
@@ -111,6 +134,7 @@ class LatestStats:
         if held is None or held.version != version:
             return False
         held.confirmed = now  # read when each answer is sent: no body to build again
+        self._confirmations += 1
         return True
 
     def forget(self, rank: int) -> None:
@@ -142,15 +166,21 @@ class LatestStats:
         asked = key if key is not None else (tuple((g, tuple(r)) for g, r in sorted(scope.items())),
                                              tuple(missing.items()))
         kept = self._answers.get(asked)
-        if kept is None or kept[0] != self._generation:
+        if kept is None or kept.generation != self._generation:
             if len(self._answers) >= _ANSWERS_KEPT:  # scopes asked for come and go: keep a few
                 self._answers.clear()
-            kept = self._answers[asked] = (self._generation, *self._body(scope, missing))
-        _, body, members = kept
-        # Each rank's confirmation on the Unix clock: wall is now on it.
-        confirmed_at = [round(wall - (now - held.confirmed), 3) for held in members]
-        stale = [held.snapshot.rank for held in members if now - held.confirmed > stale_after]
-        return packed_answer(body, fresh=False, as_of=round(wall, 3), confirmed_at=confirmed_at, stale=stale)
+            kept = self._answers[asked] = _Kept(self._generation, *self._body(scope, missing))
+        # The Unix clock less the monotonic one, to a tenth of a millisecond: each rank's
+        # confirmation on the Unix clock is its own plus this.
+        offset = round(wall - now, 4)
+        if kept.confirmations != self._confirmations or kept.offset != offset:
+            kept.confirmations, kept.offset = self._confirmations, offset
+            confirmed = [held.confirmed for held in kept.members]
+            kept.column = _packer.pack([round(at + offset, 3) for at in confirmed])
+            kept.oldest = min(confirmed, default=now)
+        stale = [] if now - kept.oldest <= stale_after else [
+            held.snapshot.rank for held in kept.members if now - held.confirmed > stale_after]
+        return packed_answer(kept.body, fresh=False, as_of=round(wall, 3), confirmed_at=kept.column, stale=stale)
 
     def _body(self, scope: dict[int, list[int]], missing: dict[int, str]) -> tuple[AnswerBody, tuple[Latest, ...]]:
         missing = dict(missing)

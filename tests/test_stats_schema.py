@@ -22,11 +22,12 @@ from wsd.manager.stats import (
     Combine,
     GroupColumn,
     ManagerStats,
+    PersistentStats,
     SlotNumber,
     SlotStats,
 )
 from wsd_client import render
-from wsd_client.rows import group_columns, group_slots, stats_rows, table_rows
+from wsd_client.rows import group_columns, group_slots, rank_slots, stats_rows, table_rows
 
 
 def _snapshot(rng: random.Random, slots: int) -> ManagerStats:
@@ -90,6 +91,26 @@ def test_aggregation_reads_the_columns_by_name_not_by_position():
     first, second = (msgpack.unpackb(r.finish({0: [0]}, {}, as_of=1.0)) for r in (a, b))
     assert first["groups"] == second["groups"] and first["group_slots"] == second["group_slots"]
     assert table_rows(first["ranks"])[0]["capacity_bytes"] == sum(snapshot["slots"]["capacity_bytes"])
+
+
+def test_persistent_names_travel_once_and_read_back_per_rank():
+    """Each name is in the answer's strings once, and every rank's buffers read back as it
+    sent them, also where ranks use the names in another order or names of their own."""
+    def buffers(*names: str) -> tuple[PersistentStats, ...]:
+        return tuple(PersistentStats(name, "tensor" if i % 2 else "resource", 64 * i) for i, name in enumerate(names))
+
+    rng = random.Random(5)
+    held = {0: [buffers("a", "b"), buffers("a")], 1: [buffers("b", "a"), buffers("c", "a", "b")], 2: [(), ()]}
+    snapshots = {rank: ManagerStats("cpu", 2, 1, False, tuple(
+        SlotStats(**{c: rng.randrange(1 << 20) for c in SLOT_COLUMNS} | {"ubatch": i, "lane": 0},
+                  last_violation=None, persistent=slot) for i, slot in enumerate(slots)))
+                 for rank, slots in held.items()}
+    answer = _answer(snapshots)
+    assert sorted(answer["strings"]) == ["a", "b", "c", "resource", "tensor"]
+    assert all(isinstance(code, int) for code in answer["persistent"]["key"])
+    for rank, snapshot in snapshots.items():
+        assert [s["persistent"] for s in rank_slots(answer, rank)] == [
+            [{"key": p.key, "kind": p.kind, "nbytes": p.nbytes} for p in slot.persistent] for slot in snapshot.slots]
 
 
 def test_every_slot_number_has_its_metric_family_and_help():

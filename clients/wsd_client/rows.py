@@ -8,7 +8,9 @@ last known current, Unix seconds; ``as_of - confirmed_at`` is its age, as
 ``rank`` column says whose each row is (``{"rank": [0, 0, 1, 1], "ubatch":
 [0, 1, 0, 1], "capacity_bytes": [4096, 0, ...], ...}``); the last violations
 and persistent buffers likewise (``last_violation`` and ``persistent``, whose
-``slot`` is the index of the slot among its rank's). ``groups`` has a row per
+``slot`` is the index of the slot among its rank's; a persistent buffer's
+``key`` and ``kind`` are indices into the answer's ``strings``, a few names
+that would otherwise repeat for every slot). ``groups`` has a row per
 TP group, and every group's per-slot summary rows are one table too,
 ``group_slots``, whose ``tp_group`` column says whose each row is.
 ``table_rows`` gives a table's rows as maps; ``stats_rows`` turns the whole
@@ -26,7 +28,8 @@ from wsd.manager.stats import GROUP_COLUMNS, SLOT_COLUMNS, SLOT_KEY, slot_rows
 
 __all__ = ["ages", "group_columns", "group_slots", "rank_columns", "rank_slots", "stats_rows", "table_rows"]
 
-_TABLES = ("slots", "last_violation", "persistent", "group_slots")
+_TABLES = ("slots", "last_violation", "persistent", "group_slots", "strings")
+_CODED = ("key", "kind")  # the persistent-buffer columns sent as indices into ``strings``
 
 
 def table_rows(table: dict[str, list[Any]]) -> list[dict[str, Any]]:
@@ -49,10 +52,17 @@ def _split(table: dict[str, list[Any]], owner: str = "rank") -> dict[int, dict[s
     return out
 
 
+def _decoded(table: dict[str, list[Any]], strings: list[str]) -> dict[str, list[Any]]:
+    """The persistent-buffer table with its ``key`` and ``kind`` as strings: the answer sends
+    them as indices into its ``strings``."""
+    return {name: [strings[i] for i in column] if name in _CODED else column for name, column in table.items()}
+
+
 def rank_columns(doc: dict[str, Any]) -> dict[int, dict[str, Any]]:
     """Each rank's slots as one rank's snapshot holds them (``ManagerStats.to_wire()["slots"]``:
     columns, with its last violations and persistent buffers as tables keyed by slot index)."""
-    slots, violations, persistent = (_split(doc.get(name) or {}) for name in _TABLES[:3])
+    slots, violations = (_split(doc.get(name) or {}) for name in _TABLES[:2])
+    persistent = _split(_decoded(doc.get("persistent") or {}, doc.get("strings") or []))
     empty: dict[str, list[Any]] = {c: [] for c in SLOT_COLUMNS}
     return {r: {**slots.get(r, empty), "last_violation": violations.get(r, {}), "persistent": persistent.get(r, {})}
             for r in doc["ranks"]["rank"]}

@@ -33,7 +33,7 @@ from wsd.manager.stats import (
     VIOLATION_COLUMNS,
 )
 
-__all__ = ["GROUP_TABLE", "RANK_TABLE", "AnswerBody", "GroupPart", "Snapshot", "StatsRound", "answer_body",
+__all__ = ["CODED", "GROUP_TABLE", "RANK_TABLE", "AnswerBody", "GroupPart", "Snapshot", "StatsRound", "answer_body",
            "group_part", "packed_answer", "read_changes", "read_snapshot"]
 
 _RANK_FIELDS = {"device": str, "num_ubatches": int, "num_lanes": int, "locked": bool, "slots": dict}
@@ -103,7 +103,8 @@ class Snapshot:
     whatever the number of ranks, instead of encoding them again.
     """
 
-    __slots__ = ("columns", "entry", "locked", "num_ubatches", "rank", "tables", "total_bytes", "tp_group")
+    __slots__ = ("columns", "entry", "locked", "num_ubatches", "persistent", "rank", "strings", "tables",
+                 "total_bytes", "tp_group")
 
     def __init__(self, rank: int, tp_group: int, step: int, stats: dict[str, Any],
                  columns: dict[str, list[Any]], *, previous: Snapshot | None = None,
@@ -119,20 +120,37 @@ class Snapshot:
             rank, tp_group, step, stats["device"], self.num_ubatches, stats["num_lanes"], self.locked,
             self.total_bytes, sum(columns["capacity_bytes"]), sum(columns["lock_violations"]))))
         slots = stats["slots"]
+        if previous is None or "persistent" in changed:
+            self.strings, self.persistent = _coded(slots.get("persistent") or {})
+        else:
+            self.strings, self.persistent = previous.strings, previous.persistent
         if previous is None:
-            sparse = [(slots.get(name) or {}, names) for name, names in _SPARSE]
             self.tables: tuple[tuple[int, tuple[bytes, ...]], ...] = (
                 _rows(rank, [columns[c] for c in SLOT_COLUMNS]),
-                *(_rows(rank, [table.get(c, []) for c in names]) for table, names in sparse),
+                _rows(rank, [(slots.get("last_violation") or {}).get(c, []) for c in VIOLATION_COLUMNS]),
+                _rows(rank, self.persistent),
             )
             return
         # A delta on ``previous`` (same rank, same slots): only what changed is encoded again.
         count, parts = previous.tables[0]
         parts = (parts[0], *(_items(columns[c]) if c in changed else part
                              for c, part in zip(SLOT_COLUMNS, parts[1:])))
-        self.tables = ((count, parts), *(
-            _rows(rank, [(slots.get(name) or {}).get(c, []) for c in names]) if name in changed else kept
-            for (name, names), kept in zip(_SPARSE, previous.tables[1:])))
+        violations = previous.tables[1]
+        if "last_violation" in changed:
+            violations = _rows(rank, [(slots.get("last_violation") or {}).get(c, []) for c in VIOLATION_COLUMNS])
+        persistent = _rows(rank, self.persistent) if "persistent" in changed else previous.tables[2]
+        self.tables = ((count, parts), violations, persistent)
+
+
+def _coded(table: dict[str, list[Any]]) -> tuple[tuple[str, ...], list[list[Any]]]:
+    """A rank's persistent-buffer table (checked) as ``PERSISTENT_COLUMNS``, its ``CODED``
+    columns as indices into the rank's own strings, which it returns too, in order of use."""
+    strings: dict[str, int] = {}
+    columns = [table.get(c, []) for c in PERSISTENT_COLUMNS]
+    for i, name in enumerate(PERSISTENT_COLUMNS):
+        if name in CODED:
+            columns[i] = [strings.setdefault(value, len(strings)) for value in columns[i]]
+    return tuple(strings), columns
 
 
 RANK_TABLE = ("rank", "tp_group", "step", "device", "num_ubatches", "num_lanes", "locked", "total_bytes",
@@ -141,6 +159,9 @@ RANK_TABLE = ("rank", "tp_group", "step", "device", "num_ubatches", "num_lanes",
 GROUP_TABLE = ("tp_group", "ranks", "reporting", "missing", "total_bytes", "rank_bytes_min", "rank_bytes_max",
                "skew_bytes", "locked_consistent", "num_ubatches_consistent")
 """The columns of the answer's ``groups`` table, one row per TP group in scope."""
+CODED = ("key", "kind")
+"""The persistent-buffer table's columns sent as indices into the answer's ``strings``: a few
+names, repeated for every slot of every rank."""
 _SPARSE = (("last_violation", VIOLATION_COLUMNS), ("persistent", PERSISTENT_COLUMNS))
 # The answer's tables: every rank's rows of each, one after the other, ``rank`` first.
 _TABLES = (("slots", ("rank", *SLOT_COLUMNS)), *((name, ("rank", *names)) for name, names in _SPARSE))
@@ -204,7 +225,7 @@ class AnswerBody(NamedTuple):
     """Some expected rank is missing from it."""
 
 
-_BODY_KEYS = 8  # the map entries of an AnswerBody
+_BODY_KEYS = 9  # the map entries of an AnswerBody
 
 
 def answer_body(members: list[Snapshot], groups: list[GroupPart], missing: dict[int, str]) -> AnswerBody:
@@ -214,7 +235,8 @@ def answer_body(members: list[Snapshot], groups: list[GroupPart], missing: dict[
     Every answer part is a table (a map of equal-length columns): each rank
     is a row of ``ranks`` (``RANK_TABLE``); every rank's slots are rows of
     ``slots`` (``rank`` first), and so are the last violations and persistent
-    buffers (``slot`` is the index of the slot among its rank's). Each TP
+    buffers (``slot`` is the index of the slot among its rank's; a persistent
+    buffer's ``key`` and ``kind`` are indices into ``strings``). Each TP
     group is a row of ``groups`` (``GROUP_TABLE``), and every group's per-slot
     summary rows of ``group_slots`` (``tp_group`` first). Tables rather than a
     map per rank, group or slot: a client decodes a few long lists much faster
@@ -230,9 +252,20 @@ def answer_body(members: list[Snapshot], groups: list[GroupPart], missing: dict[
         pack(RANK_TABLE[-1]),
     ]
     tail = []
-    for i, (name, columns) in enumerate(_TABLES):
+    for i, (name, columns) in enumerate(_TABLES[:2]):
         tail += _spliced_table(name, columns, [s.tables[i] for s in members])
+    strings: dict[str, int] = {}
+    persistent = []
+    for s in members:  # one table of strings for all: each rank's codes kept where they agree
+        codes = [strings.setdefault(value, len(strings)) for value in s.strings]
+        if codes == list(range(len(codes))):
+            persistent.append(s.tables[2])
+        else:
+            persistent.append(_rows(s.rank, [[codes[c] for c in column] if name in CODED else column
+                                             for name, column in zip(PERSISTENT_COLUMNS, s.persistent)]))
     tail += [
+        *_spliced_table(*_TABLES[2], persistent),
+        pack("strings"), pack(list(strings)),
         *_spliced_table("groups", GROUP_TABLE, [g.entry for g in groups]),
         *_spliced_table("group_slots", _GROUP_SLOTS_TABLE, [g.rows for g in groups]),
         pack("missing"), pack([{"rank": rank, "reason": reason} for rank, reason in sorted(missing.items())]),

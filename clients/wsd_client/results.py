@@ -2,7 +2,9 @@
 
 Each is the decoded answer as it came (``doc``), read through typed properties,
 and a read-only mapping of it too (``status["ranks"]``), so that code written
-when the calls returned plain maps keeps working. Nothing is copied or expanded
+when the calls returned plain maps keeps working (but for ``stats``, whose
+``ranks`` and ``groups`` are tables now: ``Stats.ranks`` and ``Stats.groups``
+give their rows). Nothing is copied or expanded
 when one is made: ``Client.stats()`` at 4,096 ranks costs what decoding costs
 (its tables become rows only when asked for: ``Stats.ranks``, ``Stats.groups``,
 ``Stats.rows()``); the lists and maps a property gives are otherwise the
@@ -278,8 +280,15 @@ class Ranks(Answer):
 
 
 class Stats(Answer):
-    """``stats``: per rank, slot and TP group, as the coordinator sends it (slots as columns,
-    see ``wsd_client.rows``); ``rows()`` gives the one row shape ``wsctl stats --json`` prints."""
+    """``stats``: per rank, slot and TP group, as the coordinator sends it (every part a table
+    of columns, see ``wsd_client.rows``); ``rows()`` gives the one row shape ``wsctl stats
+    --json`` prints. An older coordinator's answer is read in today's shape
+    (``wsd_client.rows.from_older``)."""
+
+    __slots__ = ()
+
+    def __init__(self, doc: dict[str, Any]) -> None:
+        super().__init__(_rows.from_older(doc))
 
     @property
     def complete(self) -> bool:

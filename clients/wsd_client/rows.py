@@ -26,10 +26,25 @@ from typing import Any
 
 from wsd.manager.stats import GROUP_COLUMNS, SLOT_COLUMNS, SLOT_KEY, slot_rows
 
-__all__ = ["ages", "group_columns", "group_slots", "rank_columns", "rank_slots", "stats_rows", "table_rows"]
+__all__ = ["ages", "from_older", "group_columns", "group_slots", "rank_columns", "rank_slots", "stats_rows",
+           "table_rows"]
 
 _TABLES = ("slots", "last_violation", "persistent", "group_slots", "strings")
 _CODED = ("key", "kind")  # the persistent-buffer columns sent as indices into ``strings``
+
+
+def from_older(doc: dict[str, Any]) -> dict[str, Any]:
+    """An answer of a coordinator older than tables of ranks and groups (``ranks`` and
+    ``groups`` a list of maps, the buffers' names in full) in the shape of today's;
+    today's as it is."""
+    if not isinstance(doc.get("ranks"), list):
+        return doc
+    tables = {}
+    for name, first in (("ranks", "rank"), ("groups", "tp_group")):
+        rows = doc[name]
+        names = list(rows[0]) if rows else [first]
+        tables[name] = {column: [row.get(column) for row in rows] for column in names}
+    return {**doc, **tables}
 
 
 def table_rows(table: dict[str, list[Any]]) -> list[dict[str, Any]]:
@@ -52,9 +67,11 @@ def _split(table: dict[str, list[Any]], owner: str = "rank") -> dict[int, dict[s
     return out
 
 
-def _decoded(table: dict[str, list[Any]], strings: list[str]) -> dict[str, list[Any]]:
+def _decoded(table: dict[str, list[Any]], strings: list[str] | None) -> dict[str, list[Any]]:
     """The persistent-buffer table with its ``key`` and ``kind`` as strings: the answer sends
-    them as indices into its ``strings``."""
+    them as indices into its ``strings`` (an older coordinator, without ``strings``, in full)."""
+    if strings is None:
+        return table
     return {name: [strings[i] for i in column] if name in _CODED else column for name, column in table.items()}
 
 
@@ -62,7 +79,7 @@ def rank_columns(doc: dict[str, Any]) -> dict[int, dict[str, Any]]:
     """Each rank's slots as one rank's snapshot holds them (``ManagerStats.to_wire()["slots"]``:
     columns, with its last violations and persistent buffers as tables keyed by slot index)."""
     slots, violations = (_split(doc.get(name) or {}) for name in _TABLES[:2])
-    persistent = _split(_decoded(doc.get("persistent") or {}, doc.get("strings") or []))
+    persistent = _split(_decoded(doc.get("persistent") or {}, doc.get("strings")))
     empty: dict[str, list[Any]] = {c: [] for c in SLOT_COLUMNS}
     return {r: {**slots.get(r, empty), "last_violation": violations.get(r, {}), "persistent": persistent.get(r, {})}
             for r in doc["ranks"]["rank"]}

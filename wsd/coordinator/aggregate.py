@@ -2,8 +2,9 @@
 
 Input is what agents send (``ManagerStats.to_wire()``: each rank's slots as
 equal-length columns); output is plain lists and maps, ready for msgpack or
-JSON, with the slots of every rank and of every group as tables (the
-``stats`` answer; ``wsd_client.rows.stats_rows`` expands it into rows). Every
+JSON, every part of it a table of columns: the ranks, every rank's slots, the
+groups and every group's per-slot summary (the ``stats`` answer;
+``wsd_client.rows.stats_rows`` expands it into rows). Every
 column is read by name and checked against its type, and a group's columns
 are derived, from the schema (``wsd.manager.stats.SLOT_NUMBERS``). No
 sockets, no torch.

@@ -43,6 +43,7 @@ Out = tuple[str, Route, bytes]
 # Commands sent to a rank per registration or heartbeat that finds it behind:
 # the rest follow at its next heartbeats, so no claim makes one message cost many.
 RESEND_WINDOW = 64
+_SCOPES_KEPT = 64  # the scopes of answers from memory kept, each for one group asked for (or all)
 
 
 @dataclass
@@ -126,7 +127,7 @@ class CoordinatorCore:
         self._stats: dict[int, _PendingStats] = {}  # fresh rounds (wsctl stats --fresh)
         # Per group asked for (None: all), the scope and missing ranks of an answer from memory,
         # as of the registry's count of changes.
-        self._stats_scopes: dict[int | None, tuple[Any, dict[int, list[int]], dict[int, str]]] = {}
+        self._stats_scopes: dict[int | None, tuple[int, dict[int, list[int]], dict[int, str]]] = {}
         self._stats_ids = 0
         # Each rank's latest snapshot as its agent pushed it: what stats answers come from.
         self.latest = LatestStats()
@@ -589,11 +590,14 @@ class CoordinatorCore:
 
     def _remembered(self, group: int | None) -> bytes:
         """The encoded ``stats`` answer from the ranks' pushed snapshots (group None: all)."""
-        key = (self.registry.changes, group)  # its scope and missing ranks stand while it does
+        changes = self.registry.changes  # the scope and missing ranks stand while it does
         kept = self._stats_scopes.get(group)
-        if kept is None or kept[0] != key:
-            kept = self._stats_scopes[group] = (key, self._stats_scope(group), self.registry.missing(group))
-        return self.latest.answer(kept[1], kept[2], self.clock(), self.wall(), self.config.stale_after, key=key)
+        if kept is None or kept[0] != changes:
+            if len(self._stats_scopes) >= _SCOPES_KEPT:  # groups asked for come and go: keep a few
+                self._stats_scopes.clear()
+            kept = self._stats_scopes[group] = (changes, self._stats_scope(group), self.registry.missing(group))
+        return self.latest.answer(kept[1], kept[2], self.clock(), self.wall(), self.config.stale_after,
+                                  key=group, version=changes)
 
     def _start_stats(self, route: Route, request_id: int, group: int | None, timeout: float) -> list[Out]:
         """Ask every live rank of ``group`` (None: all) for a snapshot now, and answer when all did."""

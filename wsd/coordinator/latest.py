@@ -55,13 +55,15 @@ class Latest:
 
 
 class _Kept:
-    """An answer's body for one scope, built at one generation, and its ``confirmed_at``
-    column (encoded), built at a count of confirmations and a clock offset."""
+    """An answer's body for one scope, built at one generation (and the caller's version of
+    the scope), and its ``confirmed_at`` column (encoded), built at a count of confirmations
+    and a clock offset."""
 
-    __slots__ = ("body", "column", "confirmations", "generation", "members", "offset", "oldest")
+    __slots__ = ("body", "column", "confirmations", "generation", "members", "offset", "oldest", "version")
 
-    def __init__(self, generation: int, body: AnswerBody, members: tuple[Latest, ...]) -> None:
+    def __init__(self, generation: int, version: Hashable, body: AnswerBody, members: tuple[Latest, ...]) -> None:
         self.generation = generation
+        self.version = version  # the caller's, of the scope and missing ranks
         self.body = body
         self.members = members  # the ranks' Latest, in the body's order
         self.confirmations = -1  # none read yet
@@ -148,15 +150,16 @@ class LatestStats:
         return {rank: max(0.0, now - held.confirmed) for rank, held in self.ranks.items()}
 
     def answer(self, scope: dict[int, list[int]], missing: dict[int, str], now: float, wall: float,
-               stale_after: float, *, key: Hashable = None) -> bytes:
+               stale_after: float, *, key: Hashable = None, version: Hashable = None) -> bytes:
         """The encoded ``stats`` result for the TP groups of ``scope`` (group -> expected ranks).
 
         ``missing`` gives the reason for each expected rank that is not live; a live
         rank with nothing pushed yet is missing too. A snapshot last known current
         more than ``stale_after`` seconds before ``now`` is in the answer, marked
         stale, and the answer is not complete. ``wall``: the Unix time of ``now``.
-        ``key``, if given, stands for ``scope`` and ``missing``: the caller gives the
-        same key only with the same scope and missing ranks.
+        ``key`` and ``version``, if given, stand for ``scope`` and ``missing``: the
+        caller gives the same key and version only with the same scope and missing
+        ranks (a new version replaces what was kept for the key).
 
         What depends on neither ``now`` nor confirmations is kept, for the same scope
         and missing ranks, until a push or a registration changes what is
@@ -166,10 +169,10 @@ class LatestStats:
         asked = key if key is not None else (tuple((g, tuple(r)) for g, r in sorted(scope.items())),
                                              tuple(missing.items()))
         kept = self._answers.get(asked)
-        if kept is None or kept.generation != self._generation:
+        if kept is None or kept.generation != self._generation or kept.version != version:
             if len(self._answers) >= _ANSWERS_KEPT:  # scopes asked for come and go: keep a few
                 self._answers.clear()
-            kept = self._answers[asked] = _Kept(self._generation, *self._body(scope, missing))
+            kept = self._answers[asked] = _Kept(self._generation, version, *self._body(scope, missing))
         # The Unix clock less the monotonic one, to a tenth of a millisecond: each rank's
         # confirmation on the Unix clock is its own plus this.
         offset = round(wall - now, 4)

@@ -101,7 +101,10 @@ class Snapshot:
     rank's row of the answer's ``ranks`` table (but for ``confirmed_at``), and
     ``tables`` its rows of the answer's slot, violation and persistent tables,
     encoded now: an answer splices them behind headers (``packed_answer``),
-    whatever the number of ranks, instead of encoding them again.
+    whatever the number of ranks, instead of encoding them again. The
+    persistent rows' ``CODED`` columns are indices into ``strings``, the rank's
+    own names; ``persistent`` keeps those rows, for an answer whose table of
+    names numbers them otherwise.
     """
 
     __slots__ = ("columns", "entry", "locked", "num_ubatches", "persistent", "rank", "strings", "tables",
@@ -220,8 +223,6 @@ class AnswerBody(NamedTuple):
 
     head: bytes
     tail: bytes
-    ranks: tuple[int, ...]
-    """The ranks in it, in the order of its rows."""
     missing: bool
     """Some expected rank is missing from it."""
 
@@ -271,7 +272,7 @@ def answer_body(members: list[Snapshot], groups: list[GroupPart], missing: dict[
         *_spliced_table("group_slots", _GROUP_SLOTS_TABLE, [g.rows for g in groups]),
         pack("missing"), pack([{"rank": rank, "reason": reason} for rank, reason in sorted(missing.items())]),
     ]
-    return AnswerBody(b"".join(head), b"".join(tail), tuple(s.rank for s in members), bool(missing))
+    return AnswerBody(b"".join(head), b"".join(tail), bool(missing))
 
 
 def packed_answer(body: AnswerBody, *, fresh: bool, as_of: float, confirmed_at: bytes, stale: list[int]) -> bytes:

@@ -371,6 +371,17 @@ def test_slots_off_drops_the_per_slot_series_and_keeps_every_other():
     assert by(without, "wsd_rank_lock_violations_total", "rank") == {"0": 1, "1": 1, "2": 1, "3": 1}
 
 
+def test_a_scrape_before_the_first_tick_has_every_family(tmp_path):
+    """The endpoint serves as soon as it is bound; what it serves is published as the core
+    is made, not at its first tick (which left a first scrape with no wsd family at all)."""
+    clock = Clock(100.0)
+    core = CoordinatorCore(CoordinatorConfig(state_file=str(tmp_path / "state"), world_size=2, tp_size=2,
+                                             metrics_port=0), clock=clock, wall=clock)
+    _, samples = collect(core.published, wall=clock.now)
+    assert {"wsd_rank_up", "wsd_events_total", "wsd_stats_absent_ranks", "wsd_build_info"} <= set(samples)
+    assert by(samples, "wsd_rank_up", "rank") == {"0": 0, "1": 0}
+
+
 def test_events_are_counted_by_kind_every_kind_from_the_start(tmp_path):
     """wsd_events_total: every kind at 0 from the first scrape, so that increase() sees the
     first lock violation; then the coordinator's own log, kind by kind."""

@@ -162,6 +162,8 @@ class CoordinatorCore:
             Op.EVENT: self._agent_event,
             Op.GOODBYE: self._goodbye,
         }
+        if self._metrics:  # a scrape before the first tick sees every family too
+            self._publish()
 
     # -- entry points --------------------------------------------------------
 
@@ -253,13 +255,18 @@ class CoordinatorCore:
             out += [(AGENT, (i.peer,), pulse) for i in self.registry.live()]
             if self._metrics:
                 self._publish_core()
-        if now >= self._next_refresh:  # the metrics copy what is remembered: no rank is asked
+        if now >= self._next_refresh:
             self._next_refresh = now + self.config.metrics_refresh
-            figures = self.latest.figures(self._stats_scope(None), self.registry.missing(), self.clock(),
-                                          self.config.stale_after)
-            self.published = replace(self.published, stats=StatsView(self.wall(), *figures))
-            self._publish_core()
+            self._publish()
         return out
+
+    def _publish(self) -> None:
+        """Give the metrics endpoint the stats and core views of now. The metrics copy what is
+        remembered: no rank is asked."""
+        now = self.clock()
+        figures = self.latest.figures(self._stats_scope(None), self.registry.missing(), now, self.config.stale_after)
+        self.published = replace(self.published, stats=StatsView(self.wall(), *figures))
+        self._publish_core()
 
     def next_deadline(self) -> float:
         """When ``tick`` next has something to do (monotonic clock)."""

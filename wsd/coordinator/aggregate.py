@@ -124,26 +124,25 @@ class Snapshot:
             rank, tp_group, step, stats["device"], self.num_ubatches, stats["num_lanes"], self.locked,
             self.total_bytes, sum(columns["capacity_bytes"]), sum(columns["lock_violations"]))))
         slots = stats["slots"]
+        # Whole, or a delta on ``previous`` (same rank, same slots): only what changed is
+        # encoded again.
+        if previous is None:
+            slot_rows = _rows(rank, [columns[c] for c in SLOT_COLUMNS])
+        else:
+            count, parts = previous.tables[0]
+            slot_rows = (count, (parts[0], *(_items(columns[c]) if c in changed else part
+                                             for c, part in zip(SLOT_COLUMNS, parts[1:]))))
+        if previous is None or "last_violation" in changed:
+            violations = _rows(rank, [(slots.get("last_violation") or {}).get(c, []) for c in VIOLATION_COLUMNS])
+        else:
+            violations = previous.tables[1]
         if previous is None or "persistent" in changed:
             self.strings, self.persistent = _coded(slots.get("persistent") or {})
+            persistent = _rows(rank, self.persistent)
         else:
             self.strings, self.persistent = previous.strings, previous.persistent
-        if previous is None:
-            self.tables: tuple[tuple[int, tuple[bytes, ...]], ...] = (
-                _rows(rank, [columns[c] for c in SLOT_COLUMNS]),
-                _rows(rank, [(slots.get("last_violation") or {}).get(c, []) for c in VIOLATION_COLUMNS]),
-                _rows(rank, self.persistent),
-            )
-            return
-        # A delta on ``previous`` (same rank, same slots): only what changed is encoded again.
-        count, parts = previous.tables[0]
-        parts = (parts[0], *(_items(columns[c]) if c in changed else part
-                             for c, part in zip(SLOT_COLUMNS, parts[1:])))
-        violations = previous.tables[1]
-        if "last_violation" in changed:
-            violations = _rows(rank, [(slots.get("last_violation") or {}).get(c, []) for c in VIOLATION_COLUMNS])
-        persistent = _rows(rank, self.persistent) if "persistent" in changed else previous.tables[2]
-        self.tables = ((count, parts), violations, persistent)
+            persistent = previous.tables[2]
+        self.tables: tuple[tuple[int, tuple[bytes, ...]], ...] = (slot_rows, violations, persistent)
 
 
 def _coded(table: dict[str, list[Any]]) -> tuple[tuple[str, ...], list[list[Any]]]:

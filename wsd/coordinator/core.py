@@ -264,7 +264,7 @@ class CoordinatorCore:
         """Give the metrics endpoint the stats and core views of now. The metrics copy what is
         remembered: no rank is asked."""
         now = self.clock()
-        figures = self.latest.figures(self._stats_scope(None), self.registry.missing(), now, self.config.stale_after)
+        figures = self.latest.figures(*self._scope(None), now, self.config.stale_after)
         self.published = replace(self.published, stats=StatsView(self.wall(), *figures))
         self._publish_core()
 
@@ -597,14 +597,20 @@ class CoordinatorCore:
 
     def _remembered(self, group: int | None) -> bytes:
         """The encoded ``stats`` answer from the ranks' pushed snapshots (group None: all)."""
-        changes = self.registry.changes  # the scope and missing ranks stand while it does
+        scope, missing = self._scope(group)
+        return self.latest.answer(scope, missing, self.clock(), self.wall(), self.config.stale_after,
+                                  key=group, version=self.registry.changes)
+
+    def _scope(self, group: int | None) -> tuple[dict[int, list[int]], dict[int, str]]:
+        """``_stats_scope(group)`` and the registry's missing ranks of it, kept while the registry
+        counts no change; shared, never to be changed by the caller."""
+        changes = self.registry.changes
         kept = self._stats_scopes.get(group)
         if kept is None or kept[0] != changes:
             if len(self._stats_scopes) >= _SCOPES_KEPT:  # groups asked for come and go: keep a few
                 self._stats_scopes.clear()
             kept = self._stats_scopes[group] = (changes, self._stats_scope(group), self.registry.missing(group))
-        return self.latest.answer(kept[1], kept[2], self.clock(), self.wall(), self.config.stale_after,
-                                  key=group, version=changes)
+        return kept[1], kept[2]
 
     def _start_stats(self, route: Route, request_id: int, group: int | None, timeout: float) -> list[Out]:
         """Ask every live rank of ``group`` (None: all) for a snapshot now, and answer when all did."""

@@ -19,7 +19,8 @@ N = 1, 8 and 32 simulated ranks (``wsd.agent.simulated``, 8 slots each):
 
 The coordinator, the simulated ranks and the bare DEALERs each run in a
 process of their own; the bare DEALERs run as the simulated ranks do (one
-thread, one poller, one DEALER per rank). Rounds are interleaved and the
+thread, one poller, one DEALER per rank). Rounds are interleaved, in a new (seeded)
+order each round so that each candidate follows each of the others as often, and the
 median taken. Then, with 2 real gloo ranks, the per-step agreement
 (``Agent.step()``, apply_every=1) against one bare gloo ``all_reduce`` of one
 integer on the same group, interleaved in the same processes.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import random
 import statistics
 import struct
 import tempfile
@@ -56,6 +58,7 @@ SLOTS = 8
 TARGETS = {"stats": 0.5, "command": 2.0, "agreement": 1.2}
 PUSH_STEP_RATE_TARGET = 0.99  # steps per second pushing / not pushing: at least
 _ROUND_TIMEOUT = 10.0
+_ORDER_SEED = 16  # of the candidates' order in each round
 
 # -- helper processes (spawned: each starts clean, with no torch) ------------------------
 
@@ -251,10 +254,13 @@ def bench_fan_out(n: int, rounds: int, state_dir: str) -> dict[str, Any]:
             ("bare command", lambda i: bare.round(command_request)),
             ("command", wsd_command),
         ]
+        # A new order every round, so that each candidate follows each of the others as
+        # often: what one leaves behind (a command's pushes, say) falls on every candidate
+        # alike. Seeded, so that runs measure the same orders.
+        order = random.Random(_ORDER_SEED)
         for i in range(rounds):
-            # The order turns every round, so that no candidate always follows the same one.
-            turn = i % len(candidates)
-            for name, fn in candidates[turn:] + candidates[:turn]:
+            order.shuffle(candidates)
+            for name, fn in candidates:
                 samples[name].append(timed_us(lambda fn=fn, i=i: fn(i)))
         client.close()
         # Of a stats round, what the client's decoding of the answer takes alone.

@@ -12,7 +12,7 @@ from dataclasses import fields
 import msgpack
 import pytest
 
-from wsd.coordinator.aggregate import StatsRound, read_snapshot
+from wsd.coordinator.aggregate import StatsRound, _group_slots, read_snapshot
 from wsd.coordinator.metrics import _HELP, FAMILIES
 from wsd.manager.stats import (
     GROUP_COLUMNS,
@@ -79,6 +79,36 @@ def test_groups_whose_ranks_hold_different_slots_are_matched_by_key():
         only = getattr(long.slots[2], number.name)
         for column in number.group:
             assert columns[column.name][2] == (0 if column.combine is Combine.SPREAD else only)
+
+
+def test_a_group_of_one_rank_reporting_is_read_from_the_ranks_slots_not_sent_twice():
+    """A group with one rank reporting (alone in it, or its peer missing) has no rows in
+    ``group_slots``; its summary, read back, is what the coordinator's aggregation of that
+    one rank gives, and an answer that carries its rows (an older coordinator) is read as
+    it came."""
+    rng = random.Random(11)
+    snapshots = {r: _snapshot(rng, 3) for r in range(4)}
+    expected = {0: [0], 1: [1, 2], 2: [3, 4]}  # rank 4 never answers
+    rnd = StatsRound(expected)
+    read = {r: read_snapshot(r, g, 7, msgpack.unpackb(msgpack.packb(snapshots[r].to_wire())))
+            for g, ranks in expected.items() for r in ranks if r in snapshots}
+    for snapshot in read.values():
+        rnd.add(snapshot)
+    answer = msgpack.unpackb(rnd.finish(expected, {4: "no reply within the stats timeout"}, as_of=1.0))
+    assert set(answer["group_slots"]["tp_group"]) == {1}  # only the group of two reporting
+    summaries = group_columns(answer)
+    for group, rank in ((0, 0), (2, 3)):
+        assert summaries[group] == _group_slots([read[rank]])
+        assert [row["ranks"] for row in group_slots(answer, group)] == [[rank]] * 3
+    assert summaries[1] == _group_slots([read[1], read[2]])
+    # The same answer with every group's rows in group_slots reads the same.
+    whole: dict[str, list] = {c: [] for c in answer["group_slots"]}
+    for group in expected:
+        for c, column in summaries[group].items():
+            whole[c] += column
+        whole["tp_group"] += [group] * len(summaries[group]["ubatch"])
+    older = {**answer, "group_slots": whole}
+    assert group_columns(older) == summaries and stats_rows(older) == stats_rows(answer)
 
 
 def test_aggregation_reads_the_columns_by_name_not_by_position():

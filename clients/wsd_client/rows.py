@@ -12,7 +12,9 @@ and persistent buffers likewise (``last_violation`` and ``persistent``, whose
 ``key`` and ``kind`` are indices into the answer's ``strings``, a few names
 that would otherwise repeat for every slot). ``groups`` has a row per
 TP group, and every group's per-slot summary rows are one table too,
-``group_slots``, whose ``tp_group`` column says whose each row is.
+``group_slots``, whose ``tp_group`` column says whose each row is; but for a
+group of one rank reporting, whose summary is that rank's own slots
+(``group_columns`` derives it).
 ``table_rows`` gives a table's rows as maps; ``stats_rows`` turns the whole
 answer into one map per rank and group with one map per slot under each, the
 shape ``wsctl``'s JSON and tables show, with each rank's ``age`` and whether
@@ -24,7 +26,7 @@ from __future__ import annotations
 from itertools import groupby
 from typing import Any
 
-from wsd.manager.stats import GROUP_COLUMNS, SLOT_COLUMNS, SLOT_KEY, slot_rows
+from wsd.manager.stats import GROUP_COLUMNS, SLOT_COLUMNS, SLOT_KEY, one_rank_summary, slot_rows
 
 __all__ = ["ages", "from_older", "group_columns", "group_slots", "rank_columns", "rank_slots", "stats_rows",
            "table_rows"]
@@ -91,12 +93,23 @@ def rank_slots(doc: dict[str, Any], rank: int) -> list[dict[str, Any]]:
     return slot_rows(rank_columns(doc)[rank])
 
 
-def group_columns(doc: dict[str, Any]) -> dict[int, dict[str, list[Any]]]:
+def group_columns(doc: dict[str, Any], ranks: dict[int, dict[str, Any]] | None = None,
+                  ) -> dict[int, dict[str, list[Any]]]:
     """Each TP group's per-slot summary as columns (``GROUP_COLUMNS``), by group; a group
-    with no rank reporting has empty ones."""
+    with no rank reporting has empty ones. A group of one rank reporting has no rows in
+    ``group_slots``: its summary is that rank's slots (``one_rank_summary``), from
+    ``ranks`` (``rank_columns(doc)``, built here if not given)."""
     tables = _split(doc.get("group_slots") or {}, "tp_group")
     empty: dict[str, list[Any]] = {c: [] for c in GROUP_COLUMNS}
-    return {g: tables.get(g, empty) for g in doc["groups"]["tp_group"]}
+    out = {}
+    for g, reporting in zip(doc["groups"]["tp_group"], doc["groups"]["reporting"]):
+        if g not in tables and len(reporting) == 1:
+            if ranks is None:
+                ranks = rank_columns(doc)
+            out[g] = one_rank_summary(ranks[reporting[0]])
+        else:
+            out[g] = tables.get(g, empty)
+    return out
 
 
 def group_slots(doc: dict[str, Any], tp_group: int) -> list[dict[str, Any]]:
@@ -104,7 +117,8 @@ def group_slots(doc: dict[str, Any], tp_group: int) -> list[dict[str, Any]]:
     capacity_max, capacity_total, skew_bytes, peak_requested_max, requests,
     resizes, lock_violations}]``, ``ranks`` being the reporting ranks that have the slot."""
     [group] = (g for g in table_rows(doc["groups"]) if g["tp_group"] == tp_group)
-    return _group_rows(group, group_columns(doc)[tp_group], rank_columns(doc))
+    ranks = rank_columns(doc)
+    return _group_rows(group, group_columns(doc, ranks)[tp_group], ranks)
 
 
 def _group_rows(group: dict[str, Any], columns: dict[str, list[Any]],
@@ -135,7 +149,7 @@ def stats_rows(doc: dict[str, Any]) -> dict[str, Any]:
     slots as rows under it, each group's likewise, and each rank's ``age`` and whether it is
     ``stale``."""
     columns = rank_columns(doc)
-    groups = group_columns(doc)
+    groups = group_columns(doc, columns)
     age = ages(doc)
     stale = set(doc["stale"])
     rows = {k: v for k, v in doc.items() if k not in _TABLES}

@@ -208,11 +208,14 @@ class GroupPart(NamedTuple):
 
 
 def group_part(group: int, members: list[Snapshot], expected: list[int], missing: dict[int, str]) -> GroupPart:
-    """A TP group's part of the ``stats`` answer: its summary and its per-slot rows."""
-    slots = _group_slots(members)
+    """A TP group's part of the ``stats`` answer: its summary and its per-slot rows, none for
+    a group of one rank reporting (its summary is that rank's slots: see ``answer_body``)."""
     summary = _group_summary(group, members, expected, missing)
-    return GroupPart((1, tuple(_packer.pack(summary[c]) for c in GROUP_TABLE)),
-                     _rows(group, [slots[c] for c in GROUP_COLUMNS]))
+    entry = (1, tuple(_packer.pack(summary[c]) for c in GROUP_TABLE))
+    if len(members) < 2:
+        return GroupPart(entry, (0, ()))
+    slots = _group_slots(members)
+    return GroupPart(entry, _rows(group, [slots[c] for c in GROUP_COLUMNS]))
 
 
 class AnswerBody(NamedTuple):
@@ -239,7 +242,11 @@ def answer_body(members: list[Snapshot], groups: list[GroupPart], missing: dict[
     buffers (``slot`` is the index of the slot among its rank's; a persistent
     buffer's ``key`` and ``kind`` are indices into ``strings``). Each TP
     group is a row of ``groups`` (``GROUP_TABLE``), and every group's per-slot
-    summary rows of ``group_slots`` (``tp_group`` first). Tables rather than a
+    summary rows of ``group_slots`` (``tp_group`` first), but for a group of
+    one rank reporting (TP size 1, or all its other ranks missing): its summary
+    is that rank's own slots (each number combined over one rank is itself, a
+    spread 0), which ``slots`` holds already and ``wsd_client.rows`` reads
+    there; at TP size 1 it would repeat every rank's slots. Tables rather than a
     map per rank, group or slot: a client decodes a few long lists much faster
     than thousands of small maps, each repeating its keys. msgpack frames a
     map or an array as a header followed by its items, so the parts encoded

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 __all__ = ["GROUP_COLUMNS", "PERSISTENT_COLUMNS", "SLOT_COLUMNS", "SLOT_KEY", "SLOT_NUMBERS", "VIOLATION_COLUMNS",
            "Combine", "GroupColumn", "LockViolation", "ManagerStats", "PersistentStats", "SlotNumber", "SlotStats",
-           "apply_snapshot_delta", "slot_rows", "snapshot_delta"]
+           "apply_snapshot_delta", "one_rank_summary", "slot_rows", "snapshot_delta"]
 
 # -- the per-slot statistics schema --------------------------------------------------
 
@@ -129,6 +129,21 @@ SLOT_COLUMNS = SLOT_KEY + tuple(n.name for n in SLOT_NUMBERS)
 GROUP_COLUMNS = (*SLOT_KEY, *(c.name for n in SLOT_NUMBERS for c in n.group))
 """The columns of a TP group's per-slot summary, as the ``stats`` answer's ``group_slots`` table
 carries them (which ranks have each slot is in the ranks' own ``slots`` table)."""
+
+
+def one_rank_summary(columns: dict[str, Sequence[Any]]) -> dict[str, list[Any]]:
+    """The per-slot summary (``GROUP_COLUMNS``) of a TP group whose one rank reporting has
+    these slot columns: each number combined over that one rank, as over several.
+
+    The ``stats`` answer leaves such a group out of ``group_slots``; its clients
+    derive it here, from the rank's own rows of ``slots``.
+    """
+    out: dict[str, list[Any]] = {key: list(columns[key]) for key in SLOT_KEY}
+    for number in SLOT_NUMBERS:
+        per_slot = list(zip(columns[number.name]))
+        for column in number.group:
+            out[column.name] = column.combine.column(per_slot)
+    return out
 
 # The sparse tables: one entry per violation or persistent buffer, ``slot``
 # being the index of the slot it belongs to in the columns above.

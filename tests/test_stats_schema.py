@@ -68,6 +68,15 @@ def test_each_group_column_is_its_numbers_combine_over_the_ranks(ranks):
     assert [row["ranks"] for row in group_slots(answer, 0)] == [list(range(ranks))] * 4
 
 
+@pytest.mark.parametrize("combine", list(Combine))
+@pytest.mark.parametrize("values", [[5, 0, 1 << 40], [0.5, -0.0, 3.0], []])
+def test_a_combine_over_one_rank_is_its_column_over_one(combine, values):
+    """What a client derives for a group of one rank reporting equals the aggregation's
+    ``column``, value and type."""
+    derived, aggregated = combine.of_one(values), combine.column(list(zip(values)))
+    assert derived == aggregated and list(map(type, derived)) == list(map(type, aggregated))
+
+
 def test_groups_whose_ranks_hold_different_slots_are_matched_by_key():
     rng = random.Random(5)
     short, long = _snapshot(rng, 2), _snapshot(rng, 3)

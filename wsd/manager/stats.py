@@ -52,6 +52,13 @@ class Combine(enum.Enum):
             return list(map(max, per_slot))
         return list(map(sub, map(max, per_slot), map(min, per_slot)))
 
+    def of_one(self, values: Sequence[Any]) -> list[Any]:
+        """``column`` over one rank whose slots hold ``values``: the values themselves, or
+        a spread of 0 (of their type) each."""
+        if self is Combine.SPREAD:
+            return list(map(sub, values, values))
+        return list(values)
+
 
 class GroupColumn(NamedTuple):
     """One column of a TP group's per-slot summary, derived from one slot number."""
@@ -140,9 +147,9 @@ def one_rank_summary(columns: dict[str, Sequence[Any]]) -> dict[str, list[Any]]:
     """
     out: dict[str, list[Any]] = {key: list(columns[key]) for key in SLOT_KEY}
     for number in SLOT_NUMBERS:
-        per_slot = list(zip(columns[number.name]))
+        values = columns[number.name]
         for column in number.group:
-            out[column.name] = column.combine.column(per_slot)
+            out[column.name] = column.combine.of_one(values)
     return out
 
 # The sparse tables: one entry per violation or persistent buffer, ``slot``

@@ -25,7 +25,8 @@ median taken. Then, with 2 real gloo ranks, the per-step agreement
 (``Agent.step()``, apply_every=1) against one bare gloo ``all_reduce`` of one
 integer on the same group, interleaved in the same processes.
 
-Run: ``python -m bench.bench_control [--quick]``.
+Run: ``python -m bench.bench_control [--quick] [--tp-size 8]`` (TP groups of one rank by
+default, the targets' set-up; of 8 to see the same figures with real TP groups).
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ _ORDER_SEED = 16  # of the candidates' order in each round
 # -- helper processes (spawned: each starts clean, with no torch) ------------------------
 
 
-def _run_simulated(conn: Any, endpoint: str, n: int) -> None:
-    with SimulatedRanks(endpoint, range(n), world_size=n, num_ubatches=SLOTS) as sim:
+def _run_simulated(conn: Any, endpoint: str, n: int, tp_size: int = 1) -> None:
+    with SimulatedRanks(endpoint, range(n), world_size=n, tp_size=tp_size, num_ubatches=SLOTS) as sim:
         conn.send(sim.wait_registered(START_TIMEOUT))
         conn.recv()
 
@@ -194,8 +195,9 @@ def frame_sizes() -> dict[str, tuple[int, int]]:
     return {"stats": stats, "command": command}
 
 
-def bench_fan_out(n: int, rounds: int, state_dir: str) -> dict[str, Any]:
-    """Median microseconds of wsd, the bare fan-out and the bare relay, N ranks."""
+def bench_fan_out(n: int, rounds: int, state_dir: str, tp_size: int = 1) -> dict[str, Any]:
+    """Median microseconds of wsd, the bare fan-out and the bare relay, N ranks in TP groups
+    of ``tp_size``."""
     sizes = frame_sizes()
     context = zmq.Context()
     bare = BareFanOut(context, n)
@@ -206,7 +208,7 @@ def bench_fan_out(n: int, rounds: int, state_dir: str) -> dict[str, Any]:
         agent_endpoint, client_endpoint = coordinator.result()
         relay = Helper(_run_bare_relay, n)
         relay_fan_endpoint, relay_endpoint = relay.result()
-        sim = Helper(_run_simulated, agent_endpoint, n)
+        sim = Helper(_run_simulated, agent_endpoint, n, tp_size)
         dealers = Helper(_run_bare_dealers, bare.endpoint, n)
         relay_dealers = Helper(_run_bare_dealers, relay_fan_endpoint, n)
         helpers += [relay, sim, dealers, relay_dealers]
@@ -428,17 +430,20 @@ BASELINES = {
 }
 
 
-def run(quick: bool = False, state_dir: str | None = None) -> list[Row]:
+def run(quick: bool = False, state_dir: str | None = None, tp_size: int = 1) -> list[Row]:
     """Measure, print the tables and return the ratios for ``python -m bench``.
 
-    ``state_dir`` holds the coordinator's state file (default: /dev/shm if present).
+    ``state_dir`` holds the coordinator's state file (default: /dev/shm if present);
+    ``tp_size``: the simulated ranks' TP groups (at most N ranks each; the targets are
+    set for 1, each rank its own group).
     """
     state_dir = _default_state_dir() if state_dir is None else state_dir
     rounds, agree_rounds, calls = (100, 7, 200) if quick else (200, 21, 1000)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="wsd-bench-", dir=state_dir) as tmp:
         sizes = frame_sizes()
-        print(f"fan-out to N simulated ranks ({SLOTS} slots each), median of {rounds} interleaved rounds (us)")
+        print(f"fan-out to N simulated ranks ({SLOTS} slots each, TP groups of {tp_size} or N), "
+              f"median of {rounds} interleaved rounds (us)")
         print(f"  payload per rank: stats {sizes['stats'][0]} B out, {sizes['stats'][1]} B back; "
               f"command {sizes['command'][0]} B out, {sizes['command'][1]} B back")
         print("  relay: the bare relay, the floor of a client asking a coordinator (see the docstring)")
@@ -448,7 +453,7 @@ def run(quick: bool = False, state_dir: str | None = None) -> list[Row]:
               f"{'relay':>9} {'r/bare':>7}   {'command':>9} {'bare':>9} {'ratio':>7}   "
               f"{'stats answer':>12} {'decode':>7}")
         for n in (1, 8, 32):
-            res = bench_fan_out(n, rounds, tmp)
+            res = bench_fan_out(n, rounds, tmp, min(tp_size, n))
             (stats, bare_stats), (command, bare_command), relay = res["stats"], res["command"], res["relay"]
             fresh = res["fresh"]
             print(f"{n:>4} {stats:>9.0f} {bare_stats:>9.0f} {stats / bare_stats:>7.2f}   "
@@ -494,8 +499,11 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument("--state-dir", default=_default_state_dir(),
                         help="where the coordinator's state file goes (default: /dev/shm if present); "
                         "its storage decides what the fdatasyncs of each command cost")
+    parser.add_argument("--tp-size", type=int, choices=(1, 2, 4, 8), default=1,
+                        help="the simulated ranks' TP group size (default 1, each rank its own group: "
+                        "the targets' set-up)")
     args = parser.parse_args(argv)
-    return run(args.quick, args.state_dir)
+    return run(args.quick, args.state_dir, args.tp_size)
 
 
 if __name__ == "__main__":

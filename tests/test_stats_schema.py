@@ -169,6 +169,9 @@ def test_an_older_coordinators_answer_reads_as_todays():
                        for name, column in today["persistent"].items()}}
     assert Stats(older).rows() == Stats(today).rows()
     assert Stats(older).reporting == [0, 1, 2] and Stats(older).ages() == Stats(today).ages()
+    # One with no rank reporting and no group in scope: empty tables of today's columns.
+    none = Stats({**older, "ranks": [], "groups": [], "missing": []})
+    assert none.group_columns() == {} and none.rows()["ranks"] == [] and none.rows()["groups"] == []
 
 
 def test_every_slot_number_has_its_metric_family_and_help():

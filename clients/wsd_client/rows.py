@@ -26,7 +26,15 @@ from __future__ import annotations
 from itertools import groupby
 from typing import Any
 
-from wsd.manager.stats import GROUP_COLUMNS, SLOT_COLUMNS, SLOT_KEY, one_rank_summary, slot_rows
+from wsd.manager.stats import (
+    GROUP_COLUMNS,
+    GROUP_TABLE,
+    RANK_TABLE,
+    SLOT_COLUMNS,
+    SLOT_KEY,
+    one_rank_summary,
+    slot_rows,
+)
 
 __all__ = ["ages", "from_older", "group_columns", "group_slots", "rank_columns", "rank_slots", "stats_rows",
            "table_rows"]
@@ -42,9 +50,9 @@ def from_older(doc: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(doc.get("ranks"), list):
         return doc
     tables = {}
-    for name, first in (("ranks", "rank"), ("groups", "tp_group")):
+    for name, columns in (("ranks", RANK_TABLE), ("groups", GROUP_TABLE)):
         rows = doc[name]
-        names = list(rows[0]) if rows else [first]
+        names = list(rows[0]) if rows else columns  # none: today's columns, each empty
         tables[name] = {column: [row.get(column) for row in rows] for column in names}
     return {**doc, **tables}
 

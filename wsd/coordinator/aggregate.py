@@ -3,7 +3,7 @@
 Input is what agents send (``ManagerStats.to_wire()``: each rank's slots as
 equal-length columns); output is plain lists and maps, ready for msgpack or
 JSON, every part of it a table of columns: the ranks, every rank's slots, the
-groups and every group's per-slot summary (the ``stats`` answer;
+groups and every group's per-slot summary but a group's of one rank (the ``stats`` answer;
 ``wsd_client.rows.stats_rows`` expands it into rows). Every
 column is read by name and checked against its type, and a group's columns
 are derived, from the schema (``wsd.manager.stats.SLOT_NUMBERS``). No
@@ -27,7 +27,9 @@ import msgpack
 
 from wsd.manager.stats import (
     GROUP_COLUMNS,
+    GROUP_TABLE,
     PERSISTENT_COLUMNS,
+    RANK_TABLE,
     SLOT_COLUMNS,
     SLOT_KEY,
     SLOT_NUMBERS,
@@ -156,12 +158,6 @@ def _coded(table: dict[str, list[Any]]) -> tuple[tuple[str, ...], list[list[Any]
     return tuple(strings), columns
 
 
-RANK_TABLE = ("rank", "tp_group", "step", "device", "num_ubatches", "num_lanes", "locked", "total_bytes",
-              "capacity_bytes", "lock_violations", "confirmed_at")
-"""The columns of the answer's ``ranks`` table, one row per rank reporting."""
-GROUP_TABLE = ("tp_group", "ranks", "reporting", "missing", "total_bytes", "rank_bytes_min", "rank_bytes_max",
-               "skew_bytes", "locked_consistent", "num_ubatches_consistent")
-"""The columns of the answer's ``groups`` table, one row per TP group in scope."""
 CODED = ("key", "kind")
 """The persistent-buffer table's columns sent as indices into the answer's ``strings``: a few
 names, repeated for every slot of every rank."""

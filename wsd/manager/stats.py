@@ -26,9 +26,11 @@ from dataclasses import dataclass, fields
 from operator import sub
 from typing import Any, NamedTuple
 
-__all__ = ["GROUP_COLUMNS", "PERSISTENT_COLUMNS", "SLOT_COLUMNS", "SLOT_KEY", "SLOT_NUMBERS", "VIOLATION_COLUMNS",
-           "Combine", "GroupColumn", "LockViolation", "ManagerStats", "PersistentStats", "SlotNumber", "SlotStats",
-           "apply_snapshot_delta", "one_rank_summary", "slot_rows", "snapshot_delta"]
+__all__ = [
+    "GROUP_COLUMNS", "GROUP_TABLE", "PERSISTENT_COLUMNS", "RANK_TABLE", "SLOT_COLUMNS", "SLOT_KEY", "SLOT_NUMBERS",
+    "VIOLATION_COLUMNS", "Combine", "GroupColumn", "LockViolation", "ManagerStats", "PersistentStats",
+    "SlotNumber", "SlotStats", "apply_snapshot_delta", "one_rank_summary", "slot_rows", "snapshot_delta"
+]
 
 # -- the per-slot statistics schema --------------------------------------------------
 
@@ -136,6 +138,13 @@ SLOT_COLUMNS = SLOT_KEY + tuple(n.name for n in SLOT_NUMBERS)
 GROUP_COLUMNS = (*SLOT_KEY, *(c.name for n in SLOT_NUMBERS for c in n.group))
 """The columns of a TP group's per-slot summary, as the ``stats`` answer's ``group_slots`` table
 carries them (which ranks have each slot is in the ranks' own ``slots`` table)."""
+
+RANK_TABLE = ("rank", "tp_group", "step", "device", "num_ubatches", "num_lanes", "locked", "total_bytes",
+              "capacity_bytes", "lock_violations", "confirmed_at")
+"""The columns of the answer's ``ranks`` table, one row per rank reporting."""
+GROUP_TABLE = ("tp_group", "ranks", "reporting", "missing", "total_bytes", "rank_bytes_min", "rank_bytes_max",
+               "skew_bytes", "locked_consistent", "num_ubatches_consistent")
+"""The columns of the answer's ``groups`` table, one row per TP group in scope."""
 
 
 def one_rank_summary(columns: dict[str, Sequence[Any]]) -> dict[str, list[Any]]:

@@ -27,6 +27,7 @@ from itertools import groupby
 from typing import Any
 
 from wsd.manager.stats import (
+    CODED,
     GROUP_COLUMNS,
     GROUP_TABLE,
     RANK_TABLE,
@@ -40,7 +41,6 @@ __all__ = ["ages", "from_older", "group_columns", "group_slots", "rank_columns",
            "table_rows"]
 
 _TABLES = ("slots", "last_violation", "persistent", "group_slots", "strings")
-_CODED = ("key", "kind")  # the persistent-buffer columns sent as indices into ``strings``
 
 
 def from_older(doc: dict[str, Any]) -> dict[str, Any]:
@@ -82,7 +82,7 @@ def _decoded(table: dict[str, list[Any]], strings: list[str] | None) -> dict[str
     them as indices into its ``strings`` (an older coordinator, without ``strings``, in full)."""
     if strings is None:
         return table
-    return {name: [strings[i] for i in column] if name in _CODED else column for name, column in table.items()}
+    return {name: [strings[i] for i in column] if name in CODED else column for name, column in table.items()}
 
 
 def rank_columns(doc: dict[str, Any]) -> dict[int, dict[str, Any]]:
@@ -106,27 +106,43 @@ def group_columns(doc: dict[str, Any], ranks: dict[int, dict[str, Any]] | None =
     """Each TP group's per-slot summary as columns (``GROUP_COLUMNS``), by group; a group
     with no rank reporting has empty ones. A group of one rank reporting has no rows in
     ``group_slots``: its summary is that rank's slots (``one_rank_summary``), from
-    ``ranks`` (``rank_columns(doc)``, built here if not given)."""
+    ``ranks`` (``rank_columns(doc)``, built here if needed and not given)."""
     tables = _split(doc.get("group_slots") or {}, "tp_group")
-    empty: dict[str, list[Any]] = {c: [] for c in GROUP_COLUMNS}
+    groups = doc["groups"]
     out = {}
-    for g, reporting in zip(doc["groups"]["tp_group"], doc["groups"]["reporting"]):
-        if g not in tables and len(reporting) == 1:
-            if ranks is None:
-                ranks = rank_columns(doc)
-            out[g] = one_rank_summary(ranks[reporting[0]])
-        else:
-            out[g] = tables.get(g, empty)
+    for group, reporting in zip(groups["tp_group"], groups["reporting"]):
+        if ranks is None and _derived(group, reporting, tables):
+            ranks = rank_columns(doc)
+        out[group] = _summary(group, reporting, tables, ranks)
     return out
+
+
+def _derived(group: int, reporting: list[int], tables: dict[int, dict[str, list[Any]]]) -> bool:
+    """The group's summary is not in ``group_slots`` but is its one reporting rank's slots."""
+    return group not in tables and len(reporting) == 1
+
+
+def _summary(group: int, reporting: list[int], tables: dict[int, dict[str, list[Any]]],
+             ranks: dict[int, dict[str, Any]] | None) -> dict[str, list[Any]]:
+    """One group's summary columns, from ``group_slots`` (``tables``, split by group) or from
+    its one reporting rank's own slots (``ranks``, needed then)."""
+    if _derived(group, reporting, tables):
+        assert ranks is not None
+        return one_rank_summary(ranks[reporting[0]])
+    return tables.get(group) or {c: [] for c in GROUP_COLUMNS}
 
 
 def group_slots(doc: dict[str, Any], tp_group: int) -> list[dict[str, Any]]:
     """One TP group's per-slot summary as ``[{ubatch, lane, ranks, capacity_min,
     capacity_max, capacity_total, skew_bytes, peak_requested_max, requests,
-    resizes, lock_violations}]``, ``ranks`` being the reporting ranks that have the slot."""
-    [group] = (g for g in table_rows(doc["groups"]) if g["tp_group"] == tp_group)
+    resizes, lock_violations}]``, ``ranks`` being the reporting ranks that have the slot.
+    ValueError if the answer has no such group."""
+    groups = doc["groups"]
+    i = groups["tp_group"].index(tp_group)
+    group = {name: column[i] for name, column in groups.items()}
     ranks = rank_columns(doc)
-    return _group_rows(group, group_columns(doc, ranks)[tp_group], ranks)
+    tables = _split(doc.get("group_slots") or {}, "tp_group")
+    return _group_rows(group, _summary(tp_group, group["reporting"], tables, ranks), ranks)
 
 
 def _group_rows(group: dict[str, Any], columns: dict[str, list[Any]],

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import msgpack
 
 from wsd.manager.stats import (
+    CODED,
     GROUP_COLUMNS,
     GROUP_TABLE,
     PERSISTENT_COLUMNS,
@@ -36,7 +37,7 @@ from wsd.manager.stats import (
     VIOLATION_COLUMNS,
 )
 
-__all__ = ["CODED", "GROUP_TABLE", "RANK_TABLE", "AnswerBody", "GroupPart", "Snapshot", "StatsRound", "answer_body",
+__all__ = ["AnswerBody", "GroupPart", "Snapshot", "StatsRound", "answer_body",
            "group_part", "packed_answer", "read_changes", "read_snapshot"]
 
 _RANK_FIELDS = {"device": str, "num_ubatches": int, "num_lanes": int, "locked": bool, "slots": dict}
@@ -121,10 +122,11 @@ class Snapshot:
         self.total_bytes = stats.get("total_bytes", 0)
         self.locked = stats["locked"]
         self.num_ubatches = stats["num_ubatches"]
-        # In the order of RANK_TABLE, but for confirmed_at, which an answer adds.
-        self.entry: tuple[bytes, ...] = tuple(map(_packer.pack, (
-            rank, tp_group, step, stats["device"], self.num_ubatches, stats["num_lanes"], self.locked,
-            self.total_bytes, sum(columns["capacity_bytes"]), sum(columns["lock_violations"]))))
+        row = {"rank": rank, "tp_group": tp_group, "step": step, "device": stats["device"],
+               "num_ubatches": self.num_ubatches, "num_lanes": stats["num_lanes"], "locked": self.locked,
+               "total_bytes": self.total_bytes, "capacity_bytes": sum(columns["capacity_bytes"]),
+               "lock_violations": sum(columns["lock_violations"])}
+        self.entry: tuple[bytes, ...] = tuple(_packer.pack(row[c]) for c in RANK_TABLE[:-1])  # confirmed_at: per answer
         slots = stats["slots"]
         # Whole, or a delta on ``previous`` (same rank, same slots): only what changed is
         # encoded again.
@@ -158,9 +160,6 @@ def _coded(table: dict[str, list[Any]]) -> tuple[tuple[str, ...], list[list[Any]
     return tuple(strings), columns
 
 
-CODED = ("key", "kind")
-"""The persistent-buffer table's columns sent as indices into the answer's ``strings``: a few
-names, repeated for every slot of every rank."""
 _SPARSE = (("last_violation", VIOLATION_COLUMNS), ("persistent", PERSISTENT_COLUMNS))
 # The answer's tables: every rank's rows of each, one after the other, ``rank`` first.
 _TABLES = (("slots", ("rank", *SLOT_COLUMNS)), *((name, ("rank", *names)) for name, names in _SPARSE))

@@ -27,8 +27,8 @@ from operator import sub
 from typing import Any, NamedTuple
 
 __all__ = [
-    "GROUP_COLUMNS", "GROUP_TABLE", "PERSISTENT_COLUMNS", "RANK_TABLE", "SLOT_COLUMNS", "SLOT_KEY", "SLOT_NUMBERS",
-    "VIOLATION_COLUMNS", "Combine", "GroupColumn", "LockViolation", "ManagerStats", "PersistentStats",
+    "CODED", "GROUP_COLUMNS", "GROUP_TABLE", "PERSISTENT_COLUMNS", "RANK_TABLE", "SLOT_COLUMNS", "SLOT_KEY",
+    "SLOT_NUMBERS", "VIOLATION_COLUMNS", "Combine", "GroupColumn", "LockViolation", "ManagerStats", "PersistentStats",
     "SlotNumber", "SlotStats", "apply_snapshot_delta", "one_rank_summary", "slot_rows", "snapshot_delta"
 ]
 
@@ -165,6 +165,9 @@ def one_rank_summary(columns: dict[str, Sequence[Any]]) -> dict[str, list[Any]]:
 # being the index of the slot it belongs to in the columns above.
 VIOLATION_COLUMNS = ("slot", "caller", "requested", "capacity", "time")
 PERSISTENT_COLUMNS = ("slot", "key", "kind", "nbytes")
+CODED = ("key", "kind")
+"""The persistent-buffer columns the ``stats`` answer sends as indices into its ``strings``: a
+few names, repeated for every slot of every rank."""
 
 
 @dataclass(frozen=True, slots=True)

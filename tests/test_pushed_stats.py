@@ -150,8 +150,8 @@ def test_pushed_deltas_rebuild_exactly_the_snapshot_the_agent_holds(first, chang
         # What was checked and encoded again from deltas answers as a whole snapshot would.
         whole = LatestStats()
         whole.push(0, 0, {"base": None, "stats": stats.to_wire(), "step": pair.link.steps, "version": 1}, pair.now)
-        assert (msgpack.unpackb(pair.latest.answer({0: [0]}, {}, pair.now, pair.now, 1e9))
-                == msgpack.unpackb(whole.answer({0: [0]}, {}, pair.now, pair.now, 1e9)))
+        assert (msgpack.unpackb(pair.latest.answer({0: [0]}, {}, pair.now, pair.now, 1e9, key=0, version=0))
+                == msgpack.unpackb(whole.answer({0: [0]}, {}, pair.now, pair.now, 1e9, key=0, version=0)))
 
 
 @settings(max_examples=200, deadline=None)
@@ -192,7 +192,8 @@ def test_an_answer_kept_between_pushes_shows_each_later_confirmation():
         assert latest.push(rank, 0, {"version": 1, "base": None, "step": 1, "stats": wire}, 10.0)
 
     def answer(now: float, offset: float = 1000.0) -> Stats:  # the wall clock ahead of the monotonic one
-        return Stats(msgpack.unpackb(latest.answer({0: [0, 1]}, {}, now, now + offset, stale_after=3.0)))
+        return Stats(msgpack.unpackb(latest.answer({0: [0, 1]}, {}, now, now + offset, stale_after=3.0,
+                                                   key=0, version=0)))
 
     first = answer(11.0)
     assert first.ages() == {0: 1.0, 1: 1.0} and first.complete
@@ -223,7 +224,7 @@ def test_invalid_pushes_are_refused_naming_why_and_the_rank_shows_missing():
             "stats": {"device": "cpu", "slots": {}}}
     with pytest.raises(ValueError, match="num_ubatches: missing"):
         latest.push(0, 0, body, 1.0)
-    answer = msgpack.unpackb(latest.answer({0: [0]}, {}, 1.0, 1.0, 3.0))
+    answer = msgpack.unpackb(latest.answer({0: [0]}, {}, 1.0, 1.0, 3.0, key=0, version=0))
     assert answer["missing"] == [{"rank": 0, "reason": "sent an invalid stats snapshot (num_ubatches: missing)"}]
     good = ManagerStats("cpu", 1, 1, False, (SlotStats(0, 0, 64, 64, 1, 1, 0, None, ()),)).to_wire()
     assert latest.push(0, 0, {**body, "stats": good}, 1.0)

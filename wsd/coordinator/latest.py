@@ -38,8 +38,6 @@ __all__ = ["NO_SNAPSHOT", "Latest", "LatestStats"]
 _packer = msgpack.Packer(use_bin_type=True)
 _ANSWERS_KEPT = 64  # answer bodies kept, each for one scope (all groups, or one) and its missing ranks
 
-_UNKEYED: Any = object()  # answer()'s key when the caller gives none: the scope itself is the key
-
 NO_SNAPSHOT = "live, no snapshot pushed yet"
 """Why a live rank is missing from an answer from memory: it has registered and not pushed yet."""
 
@@ -152,29 +150,27 @@ class LatestStats:
         return {rank: max(0.0, now - held.confirmed) for rank, held in self.ranks.items()}
 
     def answer(self, scope: dict[int, list[int]], missing: dict[int, str], now: float, wall: float,
-               stale_after: float, *, key: Hashable = _UNKEYED, version: Hashable = None) -> bytes:
+               stale_after: float, *, key: Hashable, version: Hashable) -> bytes:
         """The encoded ``stats`` result for the TP groups of ``scope`` (group -> expected ranks).
 
         ``missing`` gives the reason for each expected rank that is not live; a live
         rank with nothing pushed yet is missing too. A snapshot last known current
         more than ``stale_after`` seconds before ``now`` is in the answer, marked
         stale, and the answer is not complete. ``wall``: the Unix time of ``now``.
-        ``key`` (None is a key too) and ``version``, if given, stand for ``scope`` and
-        ``missing``: the caller gives the same key and version only with the same scope
-        and missing ranks (a new version replaces what was kept for the key).
+        ``key`` and ``version`` stand for ``scope`` and ``missing``: the caller gives the
+        same key and version only with the same scope and missing ranks (a new version
+        replaces what was kept for the key).
 
         What depends on neither ``now`` nor confirmations is kept, for the same scope
         and missing ranks, until a push or a registration changes what is
         remembered: answers in between differ in their time, each rank's
         ``confirmed_at`` and the stale ranks only.
         """
-        asked = key if key is not _UNKEYED else (tuple((g, tuple(r)) for g, r in sorted(scope.items())),
-                                             tuple(missing.items()))
-        kept = self._answers.get(asked)
+        kept = self._answers.get(key)
         if kept is None or kept.generation != self._generation or kept.version != version:
             if len(self._answers) >= _ANSWERS_KEPT:  # scopes asked for come and go: keep a few
                 self._answers.clear()
-            kept = self._answers[asked] = _Kept(self._generation, version, *self._body(scope, missing))
+            kept = self._answers[key] = _Kept(self._generation, version, *self._body(scope, missing))
         # The Unix clock less the monotonic one, to a tenth of a millisecond: each rank's
         # confirmation on the Unix clock is its own plus this.
         offset = round(wall - now, 4)

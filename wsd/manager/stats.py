@@ -146,6 +146,14 @@ GROUP_TABLE = ("tp_group", "ranks", "reporting", "missing", "total_bytes", "rank
                "skew_bytes", "locked_consistent", "num_ubatches_consistent")
 """The columns of the answer's ``groups`` table, one row per TP group in scope."""
 
+# The sparse tables: one entry per violation or persistent buffer, ``slot``
+# being the index of the slot it belongs to in the columns above.
+VIOLATION_COLUMNS = ("slot", "caller", "requested", "capacity", "time")
+PERSISTENT_COLUMNS = ("slot", "key", "kind", "nbytes")
+CODED = ("key", "kind")
+"""The persistent-buffer columns the ``stats`` answer sends as indices into its ``strings``: a
+few names, repeated for every slot of every rank."""
+
 
 def one_rank_summary(columns: dict[str, Sequence[Any]]) -> dict[str, list[Any]]:
     """The per-slot summary (``GROUP_COLUMNS``) of a TP group whose one rank reporting has
@@ -160,14 +168,6 @@ def one_rank_summary(columns: dict[str, Sequence[Any]]) -> dict[str, list[Any]]:
         for column in number.group:
             out[column.name] = column.combine.of_one(values)
     return out
-
-# The sparse tables: one entry per violation or persistent buffer, ``slot``
-# being the index of the slot it belongs to in the columns above.
-VIOLATION_COLUMNS = ("slot", "caller", "requested", "capacity", "time")
-PERSISTENT_COLUMNS = ("slot", "key", "kind", "nbytes")
-CODED = ("key", "kind")
-"""The persistent-buffer columns the ``stats`` answer sends as indices into its ``strings``: a
-few names, repeated for every slot of every rank."""
 
 
 @dataclass(frozen=True, slots=True)

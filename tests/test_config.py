@@ -290,3 +290,44 @@ def test_every_wsd_variable_the_code_reads_is_configuration_or_listed():
     for name in names - set(NOT_CONFIGURATION):
         section, _, key = name[4:].lower().partition("_")
         assert key in sections.get(section, ()), f"{name} is read but load_config refuses it"
+
+
+SERVICE_LINKS = {
+    # What kubelet sets for a Service named wsd-coordinator with ports agents 7600, clients 7601.
+    "WSD_COORDINATOR_SERVICE_HOST": "10.96.0.10",
+    "WSD_COORDINATOR_SERVICE_PORT": "7600",
+    "WSD_COORDINATOR_SERVICE_PORT_AGENTS": "7600",
+    "WSD_COORDINATOR_SERVICE_PORT_CLIENTS": "7601",
+    "WSD_COORDINATOR_PORT": "tcp://10.96.0.10:7600",
+    "WSD_COORDINATOR_PORT_7600_TCP": "tcp://10.96.0.10:7600",
+    "WSD_COORDINATOR_PORT_7600_TCP_PROTO": "tcp",
+    "WSD_COORDINATOR_PORT_7600_TCP_PORT": "7600",
+    "WSD_COORDINATOR_PORT_7600_TCP_ADDR": "10.96.0.10",
+    # ... and for Services named wsd, wsd-metrics and wsd-agent: other sections, or none.
+    "WSD_SERVICE_HOST": "10.96.0.11",
+    "WSD_PORT": "udp://10.96.0.11:53",
+    "WSD_METRICS_SERVICE_HOST": "10.96.0.12",
+    "WSD_METRICS_PORT_9090_SCTP_ADDR": "10.96.0.12",
+    "WSD_AGENT_SERVICE_PORT": "80",
+}
+
+
+def test_kubernetes_service_links_are_not_configuration():
+    """Fails if the variables kubelet gives every pod for a Service of its namespace stop
+    wsd from starting: the project's own Service wsd-coordinator yields
+    WSD_COORDINATOR_PORT=tcp://..., which once failed with "unknown key [coordinator] 'port'"."""
+    config = load_config(None, env={**SERVICE_LINKS, "WSD_COORDINATOR_HEARTBEAT_INTERVAL": "2"})
+    assert config.coordinator.heartbeat_interval == 2.0  # real keys beside them still apply
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    # A real key keeps its own checks, whatever its value looks like.
+    ("WSD_COORDINATOR_METRICS_PORT", "tcp://10.96.0.10:7602", "metrics_port must be an integer"),
+    # <NAME>_PORT is kubelet's only with a URL for a value; a number is a mistyped key.
+    ("WSD_COORDINATOR_PORT", "7600", "unknown key [coordinator] 'port'"),
+    ("WSD_COORDINATOR_HEARTBEAT", "2", "unknown key [coordinator] 'heartbeat'"),
+])
+def test_what_only_looks_like_a_service_link_is_still_refused(name, value, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env={name: value})
+    assert expected in str(info.value)

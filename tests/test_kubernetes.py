@@ -382,3 +382,19 @@ def test_check_torch_refuses_a_torch_other_than_the_one_asked_for(asked, code):
     assert result.returncode == code, result.stdout + result.stderr
     if code == 1:
         assert result.stderr.strip() == f"TORCH={asked} was asked for, but the torch installed is cpu"
+
+
+def test_no_pod_gets_service_link_variables_and_wsd_ignores_them_anyway():
+    """Kubelet gives every pod <SERVICE>_PORT=tcp://... for each Service of its namespace;
+    the project's own wsd-coordinator yields WSD_COORDINATOR_* variables, which once made
+    every wsd (and vLLM) pod in that namespace fail at start. The pods opt out, and the
+    loader ignores them where a pod does not (a vLLM Deployment of the operator's own)."""
+    from kubelet import service_links, services
+
+    from wsd.config import load_config
+
+    for name, template in _templates(_kustomize(KUBERNETES)).items():
+        assert template["spec"].get("enableServiceLinks") is False, f"{name} gets service links"
+    env = service_links(services(KUBERNETES))
+    assert "WSD_COORDINATOR_PORT" in env  # the Service that caused it is still there
+    assert load_config(None, env=env).coordinator.agent_endpoint  # loads

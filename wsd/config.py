@@ -14,7 +14,10 @@ Environment variables are ``WSD_<SECTION>_<KEY>`` in upper case, for example
 ``WSD_WORKSPACE_NUM_UBATCHES=4``; they win over the file. ``WSD_CONFIG`` names
 the file when no path is given. Any other ``WSD_*`` variable is refused at
 start-up, as an unknown key in the file is, unless ``NOT_CONFIGURATION`` lists
-it (a variable that some other part of wsd reads).
+it (a variable that some other part of wsd reads) or it is one of the variables
+Kubernetes gives every pod for each Service of its namespace (``is_service_link``):
+a Service named ``wsd-coordinator`` yields ``WSD_COORDINATOR_PORT=tcp://...``,
+which names no key and must not stop a pod from starting.
 
 This module imports no torch: the coordinator and the clients load it too.
 """
@@ -25,6 +28,7 @@ import argparse
 import dataclasses
 import enum
 import os
+import re
 import sys
 import types
 import typing
@@ -62,6 +66,7 @@ __all__ = [
     "WorkspaceConfig",
     "WsdConfig",
     "flag_number",
+    "is_service_link",
     "load_config",
     "parse_size",
     "read_toml",
@@ -77,9 +82,30 @@ NOT_CONFIGURATION: dict[str, str] = {
     "WSD_SOAK_RECORD": "the folder bench/soak.py's workers record into",
     "WSD_VLLM_SOURCE": "a vLLM checkout, for tests/vllm_peer",
     "WSD_HOSTILE_SEED": "the seed that replays the inputs of the hostile tests",
+    "WSD_VLLM_STRICT": "1: a wsd error in the vLLM plugin stops vLLM, instead of turning wsd off",
 }
 """The ``WSD_*`` environment variables that are not ``WSD_<SECTION>_<KEY>``
 overrides, and what reads each; ``load_config`` refuses any other."""
+
+# What kubelet sets for a Service named <name> (upper case, '-' as '_'), from
+# Kubernetes' pkg/kubelet/envvars: <NAME>_SERVICE_HOST, <NAME>_SERVICE_PORT,
+# <NAME>_SERVICE_PORT_<PORT NAME>, and the Docker-link style <NAME>_PORT=tcp://...,
+# <NAME>_PORT_<n>_<PROTO>, with _PROTO, _PORT and _ADDR after that.
+_SERVICE_LINK_NAME = re.compile(
+    r"[A-Z0-9_]*_SERVICE_(HOST|PORT(_[A-Z0-9_]+)?)|[A-Z0-9_]*_PORT_[0-9]+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?")
+_SERVICE_LINK_PORT = re.compile(r"[A-Z0-9_]*_PORT")
+_SERVICE_LINK_URL = re.compile(r"(tcp|udp|sctp)://\S*")
+
+
+def is_service_link(name: str, value: str) -> bool:
+    """True for a variable of the shapes kubelet sets for a Service (see above).
+
+    Only for names that are no configuration key: ``load_config`` asks this of a
+    variable it would otherwise refuse.
+    """
+    return bool(_SERVICE_LINK_NAME.fullmatch(name)
+                or (_SERVICE_LINK_PORT.fullmatch(name) and _SERVICE_LINK_URL.fullmatch(value)))
+
 
 def flag_number(kind: type[int | float], low: float, high: float, *, what: str,
                 unit: str = "", above_low: bool = False) -> Callable[[str], Any]:
@@ -258,6 +284,9 @@ def load_config(
         if not name.startswith("WSD_") or name in NOT_CONFIGURATION:
             continue
         section, _, key = name[4:].lower().partition("_")
+        known = section in _SECTIONS and key in {f.name for f in dataclasses.fields(_SECTIONS[section])}
+        if not known and is_service_link(name, value):
+            continue  # kubelet's, for a Service of the pod's namespace: not ours
         if section not in _SECTIONS:
             allowed = ", ".join(s.upper() for s in _SECTIONS)
             raise ConfigError(

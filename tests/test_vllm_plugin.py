@@ -288,3 +288,216 @@ def test_wake_sockets_live_in_a_folder_only_this_user_may_enter(tmp_path, monkey
     folder.symlink_to(tmp_path)  # a link planted in its place
     with pytest.raises(PermissionError, match="not a folder"):
         wake_folder()
+
+
+def test_an_agent_wakes_its_engine_only_for_a_command_addressed_to_its_group(start_coordinator):
+    """A command for TP group 1 must not wake group 0's idle engine: each wake costs an
+    engine a step (and, in vLLM, its queue readers a second of spinning)."""
+    coordinator = start_coordinator(world_size=2, tp_size=1)
+    wakes = []
+    agent = Agent(WorkspaceManager("cpu", 1), endpoint=coordinator.agent_endpoint, rank=0,
+                  world_size=2, heartbeat_interval=0.2, heartbeat_timeout=2.0,
+                  on_pending=lambda: wakes.append(time.monotonic())).start()
+    try:
+        assert agent.wait_registered(10)
+        agent.step()  # takes on the baseline
+        with Client(coordinator.client_endpoint, timeout=5) as client:
+            client.lock(group=1, wait=False)
+            wait_until(lambda: agent.held_seq == 1, 5, "the command for group 1 to be held")
+            observe(0.6)
+            assert wakes == [], "woken for another group's command"
+            client.lock(group=0, wait=False)
+            wait_until(lambda: wakes, 5, "a wake-up for its own group's command")
+        assert agent.step() == [2] and agent.applied_seq == 2 and agent.manager.is_locked()
+    finally:
+        agent.stop()
+
+
+# -- fail-safe: no wsd error stops vLLM unless asked -------------------------------------------
+
+
+def _errors(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == plugin.__name__ and r.levelname == "ERROR"]
+
+
+@pytest.mark.parametrize("env, cause", [
+    ({"WSD_CONFIG": "{path}"}, "not valid TOML"),
+    ({"WSD_COORDINATOR_CONNECT_ENDPOINT": "tcp://127.0.0.1:7600", "WSD_TYPO_KEY": "1"},
+     "unknown section 'typo'"),
+])
+def test_a_broken_configuration_turns_wsd_off_in_one_line_and_vllm_runs_on(
+        tmp_path, monkeypatch, caplog, env, cause):
+    """vLLM aborts every process whose plugin function raises: a bad WSD_CONFIG or an
+    unknown WSD_* variable once stopped every vLLM process. Now one ERROR line says why
+    and how to make it fatal; WSD_VLLM_STRICT=1 makes it fatal."""
+    config = tmp_path / "wsd.toml"
+    config.write_text("[coordinator\n")
+    for name in [n for n in os.environ if n.startswith("WSD_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value.format(path=config))
+    monkeypatch.setattr(plugin, "_installed", False)
+    monkeypatch.setattr(plugin, "_install", lambda config: None)  # never patch this process's vLLM
+    monkeypatch.setattr("wsd.integrations.vllm.patches.check", lambda: None)
+    caplog.set_level("INFO", logger=plugin.__name__)
+    plugin.register()
+    (line,) = _errors(caplog)
+    assert cause in line and "vLLM runs on" in line and "WSD_VLLM_STRICT=1" in line
+    assert not plugin._installed
+    monkeypatch.setenv("WSD_VLLM_STRICT", "1")
+    with pytest.raises(ConfigError, match=cause):
+        plugin.register()
+
+
+def test_an_attach_that_fails_turns_wsd_off_in_that_worker_only(tmp_path, monkeypatch, caplog):
+    """A worker whose attach fails (here: an agent token file that is not there) runs on
+    without wsd, with one ERROR line; strict, the worker's start fails."""
+    pytest.importorskip("vllm")
+    from vllm.distributed import parallel_state
+
+    from wsd.config import load_config
+
+    class Group:
+        rank, world_size, rank_in_group, cpu_group = 0, 1, 0, None
+
+    class Worker:
+        device = torch.device("cpu")
+        local_rank = 0
+
+        class vllm_config:
+            class parallel_config:
+                tensor_parallel_size = 1
+                data_parallel_rank = 0
+                data_parallel_size = 1
+                enable_dbo = False
+
+    import vllm.v1.worker.workspace as vllm_workspace
+
+    from wsd.integrations.vllm import workspace
+
+    monkeypatch.setattr(parallel_state, "get_world_group", lambda: Group)
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: Group)
+    monkeypatch.setattr(vllm_workspace, "WorkspaceManager", workspace.WorkspaceManager)
+    config = load_config(None, env={"WSD_COORDINATOR_CONNECT_ENDPOINT": "tcp://127.0.0.1:9",
+                                    "WSD_SECURITY_AGENT_TOKEN_FILE": str(tmp_path / "no-such-token")})
+    caplog.set_level("INFO", logger=plugin.__name__)
+    try:
+        plugin._attach(Worker(), config)
+        (line,) = _errors(caplog)
+        assert "attaching this vLLM worker failed" in line and "no-such-token" in line
+        assert plugin._attachment is None
+        monkeypatch.setenv("WSD_VLLM_STRICT", "1")
+        with pytest.raises(Exception, match="no-such-token"):
+            plugin._attach(Worker(), config)
+    finally:
+        vllm_workspace.reset_workspace_manager()
+
+
+# -- where the step comes from ---------------------------------------------------------------------
+
+
+class _FakeAgent:
+    def __init__(self) -> None:
+        self.steps: list[bool] = []
+
+    def step(self, *, agree: bool) -> list[int]:
+        self.steps.append(agree)
+        return []
+
+
+def test_a_worker_inside_its_engine_core_asks_the_listener_in_its_own_process(tmp_path, monkeypatch):
+    """The uni executor builds the worker inside the engine core: its parent is the front end,
+    where nothing listens, and its wake-ups were lost. It must ask its own process's listener."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    inbox: queue.Queue = queue.Queue()
+    listener = WakeListener(inbox)
+    wake = plugin._Wake(rank=0, tp_size=1)
+    try:
+        wake()
+        assert inbox.get(timeout=5) == (WSD_STEP, None)
+    finally:
+        wake.close()
+        listener.close()
+
+
+def test_a_one_rank_group_steps_between_the_engines_own_steps(monkeypatch):
+    """With no engine core to ask (an engine in the caller's process), a TP group of one
+    rank agrees on the agent's thread: only while the engine is warm, awake and not busy."""
+    agent = _FakeAgent()
+    engine = plugin._Engine()
+    monkeypatch.setattr(plugin, "_engine", engine)
+    monkeypatch.setattr(plugin, "_attachment", type("A", (), {"agent": agent})())
+    wake = plugin._Wake(rank=0, tp_size=1)
+    try:
+        wake()
+        assert agent.steps == [], "stepped before the engine's warm-up returned"
+        engine.warmed()
+        with engine.busy():
+            wake()
+        assert agent.steps == [], "stepped inside one of the engine's own steps"
+        engine.sleeping(True)
+        wake()
+        assert agent.steps == [], "stepped while the engine sleeps"
+        engine.sleeping(False)
+        wake()
+        assert agent.steps == [True]
+        assert engine.step(agree=False) == [] and agent.steps == [True, False]
+        engine.sleeping(True)
+        assert engine.step(agree=True) == [] and agent.steps == [True, False], "applied asleep"
+    finally:
+        wake.close()
+
+
+def test_a_worker_no_engine_core_can_wake_says_so_once(tmp_path, monkeypatch, caplog):
+    """Ray workers and multi-node followers have no engine core to wake: the command waits
+    for the engine's own agreement step, and the log says so once (never a silent drop)."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    caplog.set_level("WARNING", logger=plugin.__name__)
+    wake = plugin._Wake(rank=3, tp_size=2)
+    try:
+        wake()
+        wake()
+    finally:
+        wake.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == plugin.__name__]
+    assert len(lines) == 1 and "rank 3 cannot wake its engine" in lines[0]
+
+
+@pytest.mark.parametrize("tp, world", [(1, 1), (2, 4), (2, 8), (4, 8)])
+def test_placement_takes_vllms_world_and_contiguous_tp_groups(tp, world):
+    class Parallel:
+        tensor_parallel_size = tp
+
+    places = [plugin.placement(Parallel, rank, world) for rank in range(world)]
+    assert [p.rank for p in places] == list(range(world))
+    assert {p.world_size for p in places} == {world}
+    assert [p.tp_group for p in places] == [r // tp for r in range(world)]
+
+
+def test_placement_refuses_a_world_of_partial_tp_groups():
+    class Parallel:
+        tensor_parallel_size = 4
+
+    with pytest.raises(ValueError, match="whole TP groups of 4"):
+        plugin.placement(Parallel, 1, 6)
+
+
+def test_a_vllm_whose_internals_moved_keeps_its_own_class_and_runs_on(monkeypatch, caplog):
+    """A patch point that is not there turns wsd off with one line naming the vLLM version;
+    nothing is patched, so vLLM runs exactly as without wsd."""
+    pytest.importorskip("vllm")
+    from vllm.v1.engine import core
+
+    from wsd.integrations.vllm import patches
+
+    for name in [n for n in os.environ if n.startswith("WSD_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("WSD_COORDINATOR_CONNECT_ENDPOINT", "tcp://127.0.0.1:7600")
+    monkeypatch.setattr(plugin, "_installed", False)
+    monkeypatch.setattr(plugin, "_install", lambda config: pytest.fail("patched a vLLM that differs"))
+    monkeypatch.delattr(core.EngineCoreProc, "_handle_client_request")
+    caplog.set_level("INFO", logger=plugin.__name__)
+    plugin.register()
+    (line,) = _errors(caplog)
+    assert f"vLLM {patches.vllm_version()} has no vllm.v1.engine.core.EngineCoreProc" in line

@@ -1,6 +1,7 @@
 """A real vLLM engine (TP=2 by default, the tiny dummy model) driven line by line over stdin.
 
-Run by tests/test_vllm_engine.py and bench/bench_vllm.py as its own process,
+Run by tests/test_vllm_engine.py, tests/test_vllm_shapes.py and bench/bench_vllm.py
+as its own process (``DRIVER_TP``: its TP size; ``DRIVER_EXECUTOR``: vLLM's executor),
 because vLLM spawns its engine core and workers and wants a ``__main__`` guard.
 Each command is one JSON line on stdin; each answer one line on stdout,
 ``RESULT <json>``. wsd joins the engine when the environment says so
@@ -115,8 +116,10 @@ class Driver:
         else:
             os.environ.pop("WSD_COORDINATOR_CONNECT_ENDPOINT", None)
         began = time.monotonic()
-        self.llm = LLM(model=self.model, tensor_parallel_size=self.tp, distributed_executor_backend="mp",
-                       **LLM_ARGS)
+        # DRIVER_EXECUTOR=uni runs the engine core and its one worker in this process
+        # (with VLLM_ENABLE_V1_MULTIPROCESSING=0: on CPU, vLLM forces mp otherwise).
+        self.llm = LLM(model=self.model, tensor_parallel_size=self.tp,
+                       distributed_executor_backend=os.environ.get("DRIVER_EXECUTOR", "mp"), **LLM_ARGS)
         return {"seconds": time.monotonic() - began}
 
     def generate(self, n: int = 2, max_tokens: int = 16) -> dict[str, Any]:

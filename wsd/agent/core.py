@@ -115,6 +115,10 @@ class AgentLink:
         self._received: dict[int, dict[str, Any]] = {}
         self.held = 0  # highest seq with every seq up to it received
         self.applied = 0  # highest seq applied or skipped
+        # Highest seq received that this rank's group must apply (its baseline, or a
+        # command for every group or for its own): waking the engine for one addressed
+        # only to other groups would cost it a step for nothing (written by the I/O thread).
+        self.mine = 0
         self._fresh = True  # never registered: the coordinator picks our baseline
         # A fresh process starts from the coordinator's baseline seq by taking on
         # its group's desired state at that seq: one action, applied at the step
@@ -280,6 +284,7 @@ class AgentLink:
             self._desired = body["desired"]
             self.baseline = body["baseline_seq"]
             self.held = self.baseline
+            self.mine = self.baseline
             self._fresh = False
         self.epoch = body["epoch"]
         self.interval = body["heartbeat_interval"]
@@ -315,6 +320,8 @@ class AgentLink:
             held = self.held
             while held + 1 in self._received:
                 held += 1
+        if body["group"] is None or body["group"] == self.tp_index:
+            self.mine = max(self.mine, seq)
         self.held = held
         if self.idle:  # no engine loop: apply on receipt
             return [ack for _, ack in self.apply_up_to(held)]
@@ -357,6 +364,13 @@ class AgentLink:
             self.next_register = now + self.timeout
         self.rejected = body["message"]
         return []
+
+    def waiting(self) -> bool:
+        """True while a received command for this rank (or its start) waits for a step.
+
+        Conservative: a command for this rank received beyond a gap counts too.
+        """
+        return self.held > self.applied and self.mine > self.applied
 
     # -- applying ---------------------------------------------------------------------
 

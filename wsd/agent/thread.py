@@ -264,7 +264,7 @@ class Agent:
 
     def _wake_due(self) -> float:
         """When the I/O thread must next look at whether to wake the engine."""
-        if self._on_pending is None or self._link.held <= self._link.applied:
+        if self._on_pending is None or not self._link.waiting():
             return float("inf")
         since = self._pending_since if self._pending_since is not None else time.monotonic()
         return max(since, self._last_wake) + _WAKE_AFTER
@@ -278,8 +278,7 @@ class Agent:
         """
         if self._on_pending is None:
             return
-        link = self._link
-        if link.held <= link.applied:
+        if not self._link.waiting():
             self._pending_since = None
             return
         if self._pending_since is None:

@@ -21,15 +21,26 @@ The points:
   no manager, gets one sized from vLLM's configuration).
 - ``Worker.execute_model`` (wrapped; the CPU worker inherits it): vLLM's step
   boundary, where the TP group agrees on the commands to apply.
+- ``Worker.execute_dummy_batch`` (wrapped): the step of a data-parallel rank
+  with no requests while others run (MoE DP), a step boundary too.
+- ``Worker.sample_tokens`` (wrapped where vLLM has it): the second half of a
+  step; with ``execute_model``, the engine's own use of the workspace, during
+  which no agreement step runs on another thread.
+- ``Worker.compile_or_warm_up_model`` and the CPU worker's own (wrapped): the
+  engine is warm once it returns (its profile run and CUDA-graph capture done).
+- ``Worker.sleep`` / ``Worker.wake_up`` and the CPU worker's own (wrapped):
+  commands wait while the engine sleeps.
 - ``Worker.shutdown`` (wrapped): the agent says goodbye.
 - ``Worker.wsd_step`` (added): one agreement step, run on every worker by the
   engine core through ``collective_rpc`` when an idle engine has a command
   waiting.
-- ``vllm.v1.engine.core.EngineCoreProc.run_busy_loop`` and
-  ``._handle_client_request`` (wrapped): the engine core listens for the
-  workers' wake-ups and turns each into one ``wsd_step`` between engine steps,
-  on the engine core's own thread.
-- ``vllm.distributed.parallel_state.get_tp_group`` (read): the TP group's
+- ``vllm.v1.engine.core.EngineCoreProc.run_busy_loop``, its data-parallel
+  override ``DPEngineCoreProc.run_busy_loop``, and
+  ``EngineCoreProc._handle_client_request`` (wrapped): the engine core listens
+  for the workers' wake-ups and turns each into one ``wsd_step`` between engine
+  steps, on the engine core's own thread.
+- ``vllm.distributed.parallel_state.get_world_group`` and ``get_tp_group``
+  (read): the worker's rank and world as vLLM placed it, and the TP group's
   gloo ``cpu_group``, on which the agreement runs (no new process group).
 """
 
@@ -40,11 +51,13 @@ import importlib
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 from wsd.errors import VllmIntegrationError
 
-__all__ = ["CHECKED_VERSIONS", "VllmIntegrationError", "check", "install", "vllm_version", "wrap"]
+__all__ = ["CHECKED_VERSIONS", "EngineHooks", "VllmIntegrationError", "check", "install", "vllm_version",
+           "wrap"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +80,19 @@ _POINTS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("vllm.v1.worker.gpu_worker", "Worker.execute_model",
      lambda obj: list(inspect.signature(obj).parameters)[:2] == ["self", "scheduler_output"],
      "a method execute_model(self, scheduler_output)"),
+    ("vllm.v1.worker.gpu_worker", "Worker.execute_dummy_batch", callable, "a method"),
+    ("vllm.v1.worker.gpu_worker", "Worker.compile_or_warm_up_model", callable, "a method"),
+    ("vllm.v1.worker.gpu_worker", "Worker.sleep", callable, "a method"),
+    ("vllm.v1.worker.gpu_worker", "Worker.wake_up", callable, "a method"),
     ("vllm.v1.worker.gpu_worker", "Worker.shutdown", callable, "a method"),
     ("vllm.v1.engine.core", "EngineCoreProc.run_busy_loop", callable, "a method"),
+    ("vllm.v1.engine.core", "DPEngineCoreProc.run_busy_loop", callable, "a method"),
     ("vllm.v1.engine.core", "EngineCoreProc._handle_client_request",
      lambda obj: list(inspect.signature(obj).parameters)[:3] == ["self", "request_type", "request"],
      "a method _handle_client_request(self, request_type, request)"),
     ("vllm.v1.engine.core", "EngineCore.collective_rpc", callable, "a method"),
     ("vllm.distributed.parallel_state", "get_tp_group", callable, "a function"),
+    ("vllm.distributed.parallel_state", "get_world_group", callable, "a function"),
 )
 
 
@@ -125,19 +144,38 @@ def wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..
     setattr(owner, name, wrapper)
 
 
+class EngineHooks(Protocol):
+    """What the patches tell the plugin, and ask of it, about the engine of this process."""
+
+    def step(self, *, agree: bool) -> list[int]:
+        """The step boundary: ``agree=False`` at every engine step, True at a ``wsd_step``."""
+        ...
+
+    def busy(self) -> AbstractContextManager[None]:
+        """Held while the engine itself uses the workspace (a step, warm-up, sleep, wake)."""
+        ...
+
+    def warmed(self) -> None:
+        """The engine's warm-up (profile run, CUDA-graph capture) has returned."""
+        ...
+
+    def sleeping(self, asleep: bool) -> None:
+        """The engine went to sleep (True) or woke up (False)."""
+        ...
+
+
 def install(*, manager_class: type, attach: Callable[[Any], None], detach: Callable[[], None],
-            step: Callable[..., list[int]]) -> None:
+            engine: EngineHooks) -> None:
     """Apply every patch point (call ``check()`` first).
 
     ``manager_class`` takes the place of vLLM's ``WorkspaceManager``.
     ``attach(worker)`` runs after a worker's ``init_device``; ``detach()`` at its
-    shutdown and at ``reset_workspace_manager``; ``step(agree=False)`` at every
-    ``execute_model`` and ``step(agree=True)`` at every ``wsd_step`` the engine
-    core asks for.
+    shutdown and at ``reset_workspace_manager``; ``engine`` hears of steps,
+    warm-up and sleep (``EngineHooks``).
     """
     import vllm.v1.worker.workspace as vllm_workspace
     import zmq
-    from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
     from vllm.v1.worker.gpu_worker import Worker
 
     from wsd.integrations.vllm.wake import WSD_STEP, WakeListener
@@ -152,6 +190,18 @@ def install(*, manager_class: type, attach: Callable[[Any], None], detach: Calla
 
     wrap(vllm_workspace, "reset_workspace_manager", reset_workspace_manager)
 
+    cpu_worker: Any
+    try:
+        from vllm.v1.worker.cpu_worker import CPUWorker as cpu_worker
+    except ImportError:  # a vLLM build without the CPU worker: nothing to patch there
+        cpu_worker = None
+
+    def on_workers(name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Wrap ``Worker.name``, and the CPU worker's own ``name`` where it has one (no super())."""
+        wrap(Worker, name, make)
+        if cpu_worker is not None and name in vars(cpu_worker):
+            wrap(cpu_worker, name, make)
+
     def init_device(original: Callable[..., Any]) -> Callable[..., Any]:
         def init(self: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(self, *args, **kwargs)
@@ -159,22 +209,54 @@ def install(*, manager_class: type, attach: Callable[[Any], None], detach: Calla
             return result
         return init
 
-    wrap(Worker, "init_device", init_device)
-    cpu_worker: Any
-    try:
-        from vllm.v1.worker.cpu_worker import CPUWorker as cpu_worker
-    except ImportError:  # a vLLM build without the CPU worker: nothing to patch there
-        cpu_worker = None
-    if cpu_worker is not None and "init_device" in vars(cpu_worker):  # its own, without super()
-        wrap(cpu_worker, "init_device", init_device)
+    on_workers("init_device", init_device)
 
-    def execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
-        def execute(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-            step(agree=False)
-            return original(self, scheduler_output, *args, **kwargs)
+    def stepping(original: Callable[..., Any]) -> Callable[..., Any]:
+        def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with engine.busy():
+                engine.step(agree=False)
+                return original(self, *args, **kwargs)
         return execute
 
-    wrap(Worker, "execute_model", execute_model)
+    wrap(Worker, "execute_model", stepping)
+    wrap(Worker, "execute_dummy_batch", stepping)
+
+    def busy(original: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with engine.busy():
+                return original(self, *args, **kwargs)
+        return run
+
+    if hasattr(Worker, "sample_tokens"):  # not in every release: the half of a step after it
+        wrap(Worker, "sample_tokens", busy)
+
+    def warm_up(original: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with engine.busy():
+                result = original(self, *args, **kwargs)
+            engine.warmed()
+            return result
+        return run
+
+    on_workers("compile_or_warm_up_model", warm_up)
+
+    def sleep(original: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with engine.busy():
+                engine.sleeping(True)  # first: nothing is applied from here on
+                return original(self, *args, **kwargs)
+        return run
+
+    def wake_up(original: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with engine.busy():
+                result = original(self, *args, **kwargs)
+                engine.sleeping(False)  # last: the memory is back
+            return result
+        return run
+
+    on_workers("sleep", sleep)
+    on_workers("wake_up", wake_up)
 
     def shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
         def stop(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -186,7 +268,8 @@ def install(*, manager_class: type, attach: Callable[[Any], None], detach: Calla
 
     def wsd_step(self: Any) -> list[int]:
         """One agreement step outside ``execute_model`` (the engine core asks it of every worker)."""
-        return step(agree=True)
+        with engine.busy():
+            return engine.step(agree=True)
 
     setattr(Worker, WSD_STEP, wsd_step)
 
@@ -206,6 +289,7 @@ def install(*, manager_class: type, attach: Callable[[Any], None], detach: Calla
         return run
 
     wrap(EngineCoreProc, "run_busy_loop", run_busy_loop)
+    wrap(DPEngineCoreProc, "run_busy_loop", run_busy_loop)  # its own loop, no super()
 
     def handle_client_request(original: Callable[..., Any]) -> Callable[..., Any]:
         def handle(self: Any, request_type: Any, request: Any, *args: Any, **kwargs: Any) -> Any:

@@ -11,12 +11,20 @@ Configured, it checks every patch point (``patches``), then:
 
 - every manager vLLM builds is wsd's (``workspace.WorkspaceManager``); the CPU
   worker, which builds none, gets one sized from vLLM's configuration;
-- each worker starts one agent: rank = vLLM's global rank over DP x PP x TP,
-  world and TP size from vLLM's parallel configuration, and the per-step
-  agreement on vLLM's own gloo group of the TP group;
-- ``execute_model`` is the step boundary; an idle engine is woken (``wake``)
-  when a command waits;
+- each worker starts one agent: rank and world are vLLM's own (its world
+  group: DP x PP x PCP x TP across data-parallel engines of one model, each
+  dense data-parallel replica a world of its own, as vLLM runs it), TP size
+  from vLLM's parallel configuration, and the per-step agreement on vLLM's own
+  gloo group of the TP group;
+- ``execute_model`` (and ``execute_dummy_batch``, a data-parallel rank's idle
+  step) is the step boundary; an idle engine gets a step when a command waits
+  (``_Wake``);
 - shutdown (or ``reset_workspace_manager``) says goodbye and detaches.
+
+Fail-safe: no wsd error stops vLLM. An error while loading or attaching logs
+one ERROR line with the cause, turns wsd off in that process, and vLLM runs
+on (its rank then reads ``missing`` in ``wsctl``). ``WSD_VLLM_STRICT=1``
+makes such an error stop vLLM instead.
 """
 
 from __future__ import annotations
@@ -26,11 +34,13 @@ import dataclasses
 import logging
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from wsd.config import WsdConfig, load_config
 
-__all__ = ["VLLM_APPLY_EVERY", "enabled", "register"]
+__all__ = ["STRICT", "VLLM_APPLY_EVERY", "Placement", "enabled", "placement", "register", "strict"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +50,21 @@ VLLM_APPLY_EVERY = 16
 An agreement is a gloo all_reduce on the TP group: about 0.8 ms on the tiny
 TP=2 CPU engine's 5 ms step, 19% of its throughput when made at every step
 (``python -m bench --only vllm``). A waiting command does not wait for the
-16th step: the agent wakes the engine core for one agreement step after 0.2 s.
+16th step: the agent asks the engine for one agreement step after 0.2 s.
 """
+
+STRICT = "WSD_VLLM_STRICT"
+"""The environment variable that makes a wsd error stop vLLM (fail-closed)."""
 
 _installed = False
 _attachment: _Attachment | None = None
 _attach_lock = threading.Lock()
+
+
+def strict(env: dict[str, str] | None = None) -> bool:
+    """True when ``WSD_VLLM_STRICT`` asks for fail-closed (1, true, yes or on)."""
+    value = (os.environ if env is None else env).get(STRICT, "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
 
 
 def enabled(env: dict[str, str] | None = None) -> bool:
@@ -64,38 +83,191 @@ def enabled(env: dict[str, str] | None = None) -> bool:
 
 
 def register() -> None:
-    """vLLM's entry point: install wsd's patches if wsd is configured (idempotent)."""
-    global _installed
-    if _installed or not enabled():
-        return
-    config = load_config()  # a bad file or variable fails the start, naming the key
-    from wsd.integrations.vllm import patches
+    """vLLM's entry point: install wsd's patches if wsd is configured (idempotent).
 
-    patches.check()
-    _install(config)
+    Never raises unless ``WSD_VLLM_STRICT`` says so: vLLM aborts a process whose
+    plugin function raises.
+    """
+    global _installed
+    if _installed:
+        return
+    try:
+        if not enabled():
+            return
+        config = load_config()
+        from wsd.integrations.vllm import patches
+
+        patches.check()
+        _install(config)
+    except Exception as e:
+        if strict():
+            raise
+        _off(e, "loading wsd's vLLM plugin")
+        return
     _installed = True
     logger.info("wsd plugin installed (vLLM %s): workers join the coordinator at %s",
                 patches.vllm_version(), _endpoint(config))
+
+
+def _off(error: BaseException, doing: str) -> None:
+    """The one line that says wsd is off in this process, why, and what to do."""
+    logger.error("wsd is off in this process (pid %d), vLLM runs on without it: %s failed: "
+                 "%s: %s. Fix the cause and restart, or set %s=1 to make this stop vLLM instead",
+                 os.getpid(), doing, type(error).__name__, error, STRICT)
 
 
 def _endpoint(config: WsdConfig) -> str:
     return config.coordinator.connect_endpoint or config.coordinator.agent_endpoint
 
 
+# -- where a worker stands in vLLM's layout ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """A vLLM worker's place as wsd registers it."""
+
+    rank: int
+    """vLLM's global rank in its torch world (TP innermost, then PCP, PP, DP)."""
+    world_size: int
+    """vLLM's world: PP x PCP x TP, times DP where the DP ranks share one world
+    (MoE data parallelism, the external launcher); a dense DP replica is its own."""
+    tp_size: int
+
+    @property
+    def tp_group(self) -> int:
+        return self.rank // self.tp_size
+
+
+def placement(parallel: Any, world_rank: int, world_size: int) -> Placement:
+    """The placement of the worker at ``world_rank`` of vLLM's world group of ``world_size``.
+
+    vLLM's world group is already the right world in every layout: its
+    ``init_distributed_environment`` offsets the rank by the DP rank and widens
+    the world to ``world_size_across_dp`` where DP ranks share one (MoE DP), and
+    a dense DP replica is reset to DP = 1 with a world of its own. TP groups are
+    contiguous ranks (``initialize_model_parallel``: TP is the innermost axis).
+    """
+    tp_size = parallel.tensor_parallel_size
+    if tp_size < 1 or world_size % tp_size or not 0 <= world_rank < world_size:
+        raise ValueError(f"vLLM's world group (rank {world_rank} of {world_size}) does not hold "
+                         f"whole TP groups of {tp_size}")
+    return Placement(rank=world_rank, world_size=world_size, tp_size=tp_size)
+
+
 # -- what the patches call ------------------------------------------------------
+
+
+class _Engine:
+    """This worker process's engine, as the patches see it: busy, warm, asleep.
+
+    ``busy`` is held for each of the engine's own uses of the workspace
+    (a step, its warm-up, sleeping and waking), so that an agreement step may
+    run on the agent's thread between them (``step_between``).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.warm = False
+        self.asleep = False
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        with self.lock:
+            yield
+
+    def warmed(self) -> None:
+        self.warm = True
+
+    def sleeping(self, asleep: bool) -> None:
+        self.asleep = asleep
+
+    def step(self, *, agree: bool) -> list[int]:
+        """The step boundary (``execute_model``, or a woken engine's ``wsd_step``, which agrees).
+
+        Commands wait while the engine sleeps: a waiting ``reserve`` would
+        allocate the memory that sleep mode freed. Every rank of a TP group
+        sleeps and wakes together, so they skip the same steps.
+        """
+        attachment = _attachment
+        if attachment is None or self.asleep:
+            return []
+        try:
+            return attachment.agent.step(agree=agree)
+        except Exception as e:
+            if strict():
+                raise
+            _off(e, "the agreement step")
+            # On a thread of its own: this may be the agent's thread, which stop() joins.
+            threading.Thread(target=_detach, name="wsd-detach", daemon=True).start()
+            return []
+
+    def step_between(self) -> None:
+        """One agreement step on the calling thread, if the engine is warm, awake and
+        between two of its own steps; else nothing (a TP group of one rank only)."""
+        if not self.warm or self.asleep or not self.lock.acquire(blocking=False):
+            return  # a busy engine agrees within apply_every steps anyway
+        try:
+            self.step(agree=True)
+        finally:
+            self.lock.release()
+
+
+_engine = _Engine()
 
 
 def _install(config: WsdConfig) -> None:
     from wsd.integrations.vllm import patches, workspace
 
     patches.install(manager_class=workspace.configured(config.workspace),
-                    attach=lambda worker: _attach(worker, config), detach=_detach, step=_step)
+                    attach=lambda worker: _attach(worker, config), detach=_detach, engine=_engine)
 
 
-def _step(*, agree: bool) -> list[int]:
-    """The step boundary (``execute_model``, or a woken engine's ``wsd_step``, which agrees)."""
-    attachment = _attachment
-    return [] if attachment is None else attachment.agent.step(agree=agree)
+class _Wake:
+    """The agent's ``on_pending``: how this worker gets an agreement step out of its engine.
+
+    In the order tried:
+
+    1. an engine core in this process listens (the ``uni`` executor, whose worker
+       lives in the engine core): ask it directly, and its own thread runs the step;
+    2. a TP group of one rank: run the step here, on the agent's thread, between
+       the engine's own steps (no other rank takes part, and the engine core is
+       not disturbed; also the only way for an engine in the caller's process,
+       ``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
+    3. the parent is an engine core (the multiprocess executor): tell it over its
+       socket, and it runs ``wsd_step`` on every worker of the engine;
+    4. none of these (Ray workers, a multi-node follower, the external launcher
+       with TP > 1): the command waits for the engine's next agreement step, at
+       most ``apply_every`` steps of traffic; said once at WARNING.
+    """
+
+    def __init__(self, rank: int, tp_size: int) -> None:
+        from wsd.integrations.vllm.wake import WakeSender, wake_endpoint
+
+        self.rank = rank
+        self.tp_size = tp_size
+        self.sender = WakeSender(wake_endpoint(os.getppid()))
+        self._warned = False
+
+    def __call__(self) -> None:
+        from wsd.integrations.vllm.wake import local_listener
+
+        listener = local_listener()
+        if listener is not None:
+            listener.request()
+        elif self.tp_size == 1:
+            _engine.step_between()
+        elif self.sender.listening():
+            self.sender()
+        elif not self._warned:
+            self._warned = True
+            logger.warning("wsd: rank %d cannot wake its engine (no engine core listens at %s: "
+                           "Ray, a multi-node follower or the external launcher); a waiting "
+                           "command applies at the engine's next agreement step, within %d "
+                           "steps of traffic", self.rank, self.sender.endpoint, VLLM_APPLY_EVERY)
+
+    def close(self) -> None:
+        self.sender.close()
 
 
 # -- one worker's attachment ------------------------------------------------------
@@ -104,7 +276,7 @@ def _step(*, agree: bool) -> list[int]:
 class _Attachment:
     """A worker's agent and what it needs to stop."""
 
-    def __init__(self, agent: Any, wake: Any) -> None:
+    def __init__(self, agent: Any, wake: _Wake) -> None:
         self.agent = agent
         self.wake = wake
 
@@ -116,6 +288,16 @@ class _Attachment:
 
 
 def _attach(worker: Any, config: WsdConfig) -> None:
+    """Join wsd from this worker; an error turns wsd off here (see ``strict``)."""
+    try:
+        _join(worker, config)
+    except Exception as e:
+        if strict():
+            raise
+        _off(e, "attaching this vLLM worker")
+
+
+def _join(worker: Any, config: WsdConfig) -> None:
     """Give this worker a wsd manager (if vLLM built none) and start its agent."""
     global _attachment
     import torch
@@ -125,7 +307,6 @@ def _attach(worker: Any, config: WsdConfig) -> None:
     from wsd.agent.thread import Agent
     from wsd.integrations.vllm import workspace
     from wsd.integrations.vllm.patches import vllm_version
-    from wsd.integrations.vllm.wake import WakeSender, wake_endpoint
     from wsd.security import load_agent_token
     from wsd.wire.curve import agent_keys
 
@@ -141,30 +322,35 @@ def _attach(worker: Any, config: WsdConfig) -> None:
                 2 if getattr(parallel, "enable_dbo", False) else 1, 1)
         manager = vllm_workspace.current_workspace_manager()
         if not isinstance(manager, workspace.WorkspaceManager):
-            logger.error("wsd: vLLM's workspace manager is a %s, not wsd's; this worker does not "
-                         "join wsd", type(manager).__name__)
-            return
+            raise TypeError(f"vLLM's workspace manager is a {type(manager).__name__}, not wsd's")
+        world = parallel_state.get_world_group()
+        place = placement(parallel, world.rank, world.world_size)
         tp = parallel_state.get_tp_group()
-        tp_size = parallel.tensor_parallel_size
-        engine_world = parallel.pipeline_parallel_size * tp_size
-        rank = parallel.data_parallel_rank * engine_world + torch.distributed.get_rank()
-        wake = WakeSender(wake_endpoint(os.getppid()))
-        agent = Agent(
-            manager, endpoint=_endpoint(config), rank=rank,
-            world_size=parallel.data_parallel_size * engine_world, tp_size=tp_size,
-            tp_group=tp.cpu_group if tp_size > 1 else None,
-            config=dataclasses.replace(config.agent,
-                                       apply_every=config.agent.apply_every or VLLM_APPLY_EVERY),
-            heartbeat_interval=config.coordinator.heartbeat_interval,
-            heartbeat_timeout=config.coordinator.heartbeat_timeout,
-            extra={"engine": "vllm", "vllm_version": vllm_version(),
-                   "local_rank": getattr(worker, "local_rank", None),
-                   "tp_rank": tp.rank_in_group, "dp_rank": parallel.data_parallel_rank},
-            curve=agent_keys(config.security), on_pending=wake, token=load_agent_token(config.security),
-        ).start()
+        token = load_agent_token(config.security)
+        curve = agent_keys(config.security)
+        wake = _Wake(place.rank, place.tp_size)
+        try:
+            agent = Agent(
+                manager, endpoint=_endpoint(config), rank=place.rank, world_size=place.world_size,
+                tp_size=place.tp_size, tp_group=tp.cpu_group if place.tp_size > 1 else None,
+                config=dataclasses.replace(config.agent,
+                                           apply_every=config.agent.apply_every or VLLM_APPLY_EVERY),
+                heartbeat_interval=config.coordinator.heartbeat_interval,
+                heartbeat_timeout=config.coordinator.heartbeat_timeout,
+                extra={"engine": "vllm", "vllm_version": vllm_version(),
+                       "local_rank": getattr(worker, "local_rank", None),
+                       "tp_rank": tp.rank_in_group, "dp_rank": parallel.data_parallel_rank,
+                       "dp_index": getattr(parallel, "data_parallel_index", None),
+                       "dp_size": parallel.data_parallel_size,
+                       "executor": str(parallel.distributed_executor_backend)},
+                curve=curve, on_pending=wake, token=token,
+            ).start()
+        except BaseException:
+            wake.close()
+            raise
         _attachment = _Attachment(agent, wake)
-        logger.info("wsd: rank %d (TP group %d of size %d) joined %s with %r", rank,
-                    rank // tp_size, tp_size, _endpoint(config), manager)
+        logger.info("wsd: rank %d of %d (TP group %d of size %d) joined %s with %r", place.rank,
+                    place.world_size, place.tp_group, place.tp_size, _endpoint(config), manager)
 
 
 def _detach() -> None:

@@ -15,7 +15,9 @@ worker. (The agents' heartbeats still cost an idle worker about 1% of a core.)
 The engine core binds an IPC socket named after its pid, in a folder of the
 user's own (``<tmp>/wsd-<uid>``, mode 0700, checked): no other local user can
 send to it, squat its name or leave a file there that stops it. Its workers,
-which it spawned, find it by their parent pid.
+which it spawned, find it by their parent pid. A worker that lives inside its
+engine core's process (the ``uni`` executor) finds the listener in its own
+process (``local_listener``) and asks it directly.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 
 import zmq
 
-__all__ = ["WSD_STEP", "WakeListener", "WakeSender", "wake_endpoint", "wake_folder"]
+__all__ = ["WSD_STEP", "WakeListener", "WakeSender", "local_listener", "wake_endpoint", "wake_folder"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,15 @@ WSD_STEP = "wsd_step"
 
 # The listener wakes at least this often to notice close().
 _POLL_MS = 500
+
+# The listener of the engine core that runs in this process, if one does.
+_local: WakeListener | None = None
+
+
+def local_listener() -> WakeListener | None:
+    """The wake listener of an engine core in this very process (a worker of the
+    ``uni`` executor lives there), or None."""
+    return _local
 
 
 def wake_folder() -> str:
@@ -106,6 +117,14 @@ class WakeListener:
             raise
         self._thread = threading.Thread(target=self._run, name="wsd-vllm-wake", daemon=True)
         self._thread.start()
+        global _local
+        _local = self
+
+    def request(self) -> None:
+        """Queue one ``WSD_STEP`` unless one is queued already (any thread)."""
+        if not self.queued.is_set():
+            self.queued.set()
+            self._queue.put_nowait((WSD_STEP, None))
 
     def _run(self) -> None:
         sock = self._sock
@@ -115,9 +134,7 @@ class WakeListener:
                     continue
                 while sock.poll(0):
                     sock.recv(zmq.NOBLOCK)
-                if not self.queued.is_set():
-                    self.queued.set()
-                    self._queue.put_nowait((WSD_STEP, None))
+                self.request()
         except zmq.ZMQError as e:
             if not self._stop.is_set():
                 logger.warning("wsd wake listener stopped: %s", e)
@@ -126,6 +143,9 @@ class WakeListener:
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop listening and remove the socket file (the engine core shuts down)."""
+        global _local
+        if _local is self:
+            _local = None
         self._stop.set()
         self._thread.join(timeout)
         try:
@@ -149,13 +169,17 @@ class WakeSender:
         self._sock.setsockopt(zmq.IMMEDIATE, 1)  # none queued for an engine not there
         self._sock.connect(endpoint)
 
+    def listening(self) -> bool:
+        """Whether an engine core has bound the endpoint (its socket file exists)."""
+        return self.endpoint.startswith("ipc://") and os.path.exists(self.endpoint[len("ipc://"):])
+
     def __call__(self) -> None:
         if self._sock is None:
             return
         try:
             self._sock.send(b"", zmq.NOBLOCK)
         except zmq.Again:
-            pass  # one is already waiting, or no engine core listens (external launcher)
+            pass  # one is already waiting (or no engine core listens: see listening())
 
     def close(self) -> None:
         if self._sock is not None:

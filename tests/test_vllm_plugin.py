@@ -405,6 +405,9 @@ class _FakeAgent:
         self.steps.append(agree)
         return []
 
+    def mark_warm(self) -> None:
+        self.steps.append("warm")
+
 
 def test_a_worker_inside_its_engine_core_asks_the_listener_in_its_own_process(tmp_path, monkeypatch):
     """The uni executor builds the worker inside the engine core: its parent is the front end,
@@ -433,6 +436,8 @@ def test_a_one_rank_group_steps_between_the_engines_own_steps(monkeypatch):
         wake()
         assert agent.steps == [], "stepped before the engine's warm-up returned"
         engine.warmed()
+        assert agent.steps == ["warm"], "the agent was not told of the warm-up"
+        agent.steps.clear()
         with engine.busy():
             wake()
         assert agent.steps == [], "stepped inside one of the engine's own steps"
@@ -501,3 +506,33 @@ def test_a_vllm_whose_internals_moved_keeps_its_own_class_and_runs_on(monkeypatc
     plugin.register()
     (line,) = _errors(caplog)
     assert f"vLLM {patches.vllm_version()} has no vllm.v1.engine.core.EngineCoreProc" in line
+
+
+def test_nothing_applies_before_the_engines_warm_up_and_the_rank_reads_warming(start_coordinator):
+    """A lock replayed into a fresh engine once landed before its warm-up: the built-in
+    engine then refused its own warm-up's growth (478 violations per rank in 15 s), and on
+    a GPU it would land before vLLM's CUDA-graph capture. Until the engine says it is warm,
+    the agent applies nothing, wakes nothing, and its rank reads warming."""
+    coordinator = start_coordinator(world_size=1, tp_size=1)
+    wakes = []
+    with Client(coordinator.client_endpoint, timeout=5) as client:
+        client.lock(wait=False)  # the desired state a fresh rank takes on: locked
+        agent = Agent(WorkspaceManager("cpu", 1), endpoint=coordinator.agent_endpoint, rank=0,
+                      world_size=1, heartbeat_interval=0.2, heartbeat_timeout=2.0, warm=False,
+                      on_pending=lambda: wakes.append(1)).start()
+        try:
+            assert agent.wait_registered(10)
+            wait_until(lambda: client.ranks().ranks and client.ranks().ranks[0].warming, 5, "warming")
+            for _ in range(5):  # warm-up steps: they grow the workspace, and must be able to
+                assert agent.step(agree=True) == []
+                agent.manager.get_simultaneous(((1024 * (_ + 1),), torch.uint8))
+            observe(0.5)
+            assert not agent.manager.is_locked() and wakes == [], "locked or woken while warming"
+            agent.mark_warm()
+            wait_until(lambda: wakes, 5, "a wake-up once warm")
+            agent.step()
+            assert agent.manager.is_locked() and agent.manager.stats().lock_violations == 0
+            wait_until(lambda: not client.ranks().ranks[0].warming and client.ranks().ranks[0].locked,
+                       5, "the rank live, warm and locked")
+        finally:
+            agent.stop()

@@ -114,3 +114,40 @@ def test_a_broken_wsd_configuration_never_stops_vllm(coordinator, engine_of):
         assert client.ranks()["ranks"] == [] or rank_zero(client).get("state") != "live"
     engine.call("stop", 120)
     engine.proc.wait(60)
+
+
+def test_an_engine_started_into_a_locked_desired_state_locks_only_after_its_warm_up(
+        coordinator, tmp_path):
+    """A lock the coordinator replays to a fresh vLLM engine must land after the engine's own
+    warm-up (on a GPU: after its profile run and CUDA-graph capture). The rank reads warming
+    from its registration until then, is never seen locked while warming, then locks while
+    idle, and the engine generates."""
+    import json
+
+    agents, client_endpoint = coordinator
+    before = shm_segments()
+    with Client(client_endpoint, timeout=10) as client, processes() as start:
+        client.lock(wait=False)  # the desired state: locked
+        proc = start(python(DRIVER, str(tmp_path / "model")), name="vllm-driver", stdin=True,
+                     env=one_rank_env("mp", WSD_COORDINATOR_CONNECT_ENDPOINT=agents))
+        proc.wait_for("DRIVER READY", 60)
+        at = proc.send_line(json.dumps({"op": "start", "wsd": True}))
+        seen = []
+
+        def started() -> bool:
+            seen.extend((r.warming, r.locked) for r in client.ranks().ranks)
+            return any(line.startswith("RESULT ") for line in proc.lines[at:])
+
+        try:
+            wait_until(started, START_TIMEOUT, "the engine to start", interval=0.1)
+            assert (True, False) in seen, f"never seen warming: {seen}"
+            assert (True, True) not in seen, "locked while warming up"
+            wait_until(lambda: (r := client.ranks().ranks) and not r[0].warming and r[0].locked, 10,
+                       "the lock, once warm")
+            engine = Engine(proc, "")
+            assert len(engine.call("generate", n=2, max_tokens=8)["tokens"]) == 2
+            engine.call("stop", 120)
+            proc.wait(60)
+        finally:
+            for name in shm_segments() - before:
+                os.unlink(os.path.join("/dev/shm", name))

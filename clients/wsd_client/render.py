@@ -134,9 +134,14 @@ _RANKS_COLUMNS = (Column("RANK"), Column("STATE"), Column("GROUP"), Column("HOST
                   Column("LOCKED"), Column("UBATCHES"))
 
 
+def _rank_state(r: dict[str, Any]) -> str:
+    """A live rank whose engine is still warming up reads ``warming``: nothing applies to it yet."""
+    return "warming" if r["state"] == "live" and r.get("warming") else str(r["state"])
+
+
 def ranks(doc: dict[str, Any], width: int | None = None) -> str:
     rows = [
-        [r["rank"], r["state"], r["tp_group"], r["host"], r["pid"], r["device"], _opt(r["idle"]),
+        [r["rank"], _rank_state(r), r["tp_group"], r["host"], r["pid"], r["device"], _opt(r["idle"]),
          r["step"], r["applied_seq"], _opt(r["locked"]), _opt(r["num_ubatches"])]
         for r in doc["ranks"]
     ]

@@ -243,6 +243,12 @@ class RankEntry(Answer):
         return bool(self.doc["idle"])
 
     @property
+    def warming(self) -> bool:
+        """Its engine is still warming up: no command applies to it before that ends
+        (False from a coordinator that does not say)."""
+        return bool(self.doc.get("warming", False))
+
+    @property
     def registered_at(self) -> float:
         """Wall-clock Unix seconds, as every time of a rank."""
         return float(self.doc["registered_at"])

@@ -73,12 +73,14 @@ def tp_side_group(rank: int, world_size: int, tp_size: int) -> Any:
 class _ManagerTarget:
     """A WorkspaceManager as the protocol sees it (``wsd.agent.core.RankTarget``)."""
 
-    def __init__(self, manager: WorkspaceManager) -> None:
+    def __init__(self, manager: WorkspaceManager, warm: threading.Event) -> None:
         self.manager = manager
         self.device = str(manager.device)
+        self.warm = warm
 
     def state(self) -> dict[str, Any]:
-        return {"locked": self.manager.is_locked(), "num_ubatches": self.manager.num_ubatches}
+        return {"locked": self.manager.is_locked(), "num_ubatches": self.manager.num_ubatches,
+                "warming": not self.warm.is_set()}
 
     def snapshot(self) -> dict[str, Any]:
         return self.manager.stats().to_wire()
@@ -108,6 +110,7 @@ class Agent:
         curve: ClientKeys | None = None,
         on_pending: Callable[[], None] | None = None,
         token: bytes | None = None,
+        warm: bool = True,
     ) -> None:
         self.manager = manager
         self.endpoint = endpoint
@@ -121,9 +124,15 @@ class Agent:
         self.config = config or AgentConfig()
         self._apply_every = self.config.apply_every or 1
         self._context = context or zmq.Context.instance()
+        # Whether the engine's warm-up is over: until then no command applies (a lock
+        # replayed before the engine's own warm-up would refuse that warm-up's growth,
+        # and on a GPU land before its CUDA-graph capture). An idle worker has none.
+        self.warm = threading.Event()
+        if warm or idle:
+            self.warm.set()
         # The protocol state, shared with the I/O thread (see AgentLink on who writes what).
         self._link = AgentLink(
-            _ManagerTarget(manager), rank=rank, world_size=world_size, tp_size=tp_size, idle=idle,
+            _ManagerTarget(manager, self.warm), rank=rank, world_size=world_size, tp_size=tp_size, idle=idle,
             heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout, extra=extra,
             now=time.monotonic(), token=token,
         )
@@ -204,6 +213,14 @@ class Agent:
 
     # -- the engine's side --------------------------------------------------------
 
+    def mark_warm(self) -> None:
+        """The engine's warm-up is over: commands (and the desired state) may apply from the
+        next agreement on. Any thread; once is enough."""
+        if not self.warm.is_set():
+            self.warm.set()
+            self._link.stats_urgent = True  # the coordinator learns it at once
+            self._waker.wake()  # a command that waited for this may ask for a step now
+
     def step(self, *, agree: bool = False) -> list[int]:
         """The engine's step boundary: apply the commands the TP group agrees on.
 
@@ -217,7 +234,9 @@ class Agent:
         link.steps += 1
         if self.idle or (not agree and link.steps % self._apply_every):
             return []
-        agreed = link.held
+        # Warming up, this rank holds nothing back from its group but applies nothing
+        # new: the group's minimum then waits for every member's warm-up.
+        agreed = link.held if self.warm.is_set() else link.applied
         if self._group is not None:
             # fill_/item rather than [0] indexing: a few microseconds less per step.
             self._seq_tensor.fill_(agreed)
@@ -264,7 +283,7 @@ class Agent:
 
     def _wake_due(self) -> float:
         """When the I/O thread must next look at whether to wake the engine."""
-        if self._on_pending is None or not self._link.waiting():
+        if self._on_pending is None or not self.warm.is_set() or not self._link.waiting():
             return float("inf")
         since = self._pending_since if self._pending_since is not None else time.monotonic()
         return max(since, self._last_wake) + _WAKE_AFTER
@@ -278,8 +297,8 @@ class Agent:
         """
         if self._on_pending is None:
             return
-        if not self._link.waiting():
-            self._pending_since = None
+        if not self.warm.is_set() or not self._link.waiting():
+            self._pending_since = None  # nothing to wake it for (yet)
             return
         if self._pending_since is None:
             self._pending_since = now

@@ -46,6 +46,8 @@ def _manager_state(state: dict[str, Any]) -> dict[str, Any]:
     n = state.get("num_ubatches")
     if isinstance(n, int) and not isinstance(n, bool):
         out["num_ubatches"] = n
+    if isinstance(state.get("warming"), bool):
+        out["warming"] = state["warming"]
     return out
 
 
@@ -112,6 +114,8 @@ class RankInfo:
             "stopped_at": self.stopped_at,
             "locked": self.manager_state.get("locked"),
             "num_ubatches": self.manager_state.get("num_ubatches"),
+            # Its engine is still warming up: no command applies to it before that ends.
+            "warming": self.manager_state.get("warming", False),
         }
 
 

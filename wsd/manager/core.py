@@ -297,9 +297,11 @@ class WorkspaceManager:
             if self._locked and self._fallback and not self._capturing():
                 self._refuse_locked(slot, total, "allocation")  # counted and reported
                 # A one-off buffer, never cached: the slot keeps its size, and
-                # the next request that does not fit is counted again.
-                with self._alloc_context():
-                    buffer = torch.empty(total, dtype=torch.uint8, device=self._device)
+                # the next request that does not fit is counted again. Outside
+                # alloc_context: vLLM's sleep-mode allocator makes a new memory pool
+                # at each entry and keeps it for ever, one per such request; and a
+                # buffer that lives for one kernel has nothing to keep over a sleep.
+                buffer = torch.empty(total, dtype=torch.uint8, device=self._device)
                 return tuple(
                     buffer[offset : offset + nbytes].view(dtype).reshape(shape)
                     for (shape, dtype), nbytes, offset in zip(key, sizes, offsets)

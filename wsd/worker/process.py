@@ -156,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 heartbeat_interval=config.coordinator.heartbeat_interval,
                 heartbeat_timeout=config.coordinator.heartbeat_timeout,
                 extra={"backend": ctx.backend, "local_rank": env.local_rank, "idle": args.idle},
-                curve=curve, token=token,
+                curve=curve, token=token, warm=args.idle,  # the workload says when it is warm
             ).start()
             logger.info("%r on %s, TP group %d of size %d, agent to %s", manager, ctx.backend,
                         ctx.tp_index, ctx.tp_size, endpoint)
@@ -169,7 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         device=ctx.device, group=ctx.tp_group)
                 group = ctx.control_group
                 result = run_workload(manager, mlp, config.workload, step_boundary=agent.step,
-                                      should_stop=lambda: any_rank(stop.is_set(), group), wait=stop.wait)
+                                      should_stop=lambda: any_rank(stop.is_set(), group), wait=stop.wait,
+                                      warmed=agent.mark_warm)
                 logger.info("stopped cleanly after %d steps, %d lock violations",
                             result.steps, result.violations)
             clean = True

@@ -113,12 +113,14 @@ def run_workload(
     step_boundary: Callable[[], object],
     should_stop: Callable[[], bool],
     wait: Callable[[float], object] = time.sleep,
+    warmed: Callable[[], object] = lambda: None,
 ) -> WorkloadResult:
     """Warm up, lock (if configured), then run steady steps until done or stopped.
 
     ``step_boundary`` is the agent's ``step()``; ``should_stop`` is called at
     every step boundary on every rank (the worker's stop vote, a collective);
-    ``wait`` fills each step up to ``config.pace``.
+    ``wait`` fills each step up to ``config.pace``; ``warmed`` is called once,
+    when warm-up is over (the agent's ``mark_warm``: commands apply from then on).
     """
     rng = random.Random(config.seed)
     warmup = warmup_tokens(config)
@@ -138,6 +140,8 @@ def run_workload(
             logger.info("warm-up done after %d steps at %d tokens: slots %s bytes, %s",
                         step, tokens, sorted({s.capacity_bytes for s in manager.stats().slots}),
                         "locked" if manager.is_locked() else "unlocked")
+        if step >= len(warmup):
+            warmed()
         step_boundary()
         if should_stop():
             break

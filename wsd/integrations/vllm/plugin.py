@@ -177,7 +177,12 @@ class _Engine:
             yield
 
     def warmed(self) -> None:
+        """vLLM's warm-up returned (its profile run, CUDA-graph capture and the lock after
+        it): commands, a replayed desired state included, may apply from now on."""
         self.warm = True
+        attachment = _attachment
+        if attachment is not None:
+            attachment.agent.mark_warm()
 
     def sleeping(self, asleep: bool) -> None:
         self.asleep = asleep
@@ -189,6 +194,8 @@ class _Engine:
         allocate the memory that sleep mode freed. Every rank of a TP group
         sleeps and wakes together, so they skip the same steps.
         """
+        if not agree and not self.warm:
+            self.warmed()  # an engine step comes after any warm-up: never wait for ever
         attachment = _attachment
         if attachment is None or self.asleep:
             return []
@@ -344,6 +351,7 @@ def _join(worker: Any, config: WsdConfig) -> None:
                        "dp_size": parallel.data_parallel_size,
                        "executor": str(parallel.distributed_executor_backend)},
                 curve=curve, on_pending=wake, token=token,
+                warm=_engine.warm,  # attached in init_device: warm-up is still to come
             ).start()
         except BaseException:
             wake.close()

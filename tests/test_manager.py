@@ -330,3 +330,77 @@ def test_properties_are_read_only():
     assert (manager.device, manager.num_ubatches, manager.num_lanes) == (torch.device("cpu"), 2, 3)
     with pytest.raises(AttributeError):
         manager.num_ubatches = 5
+
+
+# -- vLLM 0.34's retained span -----------------------------------------------------------
+
+
+def _retained(manager, key="kv", n=16):
+    view, intact = manager.get_retained(key, (n,), torch.float32)
+    return view, intact
+
+
+def test_a_retained_span_is_the_tail_of_the_slot_and_intact_while_nothing_reaches_it():
+    """The span sits at the end (its start rounded down to 256), survives requests that
+    stay below it, and is reported intact to the same key; DeepSeek V4.1 keeps a chunk's
+    KV columns there across layers."""
+    manager = WorkspaceManager("cpu", 1)
+    manager.get_simultaneous(((4096,), torch.uint8))
+    view, intact = _retained(manager)
+    assert not intact and view.shape == (16,)
+    assert view.storage_offset() * 4 == (4096 - 64) // 256 * 256 == 3840
+    view.fill_(7.0)
+    manager.get_simultaneous(((1000,), torch.uint8))  # ends at 1024: below the span
+    again, intact = _retained(manager)
+    assert intact and again.data_ptr() == view.data_ptr() and bool((again == 7.0).all())
+    _, intact = _retained(manager, key="other")
+    assert not intact, "another key took the span over: what it holds is not the first key's"
+    _, intact = _retained(manager, key="kv")
+    assert not intact, "only the latest key is remembered"
+
+
+@pytest.mark.parametrize("reach", [
+    lambda m: m.get_simultaneous(((3900,), torch.uint8)),  # views that reach past the start
+    lambda m: m.get_simultaneous(((8192,), torch.uint8)),  # growth: a new buffer
+    lambda m: m.reserve_bytes(1 << 14),
+    lambda m: m.trim(),
+])
+def test_anything_that_reaches_or_moves_the_span_forgets_it(reach):
+    manager = WorkspaceManager("cpu", 1)
+    manager.get_simultaneous(((4096,), torch.uint8))
+    _retained(manager)
+    assert _retained(manager)[1]
+    reach(manager)
+    assert not _retained(manager)[1]
+
+
+def test_equalize_forgets_the_span_of_each_slot_it_reallocates():
+    manager = WorkspaceManager("cpu", 2)
+    with use_ubatch(1):
+        manager.get_simultaneous(((8192,), torch.uint8))
+    manager.get_simultaneous(((4096,), torch.uint8))
+    _retained(manager)
+    manager.equalize()  # slot 0 grows to 8192
+    assert not _retained(manager)[1]
+    with use_ubatch(1):  # slot 1 kept its buffer: its own record is separate, and new
+        assert not _retained(manager)[1] and _retained(manager)[1]
+
+
+def test_a_retained_span_grows_the_slot_and_is_refused_when_locked():
+    manager = WorkspaceManager("cpu", 1)
+    view, _ = _retained(manager, n=100)
+    assert manager.stats().slots[0].capacity_bytes == 400 and view.storage_offset() == 0
+    manager.lock()
+    with pytest.raises(WorkspaceLockedError, match="Workspace is locked but allocation"):
+        _retained(manager, n=1000)
+    assert manager.stats().lock_violations == 1
+
+
+def test_under_fallback_a_locked_span_is_served_outside_the_slot_and_never_intact():
+    manager = WorkspaceManager("cpu", 1, on_locked_growth="fallback")
+    _retained(manager, n=16)
+    manager.lock()
+    big, intact = _retained(manager, n=1000)
+    assert not intact and big.shape == (1000,) and manager.stats().slots[0].capacity_bytes == 64
+    assert not _retained(manager, n=1000)[1], "a one-off buffer holds nothing for next time"
+    assert _retained(manager, n=16)[1], "the slot's own record stood"

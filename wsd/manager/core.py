@@ -253,7 +253,50 @@ class WorkspaceManager:
             bound = slot.views[shapes_and_dtypes]
         except (KeyError, TypeError):  # TypeError: a shape given as a list
             bound = self._bind(slot, shapes_and_dtypes)
+        if slot.retained is not None:  # rare: only after a get_retained on this slot
+            self._reach(slot, shapes_and_dtypes)
         return [view.detach() for view in bound]
+
+    def _reach(self, slot: Slot, shapes_and_dtypes: Sequence[ShapeAndDtype]) -> None:
+        """Forget the slot's retained span if this request's views reach into it (vLLM 0.34)."""
+        retained = slot.retained
+        if retained is not None and self._layout(shapes_and_dtypes)[3] > retained[1]:
+            slot.retained = None
+
+    def get_retained(self, key: Hashable, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+        """A view over the last bytes of the current slot's buffer, which requests leave alone.
+
+        vLLM 0.34's, call for call: ``get_simultaneous`` packs its views from
+        offset 0, so the span at the end of the buffer, starting at
+        ``numel - nbytes`` rounded down to the alignment, outlives requests that
+        do not reach it. The flag says whether the span still holds what the
+        previous ``get_retained`` of this slot left there: the same key and the
+        same start, no ``get_simultaneous`` since whose views reached past that
+        start, and no reallocation of the buffer (growth, ``reserve``,
+        ``equalize``, ``trim``). One record per slot, the latest key only. The
+        buffer grows for it like for any request, and is refused the same way
+        when locked.
+        """
+        slot = self._current_slot()
+        nbytes = prod(shape) * dtype.itemsize
+        if nbytes > slot.capacity_bytes:
+            if self._locked:
+                slot.peak_requested_bytes = max(slot.peak_requested_bytes, nbytes)
+                if self._fallback and not self._capturing():
+                    # As for get_simultaneous: served outside the slot, whose record
+                    # stands; nothing such a buffer held can be intact next time.
+                    self._refuse_locked(slot, nbytes, "allocation")
+                    return torch.empty(nbytes, dtype=torch.uint8, device=self._device).view(dtype).reshape(shape), False
+            self._grow(slot, nbytes)
+        slot.peak_requested_bytes = max(slot.peak_requested_bytes, nbytes)
+        if slot.buffer is None:  # a zero-byte request on a slot never grown
+            slot.buffer = torch.empty(0, dtype=torch.uint8, device=self._device)
+        buffer = slot.buffer
+        align = self._config.alignment
+        start = (buffer.numel() - nbytes) // align * align
+        intact = slot.retained == (key, start)
+        slot.retained = (key, start)
+        return buffer[start : start + nbytes].view(dtype).reshape(shape), intact
 
     def _layout(
         self, shapes_and_dtypes: Sequence[ShapeAndDtype]
@@ -384,7 +427,7 @@ class WorkspaceManager:
         # Views that callers still hold keep the old memory alive on their own.
         # The capacity stays at the old size until the new buffer exists, so a
         # concurrent stats() never sees the slot at 0 bytes in mid-resize.
-        slot.release_buffer()
+        slot.release_buffer()  # and the retained span's record with it, as vLLM
         self._empty_cache()
         try:
             with self._alloc_context():  # vLLM's sleep-mode pool, where it gives one

@@ -118,6 +118,7 @@ class Slot:
         "persistent",
         "requests",
         "resizes",
+        "retained",
         "ubatch",
         "views",
     )
@@ -129,6 +130,9 @@ class Slot:
         self.capacity_bytes = 0
         # Request -> views of the current buffer, laid out once; see get_simultaneous.
         self.views: dict[Any, tuple[torch.Tensor, ...]] = {}
+        # (key, start) of the tail span get_retained last handed out (vLLM 0.34's
+        # record): cleared when a request reaches into it or the buffer goes.
+        self.retained: tuple[Any, int] | None = None
         self.requests = 0
         self.peak_requested_bytes = 0
         self.resizes = 0
@@ -143,6 +147,7 @@ class Slot:
         # The bound views hold the storage too: forget them first, or the
         # old buffer outlives the resize.
         self.views = {}
+        self.retained = None
         self.buffer = None
 
     def drop_buffer(self) -> None:

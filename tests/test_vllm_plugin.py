@@ -536,3 +536,44 @@ def test_nothing_applies_before_the_engines_warm_up_and_the_rank_reads_warming(s
                        5, "the rank live, warm and locked")
         finally:
             agent.stop()
+
+
+def test_a_vllm_whose_workspace_has_more_than_wsds_keeps_its_own_class(monkeypatch, caplog):
+    """A release that adds to the workspace API (0.34's get_retained was one): a class swap
+    would hand vLLM's kernels a manager without it. wsd leaves vLLM's class in place and
+    names what it lacks, in one line."""
+    pytest.importorskip("vllm")
+    import vllm.v1.worker.workspace as vllm_workspace
+
+    from wsd.integrations.vllm import patches
+
+    def get_leased(self, key):  # what a future release might add
+        return key
+
+    monkeypatch.setattr(vllm_workspace.WorkspaceManager, "get_leased", get_leased, raising=False)
+    with pytest.raises(patches.VllmIntegrationError,
+                       match=r"has what wsd's stand-in lacks: WorkspaceManager\.get_leased; wsd leaves vLLM's"):
+        patches.check()
+
+    for name in [n for n in os.environ if n.startswith("WSD_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("WSD_COORDINATOR_CONNECT_ENDPOINT", "tcp://127.0.0.1:7600")
+    monkeypatch.setattr(plugin, "_installed", False)
+    original = vllm_workspace.WorkspaceManager
+    caplog.set_level("INFO", logger=plugin.__name__)
+    plugin.register()
+    (line,) = _errors(caplog)
+    assert "WorkspaceManager.get_leased" in line and vllm_workspace.WorkspaceManager is original
+
+
+def test_an_unverified_release_is_said_once_and_runs_when_its_checks_pass(monkeypatch, caplog):
+    pytest.importorskip("vllm")
+    import vllm
+
+    from wsd.integrations.vllm import patches
+
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    caplog.set_level("WARNING", logger=patches.__name__)
+    patches.check()
+    (line,) = [r.getMessage() for r in caplog.records if r.name == patches.__name__]
+    assert "vLLM 0.35.0 is not a release wsd was verified with (0.32.0, 0.33.0, 0.34.0)" in line

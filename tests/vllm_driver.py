@@ -25,6 +25,10 @@ import threading
 import time
 from typing import Any
 
+# What runs on every worker through collective_rpc, in a module of its own beside
+# this script (its folder is on the path): see tests/vllm_rpc.py.
+from vllm_rpc import FUNCTIONS
+
 MODEL_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
     "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -51,48 +55,6 @@ LLM_ARGS = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
 
 def prompts(n: int) -> list[list[int]]:
     return [[1, 5 + i, 9 + 2 * i, 13, 21 + i] for i in range(n)]
-
-
-# -- run on every worker through collective_rpc (vLLM passes the worker first) ---
-
-
-def engine_lock(worker: Any) -> bool:
-    """What vLLM's GPU model runner does after CUDA-graph capture."""
-    from vllm.v1.worker.workspace import current_workspace_manager, lock_workspace
-
-    lock_workspace()
-    return current_workspace_manager().is_locked()
-
-
-def engine_unlock(worker: Any) -> bool:
-    from vllm.v1.worker.workspace import current_workspace_manager, unlock_workspace
-
-    unlock_workspace()
-    return current_workspace_manager().is_locked()
-
-
-def grow(worker: Any, nbytes: int) -> str:
-    """A kernel asking vLLM's workspace for more than it holds; returns the refusal."""
-    import torch
-    from vllm.v1.worker.workspace import current_workspace_manager
-
-    try:
-        current_workspace_manager().get_simultaneous(((nbytes,), torch.uint8))
-    except AssertionError as e:
-        return f"{type(e).__name__}: {e}"
-    return "served"
-
-
-def manager_class(worker: Any) -> str:
-    from vllm.v1.worker.workspace import current_workspace_manager, is_workspace_manager_initialized
-
-    if not is_workspace_manager_initialized():
-        return "none"
-    cls = type(current_workspace_manager())
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-FUNCTIONS = {f.__name__: f for f in (engine_lock, engine_unlock, grow, manager_class)}
 
 
 # -- the driver ---------------------------------------------------------------------

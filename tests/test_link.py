@@ -285,3 +285,23 @@ def test_a_coordinator_older_than_pushes_is_sent_heartbeats_only():
     link.stats_urgent = True
     assert link.due() == 3.0
     assert sent_ops(link.on_frame(p.encode(Op.STATS_REQUEST, {"request": 4}), 2.5)) == [Op.STATS_REPLY]
+
+
+def test_a_silent_coordinator_is_given_up_on_at_the_very_time_due_says():
+    """due() says last_heard + timeout; on_time at exactly that time did nothing (the check
+    was "later than"), so due() stayed where it was: the simulator's timer loop, which calls
+    on_time at the due time, spun at 100% of a core for ever after any outage longer than the
+    timeout, and its stop() failed. Every due time must make progress."""
+    link = AgentLink(FakeTarget(), rank=0, world_size=1, heartbeat_interval=1.0, heartbeat_timeout=5.0)
+    link.on_time(0.0)
+    link.on_frame(registered(), 0.0)
+    now, seen = 0.0, set()
+    for _ in range(100):  # heartbeats and pushes at their times, the coordinator silent
+        link.on_time(now)
+        if not link.registered.is_set():
+            break
+        due = link.due()
+        assert due > now or due not in seen, f"due() stuck at {due}"
+        seen.add(due)
+        now = due
+    assert not link.registered.is_set() and now == 5.0, "not given up on at last_heard + timeout"

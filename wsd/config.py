@@ -83,6 +83,7 @@ NOT_CONFIGURATION: dict[str, str] = {
     "WSD_VLLM_SOURCE": "a vLLM checkout, for tests/vllm_peer",
     "WSD_HOSTILE_SEED": "the seed that replays the inputs of the hostile tests",
     "WSD_VLLM_STRICT": "1: a wsd error in the vLLM plugin stops vLLM, instead of turning wsd off",
+    "WSD_VLLM_RELEASES": "where .ci/vllm-releases keeps the verified vLLM releases' sources, for the tests",
 }
 """The ``WSD_*`` environment variables that are not ``WSD_<SECTION>_<KEY>``
 overrides, and what reads each; ``load_config`` refuses any other."""

@@ -172,7 +172,7 @@ class AgentLink:
 
     def on_time(self, now: float) -> list[bytes]:
         """Registration, heartbeats and noticing a silent coordinator."""
-        if self.registered.is_set() and now - self.last_heard > self.timeout:
+        if self.registered.is_set() and now - self.last_heard >= self.timeout:
             logger.warning("rank %d: no word from the coordinator for %.1f s; registering again",
                            self.rank, now - self.last_heard)
             self.registered.clear()

@@ -331,3 +331,13 @@ def test_what_only_looks_like_a_service_link_is_still_refused(name, value, expec
     with pytest.raises(ConfigError) as info:
         load_config(None, env={name: value})
     assert expected in str(info.value)
+
+
+@pytest.mark.parametrize("text", ['[coordinator]\nstate_file = "a\\u0000b"\n',
+                                  '[security]\nviewer_keys = "a\\u0000b"\n'])
+def test_a_nul_in_a_string_is_refused_naming_the_key(tmp_path, text):
+    """A NUL in state_file once ended in a ValueError traceback ("embedded null byte") when the
+    coordinator opened it: refused at load instead, naming the file and key."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=r"wsd\.toml: \[\w+\] \w+ must not contain a NUL character"):
+        load_config(path)

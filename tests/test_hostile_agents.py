@@ -63,6 +63,8 @@ INT64 = 2**63 - 1
 REGISTRATION_REFUSALS = {str(ErrorCode.FORBIDDEN), str(ErrorCode.CONFLICT), str(ErrorCode.MISMATCH)}
 _ASCII = "abcxyz019 _-./:\"'\\{}[]\x00\x7f"
 _ALPHABET = _ASCII + "éß☃\u202e\U0001f600"
+# Names that may hold no control character (the wire refuses them there: tests/test_protocol.py).
+_PRINTABLE = "".join(c for c in _ALPHABET if not (ord(c) < 0x20 or 0x7f <= ord(c) <= 0x9f))
 
 
 # -- the generator ---------------------------------------------------------------------------------
@@ -151,7 +153,7 @@ class Malice:
         return {
             "rank": rank, "world_size": world, "tp_size": tp,
             "tp_group": rank // tp if r.random() < 0.8 else r.randint(0, 1 << 20),
-            "host": self.text(255), "pid": r.randint(0, 1 << 31), "device": self.text(64),
+            "host": self.text(255, _PRINTABLE), "pid": r.randint(0, 1 << 31), "device": self.text(64, _PRINTABLE),
             "applied_seq": r.choice([None, None, self.seq()]), "acks": acks, "step": self.number(),
             "idle": r.random() < 0.5, "state": self.state(), "config": self.junk_map(64, 0),
             "instance": instance, "proof": proof,
@@ -169,7 +171,7 @@ class Malice:
         detail = self.junk_map(30)
         for key in self.r.sample(["id", "time", "kind", "rank", "tp_group", "agent_kind", "caller", "seq"], 2):
             detail[key] = self.r.choice([self.text(2000), self.junk()])  # reserved keys, long text
-        kind = self.r.choice(["lock_violation", "lost", "command", "started", "suppressed", self.text(64)])
+        kind = self.r.choice(["lock_violation", "lost", "command", "started", "suppressed", self.text(64, _PRINTABLE)])
         return {"rank": self.rank(a.rank), "kind": kind, "detail": detail}
 
     def _stats_reply(self, a: Attacker) -> dict[str, Any]:

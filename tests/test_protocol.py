@@ -446,3 +446,20 @@ def test_decode_arbitrary_bytes_raises_only_protocol_error(frame):
 @given(_values | _envelopes)
 def test_decode_arbitrary_structures_raises_only_protocol_error(value):
     _decode_or_protocol_error(msgpack.packb(value, use_bin_type=True))
+
+
+@pytest.mark.parametrize("op, field, value", [
+    (Op.REGISTER, "host", "node\x1b]0;pwned\x07"),
+    (Op.REGISTER, "host", "node\x9b31m"),  # a C1 control: CSI in one character
+    (Op.REGISTER, "device", "cpu\x1b[2J"),
+    (Op.EVENT, "kind", "lock_violation\x07"),
+])
+def test_names_a_peer_claims_hold_no_control_character(op, field, value):
+    """A peer without the token once put ESC and BEL in its host; `wsctl events` printed them raw,
+    clearing the screen and retitling the terminal. Refused where no legitimate name has one."""
+    body = {**VALID[op], field: value}
+    with pytest.raises(ProtocolError, match=rf"{field}: must hold no control character") as info:
+        p.decode(p.encode(op, body))
+    assert info.value.code == ErrorCode.BAD_FIELD and "\x1b" not in str(info.value) and "\x07" not in str(info.value)
+    assert p.decode(p.encode(op, {**VALID[op], field: value.replace("\x1b", "").replace("\x07", "")
+                                  .replace("\x9b", "")})).body[field]

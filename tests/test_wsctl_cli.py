@@ -7,6 +7,7 @@ measured with ``time.monotonic``.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import socket
@@ -122,6 +123,23 @@ def test_an_endpoint_without_tcp_is_a_usage_error(capsys, endpoint):
     assert "unavailable" not in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("host", ["a" * 300, "a" * 64 + ".example", ".".join(["abcdefgh"] * 30)])
+def test_a_host_name_dns_cannot_hold_is_a_usage_error(capsys, host):
+    """A 300-character host once ended in a UnicodeError traceback (the idna codec's)."""
+    code, out, err, took = run(capsys, "status", "--endpoint", f"tcp://{host}:7601")
+    assert (code, out) == (2, "") and took < FAST
+    assert "must have a host name of at most 253 characters" in err and "Traceback" not in err
+
+
+def test_a_key_name_no_file_system_holds_is_refused_in_one_line(capsys, tmp_path):
+    """A 300-character key name once ended in an OSError traceback (File name too long)."""
+    code, _, err, _ = run(capsys, "keygen", "k" * 300, "--dir", str(tmp_path))
+    assert code == 2 and "key name must be at most 200 bytes, got 300" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+    code, _, err, _ = run(capsys, "keygen", "k" * 200, "--dir", str(tmp_path))
+    assert code == 0 and sorted(p.name for p in tmp_path.iterdir()) == ["k" * 200 + ".key", "k" * 200 + ".key_secret"]
+
+
 def test_an_endpoint_without_tcp_in_the_environment_is_a_usage_error(capsys, monkeypatch):
     monkeypatch.setenv("WSD_ENDPOINT", "127.0.0.1:7601")
     code, out, err, _ = run(capsys, "ping")
@@ -176,3 +194,18 @@ def test_a_reader_gone_keeps_the_exit_code_and_stops_a_follower(start_coordinato
         os.close(write_end)
     assert done.returncode == 3, done.stderr
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+def test_control_characters_from_peers_never_reach_the_terminal_raw():
+    """Every human rendering passes Output.emit: ESC, BEL and C1 controls a peer put in a name
+    or a message come out escaped (they once cleared the screen and retitled the terminal);
+    watch's own redraw, first in its frame, is the one sequence sent as it is."""
+    stream = io.StringIO()
+    wsctl.Output(False, stream).emit({}, lambda: "rank 0  host-\x1b]0;pwned\x07  \x9b31m\tok")
+    assert stream.getvalue() == "rank 0  host-\\x1b]0;pwned\\x07  \\x9b31m\tok\n"
+    stream = io.StringIO()
+    wsctl.Output(False, stream).emit({}, lambda: f"{wsctl._CLEAR}frame \x1b[2J")
+    assert stream.getvalue() == f"{wsctl._CLEAR}frame \\x1b[2J\n"
+    stream = io.StringIO()
+    wsctl.Output(True, stream).emit({"host": "a\x1b"}, lambda: "unused")
+    assert stream.getvalue() == '{"host": "a\\u001b"}\n'

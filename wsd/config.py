@@ -208,12 +208,16 @@ def _coerce(value: Any, kind: Any, f: dataclasses.Field, from_env: bool) -> Any:
     if kind is str:
         if not isinstance(value, str):
             raise ValueError(f"must be a string, got {value!r}")
+        if "\0" in value:  # a path or name with one fails later, in open() or bind()
+            raise ValueError(f"must not contain a NUL character, got {value!r}")
         return value
     if typing.get_origin(kind) is tuple:
         if from_env:
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ValueError(f"must be a list of strings, got {value!r}")
+        if any("\0" in v for v in value):
+            raise ValueError(f"must not contain a NUL character, got {value!r}")
         return tuple(value)
     raise TypeError(f"unsupported configuration field type {kind!r}")  # a bug here
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 
-__all__ = ["cut", "format_bytes", "format_time", "table"]
+__all__ = ["cut", "format_bytes", "format_time", "printable", "table"]
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
@@ -15,6 +16,15 @@ def cut(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character but newline and tab escaped (``\\x1b``): what a
+    peer put in a name or a message never reaches a terminal raw (ESC sequences, BEL)."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def format_bytes(n: int) -> str:

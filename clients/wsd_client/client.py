@@ -77,6 +77,8 @@ def _probe(endpoint: str, seconds: float) -> str | None:
         addresses = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         return f"cannot resolve host {host!r}: {e.strerror}"
+    except UnicodeError as e:  # the idna codec: a label over 63 characters, say
+        return f"cannot resolve host {host[:80]!r}: not a valid host name ({e})"
     deadline = time.monotonic() + seconds
     reasons = []
     for family, kind, proto, _, address in addresses:

@@ -81,6 +81,7 @@ from wsd.commands import COMMANDS as COMMAND_TABLE
 from wsd.commands import CommandSpec
 from wsd.errors import ConfigError
 from wsd.errors import ExitCode as Exit  # one list of exit codes for every wsd command
+from wsd.fmt import printable
 from wsd.wire.curve import keygen
 from wsd_client import completion, render
 from wsd_client import options as opt
@@ -122,7 +123,14 @@ class Output:
     def emit(self, doc: Any, human: Callable[[], str]) -> None:
         if self.closed:
             return
-        text = json.dumps(doc, sort_keys=True) if self.as_json else human()
+        if self.as_json:  # JSON escapes control characters itself
+            text = json.dumps(doc, sort_keys=True)
+        else:
+            # Escaped here, once, for every table and line: names and messages from peers
+            # never reach a terminal raw. Only watch's own redraw (first) is sent as it is.
+            text = human()
+            ours = _CLEAR if text.startswith(_CLEAR) else ""
+            text = ours + printable(text[len(ours):])
         try:
             print(text, file=self.stream, flush=True)
         except BrokenPipeError:
@@ -287,7 +295,7 @@ def _command(call: Callable[[Client, argparse.Namespace], CommandResult]) -> Han
         if result.failed:
             errors = "; ".join(f"rank {a['rank']}: {a['error']}"
                                for a in result.acked if not a["ok"])
-            print(f"wsctl: {result.action} failed on {len(result.failed)} rank(s): {errors}",
+            print(printable(f"wsctl: {result.action} failed on {len(result.failed)} rank(s): {errors}"),
                   file=sys.stderr)
             return Exit.ERROR
         return Exit.PARTIAL if result.waited and not result.complete else Exit.OK
@@ -452,8 +460,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, BadEndpoint) as e:  # a key or contexts file wrong, unreadable or open to others
         print(f"wsctl: {e}", file=sys.stderr)
         return Exit.USAGE
-    except ClientError as e:
-        print(f"wsctl: {e}", file=sys.stderr)
+    except ClientError as e:  # may carry a coordinator's message, and through it a peer's
+        print(printable(f"wsctl: {e}"), file=sys.stderr)
         return Exit.ERROR
     except KeyboardInterrupt:
         print("wsctl: interrupted", file=sys.stderr)

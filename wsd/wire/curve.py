@@ -254,20 +254,26 @@ def agent_keys(security: SecurityConfig) -> ClientKeys | None:
     return ClientKeys(public, secret, server)
 
 
+_MAX_KEY_NAME = 200
+"""Bytes of a key's name: with ``.key_secret`` after it, within any file system's 255."""
+
+
 def keygen(name: str, directory: str | os.PathLike[str] = ".") -> tuple[Path, Path]:
     """Write NAME.key and NAME.key_secret (mode 0600) in ``directory``; never overwrites.
 
     The pair is written in a private (0700) temporary folder first, so the
     secret is never readable by others, then linked into place.
     """
-    if not name or os.sep in name or name.startswith("."):
+    if not name or os.sep in name or name.startswith(".") or "\0" in name:
         raise ConfigError(f"key name must be a plain file name, got {name!r}")
+    if len(name.encode()) > _MAX_KEY_NAME:  # NAME.key_secret must fit a file name (255 bytes)
+        raise ConfigError(f"key name must be at most {_MAX_KEY_NAME} bytes, got {len(name.encode())}")
     directory = Path(directory)
     targets = (directory / f"{name}.key", directory / f"{name}.key_secret")
-    for target in targets:
-        if target.exists():
-            raise ConfigError(f"{target} exists already: remove it or choose another name")
     try:
+        for target in targets:
+            if target.exists():
+                raise ConfigError(f"{target} exists already: remove it or choose another name")
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=directory, prefix=".wsd-keygen-") as private:
             written = zmq.auth.create_certificates(private, name)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import gc
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +124,8 @@ _INT_MAX = 2**63 - 1
 # Types whose values Field.check may accept on its fast path.
 _PLAIN = frozenset({int, str, bool, dict, list, bytes})
 _SIZED = frozenset({str, bytes, dict, list})
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+"""C0 and C1 control characters, DEL: never in a host name, a device or an event kind."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +141,9 @@ class Field:
     nullable: bool = False
     max_len: int | None = None
     """The most characters, bytes, items or entries of a string, bytes, list or map."""
+    printable: bool = False
+    """A string that must hold no control character (a host name, a device): one from a peer
+    would otherwise reach an operator's terminal raw (ESC, BEL)."""
 
     def check(self, value: Any, where: str) -> Any:
         # The common case in one test: exactly a listed type (so never a bool
@@ -146,7 +152,8 @@ class Field:
         kind = type(value)
         if kind in self.types and kind in _PLAIN:
             if kind in _SIZED:
-                if self.max_len is None or len(value) <= self.max_len:
+                if (self.max_len is None or len(value) <= self.max_len) and not (
+                        self.printable and _CONTROL.search(value)):
                     return value
             elif (self.low is None or self.low <= value) and (self.high is None or value <= self.high):
                 return value
@@ -174,6 +181,9 @@ class Field:
             unit = "characters" if isinstance(value, str) else "bytes" if isinstance(value, bytes) else "entries"
             raise ProtocolError(ErrorCode.BAD_FIELD,
                                 f"{where}{self.name}: at most {self.max_len} {unit}, got {len(value)}")
+        if self.printable and isinstance(value, str) and _CONTROL.search(value):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{where}{self.name}: must hold no control character, "
+                                                     f"got {_CONTROL.sub('?', value)[:80]!r}")
         return value
 
     def _kind(self) -> str:
@@ -201,7 +211,7 @@ def _map(name: str, max_len: int, **kw: Any) -> Field:
 
 def _opt(field: Field, default: Any = None) -> Field:
     return Field(field.name, field.types, False, default, field.low, field.high,
-                 field.nullable or default is None, field.max_len)
+                 field.nullable or default is None, field.max_len, field.printable)
 
 
 _TARGET = (
@@ -212,7 +222,7 @@ _TARGET = (
 _RANK = _int("rank", 0, 1 << 20)
 # Bounds of what agents send: generous for every legitimate sender, small enough
 # that nothing a peer claims costs the coordinator more than it can afford.
-_HOST = _str("host", 255)
+_HOST = _str("host", 255, printable=True)
 _STATE = _opt(_map("state", 16), {})
 ACK_MEMORY = 64
 """Acknowledgements an agent keeps to resend when it registers again."""
@@ -238,7 +248,7 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
         _int("tp_group", 0, 1 << 20),
         _HOST,
         _int("pid", 0, 1 << 31),
-        _str("device", 64),
+        _str("device", 64, printable=True),
         _opt(_int("applied_seq")),
         _opt(Field("acks", (list,), max_len=ACK_MEMORY), []),
         _opt(_int("step"), 0),
@@ -262,7 +272,7 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
     # numbered ``base`` (wsd.manager.stats.snapshot_delta).
     Op.STATS_PUSH: (_RANK, _int("version", 1), _opt(_int("base", 1)), _int("step"), _int("applied_seq"),
                     _int("held_seq"), _STATE, _opt(_map("stats", 64)), _opt(_map("delta", 8))),
-    Op.EVENT: (_RANK, _str("kind", 64), _opt(_map("detail", 32), {})),
+    Op.EVENT: (_RANK, _str("kind", 64, printable=True), _opt(_map("detail", 32), {})),
     # A worker shutting down cleanly: its rank is stopped, not lost. No answer.
     Op.GOODBYE: (_RANK, _opt(_int("step"), 0), _opt(_int("applied_seq")), _opt(_int("held_seq")), _STATE),
     Op.REGISTERED: (_f("epoch", str), _int("baseline_seq"),

@@ -46,6 +46,11 @@ def check_endpoint(endpoint: str, *, bind: bool) -> None:
         wildcards = " or * for every interface; PORT 0 for any free one" if bind else ""
         raise ValueError(f"must be a ZeroMQ endpoint: tcp://HOST:PORT (HOST a name, an IPv4 address, "
                          f"[an IPv6 address]{wildcards}), ipc://PATH or inproc://NAME, got {endpoint!r}")
+    host = match["host"]
+    if not host.startswith(("[", "*")) and (len(host) > 253 or any(len(label) > 63 for label in host.split("."))):
+        shown = endpoint if len(endpoint) <= 80 else f"{endpoint[:80]}..."
+        raise ValueError(f"must have a host name of at most 253 characters, each dot-separated part at most "
+                         f"63 (what DNS allows), got {shown!r}")
     if match["host"] == "*" and not bind:
         raise ValueError(f"must name the host to connect to (* means every interface, to bind), "
                          f"got {endpoint!r}")

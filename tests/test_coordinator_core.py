@@ -1263,3 +1263,23 @@ def test_full_disk_is_answered_storage_and_numbers_nothing(tmp_path):
     # the next command writes a fresh snapshot and journal first (replacing the link)
     assert to_agents(h.client(Op.UNLOCK, {"wait": False}), Op.COMMAND)[peer_of(0)]["seq"] == 2
     assert make(tmp_path).core.log.seq == 2
+
+
+def test_a_bug_met_on_every_frame_is_answered_each_time_and_logged_at_a_bounded_rate(h, caplog):
+    """Each bad push once logged two tracebacks, without a limit (24,200 tracebacks, 26 MiB in
+    5 s). A failure while handling a frame stays that frame's: the client is answered every
+    time, the loop goes on, and the traceback is logged a bounded number of times."""
+    def broken(*_: Any) -> list[Any]:
+        raise RuntimeError("a bug")
+
+    h.register_all()
+    h.core._client_ops[Op.PING] = broken
+    h.core._agent_ops[Op.HEARTBEAT] = broken
+    caplog.set_level("ERROR", logger="wsd.coordinator.core")
+    for i in range(500):
+        reply = h.call(Op.PING, request_id=i + 1)
+        assert not reply.ok and reply.code == ErrorCode.INTERNAL
+        assert h.agent(peer_of(0), Op.HEARTBEAT, {"rank": 0, "step": i, "applied_seq": 0, "held_seq": 0}) == []
+    logged = [r for r in caplog.records if r.exc_info]
+    assert 2 <= len(logged) <= 100, len(logged)  # the event budget's burst, of 1,000 failures
+    assert h.core.handle_client(CLIENT_ROUTE, p.encode(Op.STATUS, {}, 9999))  # still serving

@@ -218,6 +218,36 @@ def test_a_command_applied_is_pushed_at_once_not_at_the_next_interval():
     assert pair.now < INTERVAL and pair.held().locked
 
 
+def test_numbers_no_manager_makes_are_refused_and_every_other_ranks_stats_still_answer():
+    """A pushed 2**64 - 1 once overflowed msgpack in the aggregates: `wsctl stats` answered
+    `internal` for every client. Every number of a slot is bounded (MAX_NUMBER), and so is the
+    slot count (a manager's most), whole or in a delta; the other ranks' answer is unharmed."""
+    from wsd.coordinator.aggregate import MAX_NUMBER, MAX_SLOTS
+
+    latest = LatestStats()
+    body = {"rank": 0, "version": 1, "base": None, "step": 1, "applied_seq": 0, "held_seq": 0, "state": {}}
+    good = ManagerStats("cpu", 1, 1, False, (SlotStats(0, 0, 64, 64, 1, 1, 0, None, ()),)).to_wire()
+    assert latest.push(1, 0, {**body, "rank": 1, "stats": good}, 1.0)
+    huge = {**good, "slots": {**good["slots"], "requests": [(1 << 64) - 1]}}
+    with pytest.raises(ValueError, match=rf"slots.requests\[0\]: {(1 << 64) - 1} out of range 0..{MAX_NUMBER}"):
+        latest.push(0, 0, {**body, "stats": huge}, 1.0)
+    negative = {**good, "slots": {**good["slots"], "capacity_bytes": [-1]}}
+    with pytest.raises(ValueError, match="out of range"):
+        latest.push(0, 0, {**body, "stats": negative}, 1.0)
+    many = MAX_SLOTS + 1
+    wide = {**good, "slots": {**{c: [0] * many for c in good["slots"] if isinstance(good["slots"][c], list)},
+                              "last_violation": good["slots"]["last_violation"],
+                              "persistent": good["slots"]["persistent"]}}
+    with pytest.raises(ValueError, match=f"{many} entries, more than a manager's {MAX_SLOTS} slots"):
+        latest.push(0, 0, {**body, "stats": wide}, 1.0)
+    assert latest.push(0, 0, {**body, "stats": good}, 1.0)
+    with pytest.raises(ValueError, match="out of range"):
+        latest.push(0, 0, {**body, "version": 2, "base": 1, "stats": None,
+                           "delta": {"columns": {"requests": [[0], [MAX_NUMBER + 1]]}}}, 2.0)
+    answer = msgpack.unpackb(latest.answer({0: [0, 1]}, {}, 2.0, 2.0, 3.0, key=0, version=0))
+    assert answer["missing"] == [] and len(answer["ranks"]["rank"]) == 2
+
+
 def test_invalid_pushes_are_refused_naming_why_and_the_rank_shows_missing():
     latest = LatestStats()
     body = {"rank": 0, "version": 1, "base": None, "step": 1, "applied_seq": 0, "held_seq": 0, "state": {},

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
+from wsd.manager.config import MAX_LANES, MAX_UBATCHES
 from wsd.manager.stats import (
     CODED,
     GROUP_COLUMNS,
@@ -51,6 +52,12 @@ _DECODED: dict[type, set[type]] = {int: {int}, float: {float, int}}
 _BY_KIND = {kind: [c for c in SLOT_COLUMNS if _SLOT_KINDS[c] is kind] for kind in set(_SLOT_KINDS.values())}
 _MISSING = object()
 _LIST = {list}
+MAX_NUMBER = 1 << 40
+"""The largest number a snapshot may carry in a slot (1 TiB, or a trillion requests): what no
+GPU holds, and what the sums of a TP group's slots keep far inside msgpack's 64 bits. A rank
+pushing 2**64 - 1 once broke every client's stats (msgpack overflowed in the aggregates)."""
+MAX_SLOTS = MAX_UBATCHES * MAX_LANES
+"""The most slots a manager can have: a snapshot with more is not one a manager made."""
 _NAMES = {int: "int", str: "str", float: "number", bool: "bool", dict: "map", list: "list"}
 # One packer for the whole process: the coordinator's core runs on one thread.
 _packer = msgpack.Packer(use_bin_type=True)
@@ -74,14 +81,20 @@ def _column(where: str, value: Any, kind: type, length: int | None) -> list[Any]
     The common case is one type test of the whole column (msgpack decodes
     integers as exactly ``int``); anything else takes the exact check, which
     raises naming the entry or accepts what it always accepted (say an int
-    subclass from a caller in the same process).
+    subclass from a caller in the same process). Integers are numbers of a
+    slot: 0 to ``MAX_NUMBER``.
     """
     _need(where, value, list)
     if length is not None and len(value) != length:
         raise ValueError(f"{where}: {len(value)} entries, expected {length} (one per slot)")
+    if len(value) > MAX_SLOTS:
+        raise ValueError(f"{where}: {len(value)} entries, more than a manager's {MAX_SLOTS} slots")
     if not set(map(type, value)) <= {kind}:
         for i, item in enumerate(value):
             _need(f"{where}[{i}]", item, kind)
+    if kind is int and value and not (0 <= min(value) and max(value) <= MAX_NUMBER):
+        i, bad = next((i, v) for i, v in enumerate(value) if not 0 <= v <= MAX_NUMBER)
+        raise ValueError(f"{where}[{i}]: {bad} out of range 0..{MAX_NUMBER}")
     return value
 
 
@@ -300,7 +313,7 @@ def _plain_table(table: Any, kinds: dict[str, type], slots: int) -> bool:
     if not parts[0]:
         return True
     for column, kind in zip(parts, kinds.values()):
-        if set(map(type, column)) != {kind}:
+        if set(map(type, column)) != {kind} or (kind is int and not (0 <= min(column) and max(column) <= MAX_NUMBER)):
             return False
     return 0 <= min(parts[0]) and max(parts[0]) < slots
 
@@ -320,10 +333,16 @@ def _plain(stats: dict[str, Any]) -> dict[str, list[Any]] | None:
         if set(map(type, lists)) != _LIST or len(set(map(len, lists))) != 1:
             return None
         n = len(columns[SLOT_COLUMNS[0]])
+        if n > MAX_SLOTS:
+            return None
         if n:
             for kind, names in _BY_KIND.items():
                 if not set(map(type, chain.from_iterable(columns[c] for c in names))) <= _DECODED[kind]:
                     return None
+            ints = _BY_KIND[int]
+            if not (0 <= min(map(min, (columns[c] for c in ints)))
+                    and max(map(max, (columns[c] for c in ints))) <= MAX_NUMBER):
+                return None
         for name, kinds in (("last_violation", _VIOLATION_TYPES), ("persistent", _PERSISTENT_TYPES)):
             table = slots.get(name)
             if table is not None and not _plain_table(table, kinds, n):
@@ -345,6 +364,8 @@ def read_snapshot(rank: int, tp_group: int, step: int, stats: dict[str, Any]) ->
         _need(key, stats.get(key, _MISSING), kind)
     if "total_bytes" in stats:
         _need("total_bytes", stats["total_bytes"], int)
+        if not 0 <= stats["total_bytes"] <= 2 * MAX_SLOTS * MAX_NUMBER:  # scratch and persistent
+            raise ValueError(f"total_bytes: {stats['total_bytes']} out of range 0..{2 * MAX_SLOTS * MAX_NUMBER}")
     columns = _plain(stats)
     if columns is None:
         columns = _checked_columns(stats["slots"])
@@ -360,6 +381,8 @@ def read_changes(previous: Snapshot, step: int, stats: dict[str, Any], changed: 
         _need(key, stats.get(key, _MISSING), kind)
     if "total_bytes" in stats:
         _need("total_bytes", stats["total_bytes"], int)
+        if not 0 <= stats["total_bytes"] <= 2 * MAX_SLOTS * MAX_NUMBER:  # scratch and persistent
+            raise ValueError(f"total_bytes: {stats['total_bytes']} out of range 0..{2 * MAX_SLOTS * MAX_NUMBER}")
     slots = stats["slots"]
     columns = dict(previous.columns)
     count = len(columns[SLOT_KEY[0]])

@@ -184,7 +184,8 @@ class CoordinatorCore:
             logger.error("%s", e)
             return [(CLIENT, route, p.error_reply(request_id, ErrorCode.STORAGE, str(e)))]
         except Exception as e:  # a bug: the client gets an answer and the loop goes on
-            logger.exception("coordinator failed on a client request")
+            if self.gate.allow(("internal error", "client")):  # a traceback at a bounded rate
+                logger.exception("coordinator failed on a client request")
             return [(CLIENT, route, p.error_reply(request_id, ErrorCode.INTERNAL, f"internal error: {e!r}"))]
 
     def handle_agent(self, route: Route, frame: bytes) -> list[Out]:
@@ -212,8 +213,9 @@ class CoordinatorCore:
         except StateFileError as e:
             logger.error("%s", e)
             return []
-        except Exception:
-            logger.exception("coordinator failed on an agent message")
+        except Exception:  # a bug, contained to this frame: logged at a bounded rate
+            if self.gate.allow(("internal error", "agent")):
+                logger.exception("coordinator failed on an agent message")
             return []
 
     def _asked(self, peer: bytes) -> bool:

@@ -1283,3 +1283,21 @@ def test_a_bug_met_on_every_frame_is_answered_each_time_and_logged_at_a_bounded_
     logged = [r for r in caplog.records if r.exc_info]
     assert 2 <= len(logged) <= 100, len(logged)  # the event budget's burst, of 1,000 failures
     assert h.core.handle_client(CLIENT_ROUTE, p.encode(Op.STATUS, {}, 9999))  # still serving
+
+
+def test_a_registration_cannot_set_an_absurd_world(tmp_path):
+    """A worker with a wrong WORLD_SIZE (or a peer) set a world of 2**20 with the first
+    registration, and every status then blocked the loop 14-17 s for a 185 MB answer. Without
+    a configured world, a registration may set one of at most MAX_CLAIMED_WORLD ranks."""
+    from wsd.coordinator.registry import MAX_CLAIMED_WORLD
+
+    h = make(tmp_path, world_size=None, tp_size=None)
+    sent = h.register(0, world_size=1 << 20, tp_size=1, tp_group=0)
+    rejected = to_agents(sent, Op.REJECTED)[peer_of(0)]
+    assert rejected["code"] == str(ErrorCode.MISMATCH) and "[coordinator] world_size" in rejected["message"]
+    assert h.core.registry.world_size is None
+    assert ops(h.register(0, world_size=MAX_CLAIMED_WORLD, tp_size=1, tp_group=0))[0] is Op.REGISTERED
+    assert h.core.registry.world_size == MAX_CLAIMED_WORLD
+    (tmp_path / "big").mkdir()
+    configured = make(tmp_path / "big", world_size=1 << 16, tp_size=8)
+    assert ops(configured.register(0, world_size=1 << 16, tp_size=8, tp_group=0))[0] is Op.REGISTERED

@@ -56,7 +56,7 @@ class CoordinatorConfig:
     state_file: str = "wsd-coordinator.state"
     """Desired state, sequence number and command log; written atomically."""
     world_size: int | None = None
-    """Ranks expected; None: taken from the first rank that registers."""
+    """Ranks expected; None: taken from the first rank that registers (at most 4,096 ranks that way)."""
     tp_size: int | None = None
     """Tensor-parallel group size expected; None: from the first registration."""
     max_message_bytes: int = size_field(1 << 20)

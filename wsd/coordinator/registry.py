@@ -21,6 +21,12 @@ NEVER_REGISTERED = "never registered"
 state is ``missing`` in ``ranks``, ``status`` and the metrics alike."""
 
 
+MAX_CLAIMED_WORLD = 4096
+"""The largest world a registration may set when the configuration names none. A worker with
+a wrong WORLD_SIZE (or a peer) once set 2**20, and every ``status`` then blocked the loop for
+14-17 s building a 185 MB answer. A larger world is configured: ``[coordinator] world_size``."""
+
+
 class RankState(StrEnum):
     LIVE = "live"
     LOST = "lost"
@@ -148,6 +154,11 @@ class Registry:
     def check(self, body: dict[str, Any]) -> None:
         """Raise RegistrationError unless the registration fits the world."""
         world, tp, rank, group = body["world_size"], body["tp_size"], body["rank"], body["tp_group"]
+        if self.world_size is None and world > MAX_CLAIMED_WORLD:
+            raise RegistrationError(
+                f"rank {rank} reports world_size={world}: a world over {MAX_CLAIMED_WORLD} ranks is set by "
+                f"the operator ([coordinator] world_size), never by a registration"
+            )
         if self.world_size is not None and world != self.world_size:
             raise RegistrationError(
                 f"rank {rank} reports world_size={world}, the coordinator expects {self.world_size}"

@@ -218,7 +218,8 @@ def test_registration_accepted(h):
     registered = to_agents(sent, Op.REGISTERED)[peer_of(1)]
     assert registered == {"epoch": h.core.epoch, "baseline_seq": 0, "heartbeat_interval": 1.0,
                           "heartbeat_timeout": 5.0, "stats_interval": 1.0,
-                          "desired": {"locked": None, "num_ubatches": None, "reserve_bytes": None}}
+                          "desired": {"locked": None, "num_ubatches": None, "reserve_bytes": None},
+                          "rebase": False}
     info = h.core.registry.ranks[1]
     assert info.state is RankState.LIVE and info.tp_group == 0 and info.step == 7
     joined = h.events("joined")
@@ -1301,3 +1302,39 @@ def test_a_registration_cannot_set_an_absurd_world(tmp_path):
     (tmp_path / "big").mkdir()
     configured = make(tmp_path / "big", world_size=1 << 16, tp_size=8)
     assert ops(configured.register(0, world_size=1 << 16, tp_size=8, tp_group=0))[0] is Op.REGISTERED
+
+
+def test_an_agent_behind_resume_seq_starts_again_from_the_log_instead_of_waiting_for_ever(tmp_path):
+    """The documented recovery from a lost state file (resume_seq = the highest applied_seq
+    reported) left every agent behind that number waiting for commands that do not exist:
+    no event, only a stuck seq. It is told to start again from the log's seq with the
+    desired state, as a fresh process, and a `rebased` event says so."""
+    first = make(tmp_path)
+    issue_three(first)
+    for name in ("coordinator.state", "coordinator.state.journal"):
+        (tmp_path / name).unlink()
+    second = make(tmp_path, resume_seq=3)
+    second.ok(Op.LOCK, {"wait": False})  # seq 4: the desired state is locked
+    sent = second.register(0, applied_seq=1)  # it had applied only seq 1 of the lost log
+    registered = to_agents(sent, Op.REGISTERED)[peer_of(0)]
+    assert registered["rebase"] is True and registered["baseline_seq"] == 4
+    assert registered["desired"]["locked"] is True
+    assert ops(sent) == [Op.REGISTERED]  # nothing to resend: it starts at the log's seq
+    (event,) = second.events("rebased")
+    assert (event["rank"], event["applied_seq"], event["baseline_seq"]) == (0, 1, 4)
+    assert second.core.registry.ranks[0].applied_seq == 4
+    # an agent the log can bring up to date is sent what it lacks, as before
+    sent = second.register(1, applied_seq=3)
+    assert to_agents(sent, Op.REGISTERED)[peer_of(1)]["rebase"] is False
+    assert [s.message.body["seq"] for s in sent if s.message.op is Op.COMMAND] == [4]
+
+
+def test_an_agent_older_than_the_kept_log_starts_again_from_the_log(tmp_path):
+    """The same when the commands it lacks are older than log_capacity: it once got a
+    replay_gap event and waited for ever for the seqs that were gone."""
+    h = make(tmp_path, log_capacity=2)
+    issue_three(h)  # seqs 1..3; the log keeps 2 and 3
+    sent = h.register(0, applied_seq=0, step=5)
+    registered = to_agents(sent, Op.REGISTERED)[peer_of(0)]
+    assert registered["rebase"] is True and registered["baseline_seq"] == 3
+    assert [e["oldest_kept"] for e in h.events("rebased")] == [2]

@@ -305,3 +305,30 @@ def test_a_silent_coordinator_is_given_up_on_at_the_very_time_due_says():
         seen.add(due)
         now = due
     assert not link.registered.is_set() and now == 5.0, "not given up on at last_heard + timeout"
+
+
+def test_a_rebase_starts_again_from_the_coordinators_baseline_with_the_desired_state():
+    """A coordinator whose kept log cannot bring this process up to date (a resume_seq past
+    what it applied, or commands older than the log) tells it to start again; without that it
+    waited for ever for commands that do not exist. It takes on the desired state at the new
+    baseline, once, then the commands after it."""
+    target = FakeTarget()
+    link = AgentLink(target, rank=0, world_size=1)
+    link.on_frame(registered(baseline=0), 0.0)
+    link.on_frame(command(1, "equalize"), 0.1)
+    link.on_frame(command(3, "trim"), 0.1)  # seq 2 never comes
+    link.apply_up_to(1)
+    assert link.applied == 1 and link.held == 1
+    link.on_frame(p.encode(Op.PULSE, {"epoch": "e2"}), 1.0)
+    assert link.registration()["applied_seq"] == 1
+    body = msgpack.unpackb(registered(epoch="e2", baseline=7, desired=LOCKED_3))
+    body["body"]["rebase"] = True
+    link.on_frame(msgpack.packb(body), 1.1)
+    assert link.held == 7 and link.waiting()
+    link.apply_up_to(7)
+    assert target.applied == [("equalize", {}), ("set_ubatches", {"n": 3}), ("reserve", {"bytes": 4096}),
+                              ("lock", {})]
+    assert link.applied == 7 and link.registration()["applied_seq"] == 7
+    link.on_frame(command(8, "unlock"), 2.0)
+    link.apply_up_to(8)
+    assert target.applied[-1] == ("unlock", {})

@@ -107,7 +107,7 @@ def test_contract_pins_ops_codes_and_socket_sets():
     # interval of its pushes (optional: an older coordinator says none, and takes none).
     registered = {f.name: f.required for f in p.SCHEMAS[Op.REGISTERED]}
     assert registered == {"epoch": True, "baseline_seq": True, "heartbeat_interval": True,
-                          "heartbeat_timeout": True, "stats_interval": False, "desired": False}
+                          "heartbeat_timeout": True, "stats_interval": False, "desired": False, "rebase": False}
     assert p.decode(p.encode(Op.REGISTERED, {k: v for k, v in VALID[Op.REGISTERED].items()
                                              if k != "desired"})).body["desired"] is None
 

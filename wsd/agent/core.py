@@ -277,7 +277,17 @@ class AgentLink:
         return self._handlers[message.op](message.body, now)
 
     def _on_registered(self, body: dict[str, Any], now: float) -> list[bytes]:
-        if self._fresh:
+        rebase = body.get("rebase", False) and body["baseline_seq"] > self.applied
+        if rebase:
+            # The coordinator's kept log cannot bring us up to date (the commands after
+            # what we applied are gone, or never existed there): start again from its
+            # baseline with the group's desired state, as a fresh process does.
+            logger.warning("rank %d: the coordinator's log cannot replay seq %d..%d; starting again from "
+                           "seq %d with the desired state", self.rank, self.applied + 1, body["baseline_seq"],
+                           body["baseline_seq"])
+            with self._lock:
+                self._received = {}  # the coordinator sends again every command after the baseline
+        if self._fresh or rebase:
             # Held at once (the group's agreement waits for every member to hold
             # it); applied only at the step the group agrees on it (apply_up_to).
             # In this order: the engine thread reads held, then baseline and desired.

@@ -298,15 +298,26 @@ class CoordinatorCore:
             return self._refuse(peer, body, ErrorCode.MISMATCH, str(e))
         group = info.tp_group
         desired: dict[str, Any] | None = None
-        if body["applied_seq"] is None:  # a fresh process
+        claimed = body["applied_seq"]
+        missed = [] if claimed is None else self.log.since(claimed)
+        # The kept log cannot bring it up to date: the commands after what it applied are
+        # gone (older than log_capacity), or were never issued here (a resume_seq past it).
+        # It would wait for them for ever; it starts again as a fresh process does instead.
+        rebase = claimed is not None and claimed < self.log.seq and (not missed or missed[0].seq != claimed + 1)
+        if claimed is None or rebase:  # a fresh process, or one started again
             live_peers = [i for i in self.registry.live(group) if i.rank != info.rank]
-            recorded = self._baselines.get(group) if live_peers else None
+            # Started again, from now: its live peers have applied every command the log kept.
+            recorded = self._baselines.get(group) if live_peers and not rebase else None
             baseline, desired = (self.log.seq, self.log.desired(group)) if recorded is None else recorded
             if desired is None:  # the kept log could not rebuild it: the process keeps its configuration
                 logger.warning("rank %d starts at seq %d without its group's desired state (older than the log)",
                                info.rank, baseline)
         else:
-            baseline = body["applied_seq"]  # checked above: never beyond what was issued
+            baseline = claimed  # checked above: never beyond what was issued
+        if rebase:
+            self.events.add(EventKind.REBASED, self.wall(), rank=info.rank, tp_group=group, applied_seq=claimed,
+                            baseline_seq=baseline, oldest_kept=missed[0].seq if missed else None)
+            missed = []
         if group not in self._baselines:
             # The desired state goes with the baseline: a fresh process applies it
             # and then the commands after the baseline, so it must be the state
@@ -333,11 +344,10 @@ class CoordinatorCore:
             "heartbeat_timeout": self.config.heartbeat_timeout,
             "stats_interval": self.config.pushed_interval,
             "desired": desired,  # only to a fresh process: a re-registration keeps what it applied
+            "rebase": rebase,
         }))]
-        missed = self.log.since(baseline)
-        if missed and missed[0].seq != baseline + 1:
-            self.events.add(EventKind.REPLAY_GAP, self.wall(), rank=info.rank,
-                            applied_seq=baseline, oldest_kept=missed[0].seq)
+        if claimed is None or rebase:
+            missed = self.log.since(baseline)
         out += self._resend(info.rank, peer, missed, now, registering=True)
         for ack in body["acks"]:  # acknowledgements sent while we could not hear them
             try:  # [seq, step, ok, error], checked as an ACK message would be

@@ -282,7 +282,11 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
                     _opt(Field("stats_interval", (float,), low=0.001, high=3600.0)),
                     # To a fresh process: its TP group's desired state at baseline_seq
                     # ({locked, num_ubatches, reserve_bytes}, each nil if never set).
-                    _opt(_f("desired", dict))),
+                    _opt(_f("desired", dict)),
+                    # To a process the kept log cannot bring up to date (it applied less than
+                    # the oldest command kept, or than a resume_seq): start again from
+                    # baseline_seq with the desired state, as a fresh process does.
+                    _opt(_f("rebase", bool), False)),
     Op.PULSE: (_f("epoch", str), _opt(_f("registered", bool), True)),
     Op.COMMAND: (_int("seq", 1), _f("action", str), _opt(_f("args", dict), {}), _opt(_int("group", 0, 65535))),
     Op.STATS_REQUEST: (_int("request"),),

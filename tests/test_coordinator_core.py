@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -1338,3 +1339,28 @@ def test_an_agent_older_than_the_kept_log_starts_again_from_the_log(tmp_path):
     registered = to_agents(sent, Op.REGISTERED)[peer_of(0)]
     assert registered["rebase"] is True and registered["baseline_seq"] == 3
     assert [e["oldest_kept"] for e in h.events("rebased")] == [2]
+
+
+def test_a_peer_flipping_fast_cannot_flood_the_event_log(h):
+    """superseded, joined, back and stopped, and a group's consistency flips, once arrived at
+    963-1,752 a second from one source and pushed the operator's command event out of the
+    log within 15 s. Every kind a peer's doing makes is within its source's budget; the rest
+    are counted in one suppressed event."""
+    h.register_all()
+    h.ok(Op.LOCK, {"wait": False})
+    for i in range(300):  # rank 0 says goodbye and comes back, from one connection after another
+        h.agent(peer_of(0, i), Op.GOODBYE, {"rank": 0, "step": i})
+        h.register(0, peer=peer_of(0, i + 1), applied_seq=1)
+        state = {"locked": bool(i % 2), "num_ubatches": 2}  # and flips its group's consistency
+        h.agent(peer_of(0, i + 1), Op.HEARTBEAT, {"rank": 0, "step": i, "applied_seq": 1, "held_seq": 1,
+                                                  "state": state})
+        h.agent(peer_of(1), Op.HEARTBEAT, {"rank": 1, "step": i, "applied_seq": 1, "held_seq": 1,
+                                           "state": {"locked": False, "num_ubatches": 2}})
+    kinds = Counter(e["kind"] for e in h.ok(Op.EVENTS, {"limit": 10_000})["events"])
+    peer_made = sum(kinds[k] for k in ("stopped", "back", "joined", "superseded",
+                                      "group_inconsistent", "group_consistent"))
+    assert peer_made <= 150, kinds  # of about 900 without a budget
+    assert kinds["command"] == 1
+    h.advance(1.0)
+    (suppressed,) = h.events("suppressed")
+    assert sum(suppressed["counts"].values()) >= 700  # counted, not lost without a word

@@ -315,8 +315,8 @@ class CoordinatorCore:
         else:
             baseline = claimed  # checked above: never beyond what was issued
         if rebase:
-            self.events.add(EventKind.REBASED, self.wall(), rank=info.rank, tp_group=group, applied_seq=claimed,
-                            baseline_seq=baseline, oldest_kept=missed[0].seq if missed else None)
+            self._event(("rank", info.rank), EventKind.REBASED, rank=info.rank, tp_group=group,
+                        applied_seq=claimed, baseline_seq=baseline, oldest_kept=missed[0].seq if missed else None)
             missed = []
         if group not in self._baselines:
             # The desired state goes with the baseline: a fresh process applies it
@@ -334,9 +334,9 @@ class CoordinatorCore:
             kind = None  # the same connection asking again (our answer was late): nothing new
         elif old is not None:
             kind = EventKind.SUPERSEDED
-        if kind is not None:
-            self.events.add(kind, self.wall(), rank=info.rank, tp_group=group, host=info.host,
-                            pid=info.pid, applied_seq=baseline)
+        if kind is not None:  # a peer's doing, however fast it goes: within its rank's budget
+            self._event(("rank", info.rank), kind, rank=info.rank, tp_group=group, host=info.host,
+                        pid=info.pid, applied_seq=baseline)
         out: list[Out] = [(AGENT, (peer,), p.encode(Op.REGISTERED, {
             "epoch": self.epoch,
             "baseline_seq": baseline,
@@ -434,12 +434,13 @@ class CoordinatorCore:
         states = {(i.manager_state.get("locked"), i.manager_state.get("num_ubatches")) for i in members}
         if settled and len(states) > 1 and group not in self._inconsistent:
             self._inconsistent.add(group)
-            self.events.add(EventKind.GROUP_INCONSISTENT, self.wall(), tp_group=group, ranks={
+            # Its members' reports drive the flips: within the group's budget.
+            self._event(("group", group), EventKind.GROUP_INCONSISTENT, tp_group=group, ranks={
                 str(i.rank): {"locked": i.manager_state.get("locked"),
                               "num_ubatches": i.manager_state.get("num_ubatches")} for i in members})
         elif len(states) <= 1 and group in self._inconsistent:
             self._inconsistent.discard(group)
-            self.events.add(EventKind.GROUP_CONSISTENT, self.wall(), tp_group=group)
+            self._event(("group", group), EventKind.GROUP_CONSISTENT, tp_group=group)
 
     def _ack(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
         info = self.registry.touch(peer, self.clock())
@@ -494,8 +495,8 @@ class CoordinatorCore:
         info = self.registry.stop(peer, body)
         if info is None:  # not the connection that registered that rank (an impostor, a late frame)
             return []
-        self.events.add(EventKind.STOPPED, self.wall(), rank=info.rank, tp_group=info.tp_group,
-                        last_step=info.step)
+        self._event(("rank", info.rank), EventKind.STOPPED, rank=info.rank, tp_group=info.tp_group,
+                    last_step=info.step)
         return self._rank_gone(info.rank, tp_group=info.tp_group,
                                why=self.registry.missing(info.tp_group)[info.rank])
 

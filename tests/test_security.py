@@ -29,7 +29,7 @@ from wsd.coordinator.loop import Coordinator
 from wsd.errors import ConfigError
 from wsd.security import SecurityConfig
 from wsd.wire import protocol as p
-from wsd.wire.curve import ClientKeys, agent_keys, is_loopback, keygen
+from wsd.wire.curve import ClientKeys, agent_keys, is_loopback, keygen, load_public, load_secret
 from wsd.wire.protocol import COMMAND_OPS, ErrorCode, Op
 from wsd_client import wsctl
 from wsd_client.client import Client, ClientError, Unavailable
@@ -346,3 +346,51 @@ def test_default_agent_limit_passes_the_largest_stats_reply(start_coordinator):
         assert len(stats["slots"]["ubatch"]) == MAX_UBATCHES * MAX_LANES
     finally:
         agent.stop(timeout=10)
+
+
+# -- files a reader may trust ------------------------------------------------------------------
+
+
+def _token_file(tmp_path: Path, kind: str) -> tuple[Path, str]:
+    """A token file of one hostile kind, and the words its refusal must have."""
+    path = tmp_path / "token"
+    if kind == "fifo":
+        os.mkfifo(path, 0o600)
+        return path, "is not a regular file"
+    if kind == "proc":
+        path.symlink_to("/proc/self/environ")
+        return path, "/environ, not a file of yours"
+    path.write_text("t" * 64)
+    path.chmod(0o600)
+    if kind == "other user":
+        if os.getuid() != 0:
+            pytest.skip("only root can give a file to another user here")
+        os.chown(path, 65534, 65534)
+        return path, "belongs to uid 65534, not to this user"
+    if kind == "readable":
+        path.chmod(0o640)
+        return path, "has mode 0640: group and others must have no access to it (chmod 600"
+    path.write_text("t" * 5000)  # "large"
+    return path, "is over 4096 bytes"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "proc", "other user", "readable", "large"])
+def test_an_agent_token_file_is_read_only_from_a_plain_file_of_its_own(tmp_path, kind):
+    """Another user's token file (mode 0600 in their folder) was trusted, a link to
+    /proc/self/environ read, and a FIFO would hang the start: each is refused, naming why."""
+    from wsd.security import SecurityConfig, load_agent_token
+
+    path, why = _token_file(tmp_path, kind)
+    with pytest.raises(ConfigError, match=r"\[security\] agent_token_file: ") as info:
+        load_agent_token(SecurityConfig(agent_token_file=str(path)), environ={})
+    assert why in str(info.value)
+
+
+def test_a_key_file_of_another_user_is_refused(tmp_path):
+    if os.getuid() != 0:
+        pytest.skip("only root can give a file to another user here")
+    public, secret = keygen("k", tmp_path)
+    os.chown(public, 65534, 65534)
+    with pytest.raises(ConfigError, match="belongs to uid 65534"):
+        load_public(str(public), "[security] server_key")
+    assert load_secret(str(secret), "[security] key")[1]

@@ -8,6 +8,7 @@ and ``wsctl.main`` run in this process.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 
@@ -192,8 +193,8 @@ def test_a_contexts_file_others_can_write_is_refused(config, capsys, tmp_path):
         for argv in (["ping"], ["config", "get-contexts"], ["config", "use-context", "lab"]):
             code, out, err = run(capsys, *argv)
             assert (code, out) == (2, ""), (oct(mode), argv, err)
-            assert err == (f"wsctl: {path}: the contexts file has mode {mode:04o}: group and others must not be "
-                           f"able to write it, as it names the server keys wsctl trusts (chmod 644 {path})\n")
+            assert err == (f"wsctl: the contexts file (it names the server keys wsctl trusts): {path} has mode "
+                           f"{mode:04o}: group and others must not be able to write it (chmod 644 {path})\n")
     path.chmod(0o644)  # readable by others is fine: it holds no secret, only paths
     assert run(capsys, "config", "current-context")[:2] == (0, "lab\n")
     path.chmod(0o600)
@@ -205,3 +206,22 @@ def test_the_python_client_takes_a_context_too(config, start_coordinator):
     config(f'current = "here"\n[contexts.here]\nendpoint = "{coordinator.client_endpoint}"\n')
     with contexts.client(timeout=5) as client:
         assert client.endpoint == coordinator.client_endpoint and client.ping().epoch == coordinator.core.epoch
+
+
+@pytest.mark.parametrize("kind", ["fifo", "proc", "large"])
+def test_a_contexts_file_that_is_no_plain_file_of_ours_is_refused_without_hanging(config, capsys, tmp_path, kind):
+    """A FIFO as the contexts file once hung wsctl; a link to /proc or a huge file is no
+    contexts file either. Each is one line and exit 2, at once."""
+    path = config('current = "lab"\n[contexts.lab]\nendpoint = "tcp://127.0.0.1:7601"\n')
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path, 0o644)
+        why = "is not a regular file"
+    elif kind == "proc":
+        path.symlink_to("/proc/self/environ")
+        why = "is /proc/"
+    else:
+        path.write_text("# " + "x" * (2 << 20) + "\n")
+        why = "is over 1048576 bytes"
+    code, out, err = run(capsys, "ping")
+    assert (code, out) == (2, "") and why in err and "Traceback" not in err, err

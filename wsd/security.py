@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from wsd.errors import ConfigError
 
-__all__ = ["AGENT_TOKEN_ENV", "Role", "SecurityConfig", "file_mode", "load_agent_token", "registration_proof"]
+__all__ = ["AGENT_TOKEN_ENV", "Role", "SecurityConfig", "file_mode", "load_agent_token", "read_owned",
+           "registration_proof"]
 
 AGENT_TOKEN_ENV = "WSD_AGENT_TOKEN"
 """The environment variable by which launchers hand the agent token to a coordinator
@@ -98,6 +99,57 @@ class SecurityConfig:
                              "(the coordinator) or server_public_key (agents)")
 
 
+_SPECIAL = ("/proc/", "/sys/", "/dev/")
+
+
+def read_owned(path: str | os.PathLike[str], what: str, *, private: bool, limit: int = 64 << 10) -> bytes:
+    """The bytes of a file its reader may trust, or ConfigError naming ``what``, the file and the fix.
+
+    A regular file (never a FIFO, which would hang the read, a device, or a link to
+    ``/proc`` such as ``/proc/self/environ``), owned by this user or root (a file of
+    another user's is theirs to rewrite), that group and others may not write
+    (``private``: nor read); at most ``limit`` bytes. Checked on the file opened,
+    not on one put in its place since.
+    """
+    real = os.path.realpath(path)
+    if real.startswith(_SPECIAL) or real in ("/proc", "/sys", "/dev"):
+        raise ConfigError(f"{what}: {path} is {real}, not a file of yours")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ConfigError(f"{what}: file {path} not found") from None
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot read file {path}: {e.strerror or e}") from e
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"{what}: {path} is not a regular file")
+        if info.st_uid not in (os.getuid(), 0):
+            raise ConfigError(f"{what}: {path} belongs to uid {info.st_uid}, not to this user (uid {os.getuid()}) "
+                              f"or root: whoever owns it can rewrite it")
+        mode = stat.S_IMODE(info.st_mode)
+        if private and mode & 0o077:
+            raise ConfigError(f"{what}: {path} has mode {mode:04o}: group and others must have no access to it "
+                              f"(chmod 600 {path})")
+        if mode & 0o022:
+            raise ConfigError(f"{what}: {path} has mode {mode:04o}: group and others must not be able to write "
+                              f"it (chmod 644 {path})")
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:
+            raise ConfigError(f"{what}: {path} is over {limit} bytes")
+        return b"".join(chunks)
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot read file {path}: {e.strerror or e}") from e
+    finally:
+        os.close(fd)
+
+
 def file_mode(path: str, what: str) -> int:
     """The mode of a key or token file, or ConfigError naming ``what`` and the file."""
     try:
@@ -119,15 +171,7 @@ def load_agent_token(security: SecurityConfig, environ: Mapping[str, str] | None
     env: Mapping[str, str] = os.environ if environ is None else environ
     if security.agent_token_file is not None:
         path, what = security.agent_token_file, "[security] agent_token_file"
-        mode = file_mode(path, what)
-        if mode & 0o077:
-            raise ConfigError(f"{what}: token file {path} has mode {stat.S_IMODE(mode):04o}: group and "
-                              f"others must have no access to it (chmod 600 {path})")
-        try:
-            with open(path, "rb") as f:
-                token = f.read(4096).strip()
-        except OSError as e:
-            raise ConfigError(f"{what}: cannot read token file {path}: {e}") from e
+        token = read_owned(path, what, private=True, limit=4096).strip()
     else:
         what = f"${AGENT_TOKEN_ENV}"
         value = env.get(AGENT_TOKEN_ENV)

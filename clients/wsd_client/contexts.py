@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from wsd.errors import ConfigError
+from wsd.security import read_owned
 from wsd_client.client import Client, endpoint_problem
 
 if sys.version_info >= (3, 11):
@@ -47,6 +47,8 @@ CONFIG_ENV = "WSCTL_CONFIG"
 """The environment variable naming the contexts file, before the XDG default."""
 
 _CONTEXT_KEYS = ("endpoint", "server_key", "client_key")
+_MAX_CONTEXTS_BYTES = 1 << 20
+"""The largest contexts file read: a few dozen contexts take a few KiB."""
 # The top-level ``current = ...`` line, which ``use`` rewrites in place (keeping comments).
 _CURRENT_LINE = re.compile(r"^\s*current\s*=")
 
@@ -83,18 +85,12 @@ class Contexts:
     def load(cls, path: Path | None = None) -> Contexts:
         """The file at ``path`` (default ``default_path()``); none at all when it does not exist."""
         path = path or default_path()
-        try:
-            with path.open("rb") as f:
-                mode = os.fstat(f.fileno()).st_mode  # of the file read, not of one put there since
-                raw = f.read()
-        except FileNotFoundError:
+        if not os.path.lexists(path):
             return cls(path, None, {})
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read the contexts file: {e.strerror or e}") from e
-        if mode & 0o022:
-            raise ConfigError(
-                f"{path}: the contexts file has mode {stat.S_IMODE(mode):04o}: group and others must not be "
-                f"able to write it, as it names the server keys wsctl trusts (chmod 644 {path})")
+        # It names the server keys wsctl trusts: a file of this user's (or root's) that no one
+        # else may write, a regular one (a FIFO once hung wsctl), of a bounded size.
+        raw = read_owned(path, "the contexts file (it names the server keys wsctl trusts)", private=False,
+                         limit=_MAX_CONTEXTS_BYTES)
         return cls._parse(path, raw)
 
     @classmethod

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import stat
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +29,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from wsd.errors import ConfigError
-from wsd.security import Role, SecurityConfig, file_mode
+from wsd.security import Role, SecurityConfig, read_owned
 from wsd.wire import protocol as p
 from wsd.wire.protocol import ErrorCode
 from wsd.wire.transport import TransportError
@@ -49,22 +49,22 @@ _REFUSED_LOGGED = 1024
 # -- key files ---------------------------------------------------------------------------
 
 
-def _load(path: str, what: str) -> tuple[bytes, bytes | None]:
-    try:
-        return zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{what}: {path} is not a ZeroMQ certificate "
-                          f"(write one with `wsctl keygen`): {e}") from e
+_KEY_LINE = re.compile(rb'^\s*(public|secret)-key\s*=\s*"([^"]{40})"\s*$', re.MULTILINE)
+
+
+def _load(path: str, what: str, *, private: bool) -> tuple[bytes, bytes | None]:
+    """The keys of a ZeroMQ certificate (``wsctl keygen``'s), read as ``read_owned`` reads."""
+    text = read_owned(path, what, private=private, limit=16 << 10)
+    keys = {kind: value for kind, value in _KEY_LINE.findall(text)}
+    if b"public" not in keys:
+        raise ConfigError(f"{what}: {path} is not a ZeroMQ certificate (write one with `wsctl keygen`): "
+                          f"no public-key line")
+    return keys[b"public"], keys.get(b"secret")
 
 
 def load_secret(path: str, what: str) -> tuple[bytes, bytes]:
     """(public, secret) z85 keys from a certificate only its owner may read, or ConfigError."""
-    mode = file_mode(path, what)
-    if mode & 0o077:
-        raise ConfigError(
-            f"{what}: secret key file {path} has mode {stat.S_IMODE(mode):04o}: "
-            f"group and others must have no access to it (chmod 600 {path})")
-    public, secret = _load(path, what)
+    public, secret = _load(path, what, private=True)
     if secret is None:
         raise ConfigError(f"{what}: {path} holds no secret key: "
                           f"give the NAME.key_secret file, not NAME.key")
@@ -73,12 +73,7 @@ def load_secret(path: str, what: str) -> tuple[bytes, bytes]:
 
 def load_public(path: str, what: str) -> bytes:
     """A z85 public key from a certificate others cannot rewrite, or ConfigError."""
-    mode = file_mode(path, what)
-    if mode & 0o022:
-        raise ConfigError(
-            f"{what}: key file {path} has mode {stat.S_IMODE(mode):04o}: "
-            f"group and others must not be able to write it (chmod 644 {path})")
-    return _load(path, what)[0]
+    return _load(path, what, private=False)[0]
 
 
 def load_folder(folder: str, what: str) -> dict[bytes, str]:

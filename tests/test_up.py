@@ -487,3 +487,23 @@ def test_a_second_wsd_up_replays_the_lock_only_after_each_ranks_warm_up(tmp_path
         assert early == [], early
     up.send(signal.SIGTERM)
     assert up.wait(60) == 0, up.output()
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11's")
+def test_wsd_up_run_from_a_folder_holding_a_wsd_package_runs_the_installed_one(tmp_path, spawn):  # noqa: F811
+    """Its coordinator and workers run `python -m`, which put the working directory first on
+    sys.path: `wsd up` run from a folder holding a `wsd/` directory ran that directory's code."""
+    planted = tmp_path / "here" / "wsd"
+    planted.mkdir(parents=True)
+    marker = tmp_path / "hijacked"
+    (planted / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\nraise SystemExit(9)\n")
+    config = write_config(tmp_path / "wsd.toml", {"coordinator": coordinator_section(tmp_path),
+                                                  "workload": SMALL_WORKLOAD})
+    up = spawn(["wsd", "up", "--nproc", "2", "--config", config], env=worker_env(), name="wsd up",
+               cwd=planted.parent)
+    endpoint = up.wait_for(r"wsd up: clients on (\S+)", 60).group(1)
+    with Client(endpoint, timeout=5) as client:
+        wait_until(lambda: client.status().counts.live == 2, 60, "both ranks to register")
+    up.send(signal.SIGTERM)
+    assert up.wait(60) == 0, up.output()
+    assert not marker.exists(), "a process of wsd up imported the planted package"

@@ -189,6 +189,10 @@ def up(nproc: int, config_path: str | None, *, fresh: bool = False,
     """
     config = load_config(config_path)  # fail now, with the file and key, not in every worker
     env = dict(os.environ)
+    # Every process below runs ``python -m``, which puts the working directory first on
+    # sys.path: a ``wsd/`` folder there would be imported instead of wsd. Python 3.11+
+    # leaves it out with this set (3.10 has no such switch).
+    env["PYTHONSAFEPATH"] = "1"
     check_backend(config, env)
     env.update(world_env(config, nproc))
     state_file, chosen = up_state_file(config, nproc, env)

@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from wsd.agent.simulated import SimulatedRanks
 from wsd.commands import COMMANDS
 from wsd.config import CoordinatorConfig, load_config
+from wsd.coordinator.admission import REFUSAL_REASONS
 from wsd.coordinator.core import CLIENT, CoordinatorCore
 from wsd.coordinator.events import EventKind
 from wsd.coordinator.latest import LatestStats
@@ -187,7 +188,9 @@ def test_collector_exports_every_family_with_its_labels_and_values():
     assert s["wsd_stats_absent_ranks"] == {(): 2} and s["wsd_stats_stale_ranks"] == {(): 0}
     assert by(s, "wsd_events_total", "kind") == {str(kind): 0 for kind in EventKind}  # none given: all at 0
     assert nonzero(by(s, "wsd_commands_total", "action", "result")) == {("lock", "complete"): 1, ("lock", "partial"): 1}
-    assert by(s, "wsd_agent_refusals_total", "reason") == {"registration forbidden": 3, "rate": 12}
+    # every reason from the start, at 0 until refused (a first refusal is then an increase)
+    assert by(s, "wsd_agent_refusals_total", "reason") == {**dict.fromkeys(REFUSAL_REASONS, 0),
+                                                           "registration forbidden": 3, "rate": 12}
     assert nonzero(by(s, "wsd_command_duration_seconds_count", "action")) == {"lock": 2}
     assert nonzero(by(s, "wsd_command_duration_seconds_sum", "action")) == {"lock": pytest.approx(3.02)}
     assert s["wsd_heartbeats_total"] == {(): 41} and s["wsd_command_seq"] == {(): 7}

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import wsd
 
 # The torch side: the only modules that may import torch. Every other module
@@ -109,3 +111,17 @@ def test_wsd_demo_bad_config_exits_2_naming_key(tmp_path):
     result = run("wsd", "demo", "--config", str(config))
     assert result.returncode == 2
     assert "bad.toml" in result.stderr and "num_ubatches must be between 1 and 64" in result.stderr
+
+
+@pytest.mark.parametrize("argv", [["demo"], ["up", "--nproc", "1"]])
+def test_without_torch_demo_and_up_name_the_worker_extra_in_one_line(argv):
+    """On a torch-free install (the coordinator's and wsctl's), `wsd demo` and `wsd up` ended
+    in a raw ModuleNotFoundError traceback: now exit 2 and one line naming the fix, before
+    anything starts."""
+    code = ("import sys; sys.modules['torch'] = None\n"  # as if torch were not installed
+            "from wsd.cli import main\n"
+            f"sys.exit(main({argv!r}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result
+    assert f"wsd {argv[0]} needs torch, which this environment lacks: install the worker extra" in result.stderr
+    assert "Traceback" not in result.stderr and "wsd up:" not in result.stdout

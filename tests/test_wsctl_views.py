@@ -218,3 +218,15 @@ def test_bad_selections_are_usage_errors(capsys, argv, message):
     code = wsctl.main(argv)
     out, err = capsys.readouterr()
     assert (code, out) == (2, "") and message in err
+
+
+def test_a_cut_caller_keeps_its_file_name_line_and_function():
+    """Cut from the left, a violation's caller lost its file name; cut in the middle, the
+    folders go first, then the two ends share what is left."""
+    from wsd_client.layout import _cut
+
+    caller = "/work/main/wsd/worker/workload.py:157:_forward"
+    assert _cut(caller, 30) == "/work…workload.py:157:_forward"
+    assert _cut(caller, len(caller)) == caller
+    assert _cut("node-a.very.long.cluster.local", 12) == "node-….local"
+    assert all(len(_cut(caller, w)) == w for w in range(2, len(caller)))

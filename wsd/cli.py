@@ -27,10 +27,27 @@ MAX_DEMO_STEPS = 1_000_000
 """Most steady steps ``wsd demo`` runs; more is a typo."""
 
 
+NEEDS_TORCH = ("wsd {command} needs torch, which this environment lacks: install the worker extra, torch "
+               "first (pip install torch==2.13.0 && pip install -e '.[worker]' from a checkout); "
+               "wsd coordinator and wsctl need no torch")
+
+
+def has_torch() -> bool:
+    """Whether torch can be imported here, without importing it (seconds)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):  # ValueError: a None in sys.modules, as a blocked import is
+        return False
+
+
 def device_flag(name: str) -> str:
     """``--device``: a torch device this machine has. A usage error (exit 2, USAGE) names the fix for
     a CUDA device on a machine without CUDA, where torch would fail in the first allocation
-    with a traceback. Imports torch (only ``wsd demo`` has the flag)."""
+    with a traceback, and for no torch at all. Imports torch (only ``wsd demo`` has the flag)."""
+    if not has_torch():
+        raise argparse.ArgumentTypeError(NEEDS_TORCH.format(command="demo"))
     import torch
 
     try:
@@ -85,6 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format=f"%(asctime)s {socket.gethostname()} wsd-{args.command} %(name)s %(levelname)s %(message)s",
     )
     try:
+        if args.command in ("up", "demo") and not has_torch():
+            raise ConfigError(NEEDS_TORCH.format(command=args.command))
         if args.command == "up":
             from wsd.up import up
 

@@ -2,8 +2,8 @@
 
 A wrapped table is unreadable (a 12-column row over two lines at 80 columns).
 Each column says when it gives way (``drop``: higher gives way first, 0 never)
-and how narrow it may be cut first (``cut_to``: text cut from the left, where
-a caller's path is least useful, behind ``…``). The table then names what it
+and how narrow it may be cut first (``cut_to``: text cut in the middle, behind
+``…``, so that a caller's file name, line and function survive its folders). The table then names what it
 left out, so that nothing disappears silently. Only human output is fitted;
 ``--json`` is never cut. Imports no torch.
 """
@@ -31,7 +31,15 @@ class Column:
 
 
 def _cut(text: str, width: int) -> str:
-    return text if len(text) <= width else _ELLIPSIS + text[len(text) - width + 1:]
+    """``text`` in ``width`` characters, cut in the middle: a caller's file name, line and
+    function (after its last ``/``) kept whole where they fit, else its two ends."""
+    if len(text) <= width:
+        return text
+    tail = text[text.rfind("/") + 1:]
+    if "/" in text and len(tail) + 2 <= width:
+        return text[: width - len(tail) - 1] + _ELLIPSIS + tail
+    head = (width - 1) // 2
+    return text[:head] + _ELLIPSIS + text[len(text) - (width - 1 - head):]
 
 
 def fit(columns: Sequence[Column], rows: Sequence[Sequence[object]], width: int | None) -> str:

@@ -32,6 +32,11 @@ __all__ = ["TOO_LARGE", "UNREGISTERED_FRAME", "AgentGate", "Unauthenticated"]
 UNREGISTERED_FRAME = p.REGISTER_BYTES
 """The largest frame a connection that has not registered may send (a registration)."""
 TOO_LARGE = "too large before registering"
+REFUSAL_REASONS = ("rate", TOO_LARGE, "stats reply not asked for", "heartbeat beyond the issued seq",
+                   "goodbye beyond the issued seq", "registration forbidden", "registration conflict",
+                   "registration mismatch")
+"""Every reason ``refused`` counts: the metric has a sample of each from the start (0), so that
+``rate()`` and ``increase()`` see its first refusal."""
 """The reason counted for a frame over UNREGISTERED_FRAME."""
 _UNREGISTERED_RATE = (p.REGISTER_BYTES, 2 * p.REGISTER_BYTES)  # bytes a second, burst
 # A registered agent: heartbeats, acknowledgements and events of a few hundred

@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry, PlatformCollector, ProcessColle
 
 import wsd
 from wsd.commands import COMMANDS
+from wsd.coordinator.admission import REFUSAL_REASONS
 from wsd.coordinator.events import EventKind
 from wsd.coordinator.registry import RankState, Registry
 from wsd.manager.stats import SLOT_NUMBERS
@@ -457,7 +458,9 @@ class Collector:
             lines.append(f'{histogram}_count{{action="{quoted}"}} {running}\n')
             lines.append(f'{histogram}_sum{{action="{quoted}"}} {_number(total)}\n')
         text.add("wsd_heartbeats_total", (), view.heartbeats)
-        for reason, count in view.refused:
+        refused = dict.fromkeys(REFUSAL_REASONS, 0)
+        refused.update(view.refused)
+        for reason, count in refused.items():
             text.add("wsd_agent_refusals_total", (reason,), count)
         for kind, count in view.events:
             text.add("wsd_events_total", (kind,), count)

@@ -166,3 +166,48 @@ def test_wsd_up_recovers_its_clusters_state_from_the_user_state_folder(tmp_path,
     assert status["desired"]["locked"] is True and status["desired"]["num_ubatches"] == 4, status
     up.send(signal.SIGTERM)
     assert up.wait(60) == 0, up.output()
+
+
+def _wsd_up(tmp_path, env_home: str) -> subprocess.CompletedProcess:
+    """``wsd up`` with its state folder under ``env_home``: refused before anything starts."""
+    env = {k: v for k, v in worker_env().items() if k != "WSD_COORDINATOR_STATE_FILE"}
+    env["XDG_STATE_HOME"] = env_home
+    return subprocess.run(["wsd", "up", "--nproc", "2"], env=env, capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+
+
+def test_a_state_folder_linked_to_another_users_open_folder_is_refused(tmp_path):
+    """A state folder that is a link to someone else's 0777 folder, with a planted state
+    ("locked, reserve 1024 TiB"), was replayed into the cluster."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    theirs.chmod(0o777)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "wsd").symlink_to(theirs)
+    result = _wsd_up(tmp_path, str(tmp_path / "home"))
+    assert result.returncode != 0 and "is not a folder of this user's that only it may write" in result.stderr
+    assert "a link" in result.stderr and "Traceback" not in result.stderr and "torchrun" not in result.stderr
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo", "device", "other user"])
+def test_a_state_file_that_is_no_plain_file_of_ours_is_refused_in_one_line(tmp_path, kind):
+    """A folder, FIFO or device at the state path ended in a traceback (or a copy of /dev/zero
+    without bound); a file another user may write chooses what is replayed."""
+    folder = tmp_path / "home" / "wsd"
+    folder.mkdir(parents=True, mode=0o700)
+    path = folder / "default-world2-tp2.state"
+    if kind == "folder":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path.symlink_to("/dev/zero")
+    else:
+        if os.getuid() != 0:
+            pytest.skip("only root can give a file to another user here")
+        path.write_bytes(b"")
+        os.chown(path, 65534, 65534)
+    result = _wsd_up(tmp_path, str(tmp_path / "home"))
+    assert result.returncode != 0, result
+    why = "belongs to uid 65534" if kind == "other user" else "must be a regular file"
+    assert why in result.stderr and "Traceback" not in result.stderr, result.stderr

@@ -28,6 +28,7 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -113,6 +114,42 @@ def up_state_file(config: WsdConfig, nproc: int, env: Mapping[str, str] | None =
     else:
         name = f"default-{world}.state"
     return os.path.join(state_folder(env), name), False
+
+
+def _owned(info: os.stat_result) -> bool:
+    return info.st_uid in (os.getuid(), 0) and not info.st_mode & 0o022
+
+
+def check_state_folder(folder: str) -> None:
+    """StateFileError unless ``folder`` (the state folder wsd up chose) is a real folder of this
+    user's (or root's) that no one else may write: a link to another user's open folder, with
+    a state planted in it ("locked, reserve 1024 TiB"), was once replayed."""
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or not _owned(info):
+        raise StateFileError(
+            f"{folder}: wsd up keeps cluster state here, and it is not a folder of this user's that only it "
+            f"may write (owner uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o}"
+            f"{', a link' if stat.S_ISLNK(info.st_mode) else ''}): remove it, or set XDG_STATE_HOME")
+
+
+def check_state_files(path: str) -> None:
+    """StateFileError unless the state file and its journal, where they exist, are regular files
+    of this user's (or root's) that no one else may write: a folder, FIFO or device there once
+    ended in a traceback, or a copy of /dev/zero without bound."""
+    for name in (path, f"{path}.journal"):
+        try:
+            info = os.lstat(name)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise StateFileError(f"{name}: cannot read it: {e.strerror}") from e
+        if not stat.S_ISREG(info.st_mode):
+            raise StateFileError(f"{name}: the coordinator's state must be a regular file, and this is not one: "
+                                 f"move it aside (or set [coordinator] state_file)")
+        if not _owned(info):
+            raise StateFileError(f"{name}: belongs to uid {info.st_uid} or may be written by others (mode "
+                                 f"{stat.S_IMODE(info.st_mode):04o}): whoever can write it chooses what is "
+                                 f"replayed; move it aside")
 
 
 def forget_state(path: str) -> list[str]:
@@ -203,6 +240,8 @@ def up(nproc: int, config_path: str | None, *, fresh: bool = False,
             raise StateFileError(f"{state_file}: cannot create its folder: {e.strerror}: set "
                                  f"XDG_STATE_HOME, or [coordinator] state_file") from e
         env[STATE_FILE_ENV] = state_file
+        check_state_folder(os.path.dirname(state_file))
+    check_state_files(state_file)
     if fresh:
         removed = forget_state(state_file)
         out(f"wsd up: --fresh: removed {' and '.join(map(os.path.abspath, removed))}" if removed

@@ -254,13 +254,20 @@ class WorkspaceManager:
         except (KeyError, TypeError):  # TypeError: a shape given as a list
             bound = self._bind(slot, shapes_and_dtypes)
         if slot.retained is not None:  # rare: only after a get_retained on this slot
-            self._reach(slot, shapes_and_dtypes)
+            self._reach(slot, bound)
         return [view.detach() for view in bound]
 
-    def _reach(self, slot: Slot, shapes_and_dtypes: Sequence[ShapeAndDtype]) -> None:
-        """Forget the slot's retained span if this request's views reach into it (vLLM 0.34)."""
+    def _reach(self, slot: Slot, bound: tuple[torch.Tensor, ...]) -> None:
+        """Forget the slot's retained span if these views, bound to its buffer, reach into it
+        (vLLM 0.34). Their aligned total is where the last one ends, rounded up to the
+        alignment: the views are packed from offset 0, so nothing is laid out again."""
+        if not bound:
+            return
+        last = bound[-1]
+        end = (last.storage_offset() + last.numel()) * last.element_size()
+        align = self._config.alignment
         retained = slot.retained
-        if retained is not None and self._layout(shapes_and_dtypes)[3] > retained[1]:
+        if retained is not None and -(-end // align) * align > retained[1]:
             slot.retained = None
 
     def get_retained(self, key: Hashable, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, bool]:

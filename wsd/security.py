@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from wsd.errors import ConfigError
 
-__all__ = ["AGENT_TOKEN_ENV", "Role", "SecurityConfig", "file_mode", "load_agent_token", "read_owned",
+__all__ = ["AGENT_TOKEN_ENV", "Role", "SecurityConfig", "load_agent_token", "read_owned",
            "registration_proof"]
 
 AGENT_TOKEN_ENV = "WSD_AGENT_TOKEN"
@@ -148,16 +148,6 @@ def read_owned(path: str | os.PathLike[str], what: str, *, private: bool, limit:
         raise ConfigError(f"{what}: cannot read file {path}: {e.strerror or e}") from e
     finally:
         os.close(fd)
-
-
-def file_mode(path: str, what: str) -> int:
-    """The mode of a key or token file, or ConfigError naming ``what`` and the file."""
-    try:
-        return os.stat(path).st_mode
-    except FileNotFoundError:
-        raise ConfigError(f"{what}: file {path} not found") from None
-    except OSError as e:
-        raise ConfigError(f"{what}: cannot read file {path}: {e}") from e
 
 
 # -- the agent token ---------------------------------------------------------------------

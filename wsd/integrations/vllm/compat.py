@@ -21,7 +21,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["Api", "Params", "gaps", "live", "source", "source_params"]
+__all__ = ["Api", "Params", "gaps", "live", "live_params", "source", "source_params"]
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,8 @@ class Api:
 # -- from live objects ---------------------------------------------------------------------
 
 
-def _params(obj: Any, *, method: bool) -> Params:
+def live_params(obj: Any, *, method: bool) -> Params:
+    """The parameters of a live callable (``method``: ``self`` left out)."""
     try:
         signature = inspect.signature(obj)
     except (TypeError, ValueError):
@@ -97,13 +98,13 @@ def live(module: ModuleType, *, own: str | None = None) -> Api:
         if name.startswith("_") or getattr(obj, "__module__", None) != own:
             continue
         if inspect.isclass(obj):
-            functions[name] = _params(obj.__init__, method=True)
+            functions[name] = live_params(obj.__init__, method=True)
             methods[name] = {
-                attr: _params(getattr(obj, attr), method=True) for attr in dir(obj)
+                attr: live_params(getattr(obj, attr), method=True) for attr in dir(obj)
                 if not attr.startswith("_") and inspect.isfunction(getattr(obj, attr, None))
             }
         elif inspect.isfunction(obj):
-            functions[name] = _params(obj, method=False)
+            functions[name] = live_params(obj, method=False)
     return Api(functions, methods)
 
 

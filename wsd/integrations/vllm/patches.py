@@ -143,7 +143,7 @@ def _fits(point: PatchPoint, obj: Any) -> bool:
         return True
     target = obj.__init__ if inspect.isclass(obj) else obj
     method = inspect.isclass(obj) or "." in point.path
-    return compat._params(target, method=method).positional[: len(point.params)] == point.params
+    return compat.live_params(target, method=method).positional[: len(point.params)] == point.params
 
 
 def check() -> None:

@@ -316,6 +316,16 @@ def test_an_agent_wakes_its_engine_only_for_a_command_addressed_to_its_group(sta
 # -- fail-safe: no wsd error stops vLLM unless asked -------------------------------------------
 
 
+def _unloaded_plugin(monkeypatch, env: dict[str, str]) -> None:
+    """This process as vLLM's plugin loader finds it: only ``env`` of wsd's variables set, and
+    the plugin not yet installed (each test undoes both)."""
+    for name in [n for n in os.environ if n.startswith("WSD_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(plugin, "_installed", False)
+
+
 def _errors(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records
             if r.name == plugin.__name__ and r.levelname == "ERROR"]
@@ -333,11 +343,7 @@ def test_a_broken_configuration_turns_wsd_off_in_one_line_and_vllm_runs_on(
     and how to make it fatal; WSD_VLLM_STRICT=1 makes it fatal."""
     config = tmp_path / "wsd.toml"
     config.write_text("[coordinator\n")
-    for name in [n for n in os.environ if n.startswith("WSD_")]:
-        monkeypatch.delenv(name)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value.format(path=config))
-    monkeypatch.setattr(plugin, "_installed", False)
+    _unloaded_plugin(monkeypatch, {name: value.format(path=config) for name, value in env.items()})
     monkeypatch.setattr(plugin, "_install", lambda config: None)  # never patch this process's vLLM
     monkeypatch.setattr("wsd.integrations.vllm.patches.check", lambda: None)
     caplog.set_level("INFO", logger=plugin.__name__)
@@ -496,10 +502,7 @@ def test_a_vllm_whose_internals_moved_keeps_its_own_class_and_runs_on(monkeypatc
 
     from wsd.integrations.vllm import patches
 
-    for name in [n for n in os.environ if n.startswith("WSD_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("WSD_COORDINATOR_CONNECT_ENDPOINT", "tcp://127.0.0.1:7600")
-    monkeypatch.setattr(plugin, "_installed", False)
+    _unloaded_plugin(monkeypatch, {"WSD_COORDINATOR_CONNECT_ENDPOINT": "tcp://127.0.0.1:7600"})
     monkeypatch.setattr(plugin, "_install", lambda config: pytest.fail("patched a vLLM that differs"))
     monkeypatch.delattr(core.EngineCoreProc, "_handle_client_request")
     caplog.set_level("INFO", logger=plugin.__name__)
@@ -555,10 +558,7 @@ def test_a_vllm_whose_workspace_has_more_than_wsds_keeps_its_own_class(monkeypat
                        match=r"has what wsd's stand-in lacks: WorkspaceManager\.get_leased; wsd leaves vLLM's"):
         patches.check()
 
-    for name in [n for n in os.environ if n.startswith("WSD_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("WSD_COORDINATOR_CONNECT_ENDPOINT", "tcp://127.0.0.1:7600")
-    monkeypatch.setattr(plugin, "_installed", False)
+    _unloaded_plugin(monkeypatch, {"WSD_COORDINATOR_CONNECT_ENDPOINT": "tcp://127.0.0.1:7600"})
     original = vllm_workspace.WorkspaceManager
     caplog.set_level("INFO", logger=plugin.__name__)
     plugin.register()

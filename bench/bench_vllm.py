@@ -45,7 +45,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -254,42 +255,48 @@ def start_engines(order: Sequence[str], model: str, agent_endpoint: str,
     return engines
 
 
+@contextmanager
+def _coordinator(state_file: str) -> Iterator[tuple[str, Client]]:
+    """A coordinator in a helper process (its agent endpoint) and a client of it, both
+    stopped on leaving; its heartbeat timeout generous, as two cores under vLLM need."""
+    helper = Helper(run_coordinator, state_file, {"heartbeat_interval": 1.0, "heartbeat_timeout": 15.0})
+    try:
+        agent_endpoint, client_endpoint = helper.result()
+        with Client(client_endpoint, timeout=30.0) as client:
+            yield agent_endpoint, client
+    finally:
+        helper.stop()
+
+
 def one_rank_uni(tmp: str, quick: bool) -> list[Row]:
     """The one-GPU shape: idle lock on a TP = 1 ``uni`` engine, and idle CPU with and without wsd.
 
     A coordinator of its own: one coordinator serves one world, and this one is of one rank.
     """
     samples = 3 if quick else 10
-    coordinator = Helper(run_coordinator, str(Path(tmp) / "state-tp1"),
-                         {"heartbeat_interval": 1.0, "heartbeat_timeout": 15.0})
     engines: dict[str, Engine] = {}
-    client: Client | None = None
-    try:
-        agent_endpoint, client_endpoint = coordinator.result()
-        client = Client(client_endpoint, timeout=30.0)
-        engines = start_engines(("wsd", "plain"), str(Path(tmp) / "model"), agent_endpoint, UNI_ENV)
-        wait_ranks(client, 1)
-        for engine in engines.values():  # each generates once: warm, then idle
-            engine.call("generate", n=2, max_tokens=8)
-        locks = []
-        for _ in range(samples):
-            engines["wsd"].quiet()
-            engines["plain"].quiet()
-            locks.append(timed_command(client, "lock", ranks=1))
-            engines["wsd"].quiet()
-            timed_command(client, "unlock", ranks=1)
-        # Interleaved windows, so that both see the same machine.
-        windows, seconds = (2, 3.0) if quick else (4, 5.0)
-        cpu: dict[str, list[float]] = {"wsd": [], "plain": []}
-        for w in range(windows):
-            for name in (("wsd", "plain") if w % 2 == 0 else ("plain", "wsd")):
-                cpu[name].append(idle_cpu(engines[name], seconds))
-    finally:
-        if client is not None:
-            client.close()
-        for engine in engines.values():
-            engine.stop()
-        coordinator.stop()
+    with _coordinator(str(Path(tmp) / "state-tp1")) as (agent_endpoint, client):
+        try:
+            engines = start_engines(("wsd", "plain"), str(Path(tmp) / "model"), agent_endpoint, UNI_ENV)
+            wait_ranks(client, 1)
+            for engine in engines.values():  # each generates once: warm, then idle
+                engine.call("generate", n=2, max_tokens=8)
+            locks = []
+            for _ in range(samples):
+                engines["wsd"].quiet()
+                engines["plain"].quiet()
+                locks.append(timed_command(client, "lock", ranks=1))
+                engines["wsd"].quiet()
+                timed_command(client, "unlock", ranks=1)
+            # Interleaved windows, so that both see the same machine.
+            windows, seconds = (2, 3.0) if quick else (4, 5.0)
+            cpu: dict[str, list[float]] = {"wsd": [], "plain": []}
+            for w in range(windows):
+                for name in (("wsd", "plain") if w % 2 == 0 else ("plain", "wsd")):
+                    cpu[name].append(idle_cpu(engines[name], seconds))
+        finally:
+            for engine in engines.values():
+                engine.stop()
     share = {k: statistics.mean(v) for k, v in cpu.items()}
     extra = share["wsd"] - share["plain"]
     print(f"\nTP=1 on uni (engine core and worker in one process): idle lock median "
@@ -310,14 +317,10 @@ def run(quick: bool = False, shape: str = "all") -> list[Row]:
         with tempfile.TemporaryDirectory(prefix="wsd-bench-vllm-") as tmp:
             rows += one_rank_uni(tmp, quick)
         return _report(rows)
-    with tempfile.TemporaryDirectory(prefix="wsd-bench-vllm-") as tmp:
-        coordinator = Helper(run_coordinator, str(Path(tmp) / "state"),
-                             {"heartbeat_interval": 1.0, "heartbeat_timeout": 15.0})
+    with (tempfile.TemporaryDirectory(prefix="wsd-bench-vllm-") as tmp,
+          _coordinator(str(Path(tmp) / "state")) as (agent_endpoint, client)):
         engines: dict[str, Engine] = {}
-        client: Client | None = None
         try:
-            agent_endpoint, client_endpoint = coordinator.result()
-            client = Client(client_endpoint, timeout=30.0)
             model = str(Path(tmp) / "model")
             # Two sessions, the engines started in one order and then the other: on
             # this machine the engine started first generated 20-25% slower than the
@@ -380,11 +383,8 @@ def run(quick: bool = False, shape: str = "all") -> list[Row]:
             print(f"load average {load:.2f} at start, {os.getloadavg()[0]:.2f} at end, "
                   f"{os.cpu_count()} cores")
         finally:
-            if client is not None:
-                client.close()
             for engine in engines.values():
                 engine.stop()
-            coordinator.stop()
     return _report(rows)
 
 

@@ -56,18 +56,18 @@ def test_a_registration_claiming_numbers_never_issued_is_refused_and_changes_not
     issue(h, 2)
     sent = h.register(2, applied_seq=claim, peer=b"attacker")
     assert ops(sent) == [Op.REJECTED] and to_agents(sent, Op.REJECTED)[b"attacker"]["code"] == "mismatch"
-    assert h.core.log.seq == 4
+    assert h.core.engine().log.seq == 4
     again = make(tmp_path)  # the same state file, as after a restart
-    assert again.core.log.seq == 4
+    assert again.core.engine().log.seq == 4
     again.client(Op.LOCK, {"wait": False})
-    assert again.core.log.seq == 5
+    assert again.core.engine().log.seq == 5
 
 
 def test_heartbeat_claims_beyond_the_issued_seq_are_not_believed(h):
     h.register_all([0, 1])
     issue(h, 1)
     h.agent(peer_of(0), Op.HEARTBEAT, {"rank": 0, "step": 1, "applied_seq": 10**12, "held_seq": 10**12})
-    info = h.core.registry.ranks[0]
+    info = h.core.engine().registry.ranks[0]
     assert info.applied_seq <= 2 and info.held_seq <= 2
     assert h.ok(Op.STATUS)["agents_refused"]["heartbeat beyond the issued seq"] == 1
 
@@ -116,7 +116,7 @@ def test_a_live_rank_is_not_superseded_by_another_process_until_it_falls_silent(
         assert to_agents(sent, Op.REJECTED)[b"impostor"]["code"] == "conflict"
         h.heartbeat(1)
         h.advance(0.5)
-    assert h.events("superseded") == [] and h.core.registry.ranks[1].peer == peer_of(1)
+    assert h.events("superseded") == [] and h.core.engine().registry.ranks[1].peer == peer_of(1)
     assert set(to_agents(h.client(Op.LOCK, {"wait": False}), Op.COMMAND)) == {peer_of(r) for r in range(4)}
     # once rank 1 has been silent past the heartbeat timeout, another process may take it
     for rank in (0, 2, 3):
@@ -132,7 +132,7 @@ def test_one_connection_holds_one_rank(h):
     h.register(0)
     sent = h.agent(peer_of(0), Op.REGISTER, registration(1, "agent-0"))
     assert to_agents(sent, Op.REJECTED)[peer_of(0)]["code"] == "conflict"
-    assert [i.rank for i in h.core.registry.live()] == [0] and h.core.registry.by_peer(peer_of(0)).rank == 0
+    assert [i.rank for i in h.core.engine().registry.live()] == [0] and h.core.engine().registry.by_peer(peer_of(0)).rank == 0
 
 
 def test_with_an_agent_token_only_a_registration_that_proves_it_is_accepted(tmp_path):
@@ -236,9 +236,9 @@ def test_a_rank_is_judged_silent_only_up_to_when_every_waiting_frame_was_read(h)
     h.register_all()
     h.mono.now += h.config.heartbeat_timeout * 1.5
     h.core.tick(heard_until=h.mono.now - h.config.heartbeat_timeout * 1.5)
-    assert len(h.core.registry.live()) == 4 and h.events("lost") == []
+    assert len(h.core.engine().registry.live()) == 4 and h.events("lost") == []
     h.core.tick(heard_until=h.mono.now)  # now everything was read, and they said nothing
-    assert h.core.registry.live() == [] and len(h.events("lost")) == 4
+    assert h.core.engine().registry.live() == [] and len(h.events("lost")) == 4
 
 
 def test_a_flood_that_keeps_frames_waiting_delays_finding_a_dead_rank_by_one_timeout_at_most(h):
@@ -294,7 +294,7 @@ def test_frames_are_metered_per_connection_before_they_are_decoded(h):
     answered = sum(1 for _ in range(5_000) if h.core.handle_agent((b"stranger",), small))
     assert 0 < answered < 2_000  # the first ones are answered; then the connection's rate runs out
     assert h.ok(Op.STATUS)["agents_refused"] == {"rate": 5_000 - answered, "too large before registering": 1}
-    assert len(h.core.registry.live()) == 4  # the registered ranks are metered apart
+    assert len(h.core.engine().registry.live()) == 4  # the registered ranks are metered apart
 
 
 # -- real sockets: bounded cost, and no false loss -------------------------------------------

@@ -205,7 +205,7 @@ def test_agent_reregisters_after_coordinator_restart(start_coordinator, agents, 
     first_epoch = agent.epoch
     coordinator.stop()
     again = start_coordinator(agent_endpoint=agent_endpoint, client_endpoint=client_endpoint)
-    assert again.core.recovered and again.core.log.seq == 1
+    assert again.core.recovered and again.core.engine().log.seq == 1
     wait_until(lambda: agent.registered.is_set() and agent.epoch != first_epoch, 10, "re-registration")
     with Client(client_endpoint, timeout=5) as client:
         assert client.unlock().seq == 2

@@ -221,7 +221,7 @@ def test_registration_accepted(h):
                           "heartbeat_timeout": 5.0, "stats_interval": 1.0,
                           "desired": {"locked": None, "num_ubatches": None, "reserve_bytes": None},
                           "rebase": False}
-    info = h.core.registry.ranks[1]
+    info = h.core.engine().registry.ranks[1]
     assert info.state is RankState.LIVE and info.tp_group == 0 and info.step == 7
     joined = h.events("joined")
     assert [(e["rank"], e["tp_group"], e["time"]) for e in joined] == [(1, 0, WALL0)]
@@ -241,7 +241,7 @@ def test_registration_refused_on_mismatch(h, overrides, named):
     rejected = to_agents(sent, Op.REJECTED)[peer_of(rank)]
     assert rejected["code"] == str(ErrorCode.MISMATCH) and named in rejected["message"]
     assert ops(sent) == [Op.REJECTED]
-    assert h.core.registry.ranks == {}
+    assert h.core.engine().registry.ranks == {}
     assert h.events("rejected")[0]["reason"] == rejected["message"]
 
 
@@ -253,7 +253,7 @@ def test_second_registration_supersedes(h):
     sent = h.register(0, peer=peer_of(0, 1))
     assert ops(sent) == [Op.REGISTERED]
     assert [e["rank"] for e in h.events("superseded")] == [0]
-    live = h.core.registry.live()
+    live = h.core.engine().registry.live()
     assert [(i.rank, i.peer) for i in live] == [(0, peer_of(0, 1))]
     # the old peer's heartbeat is not a sign of life: it is asked to register again
     pulse = to_agents(h.heartbeat(0, peer=peer_of(0, 0)), Op.PULSE)[peer_of(0, 0)]
@@ -272,7 +272,7 @@ def test_a_repeated_registration_on_the_same_connection_is_no_news(h):
     assert ops(sent) == [Op.REGISTERED]
     assert h.events("superseded") == []
     assert [e["rank"] for e in h.events("joined")] == [0]
-    assert [(i.rank, i.peer) for i in h.core.registry.live()] == [(0, peer_of(0))]
+    assert [(i.rank, i.peer) for i in h.core.engine().registry.live()] == [(0, peer_of(0))]
 
 
 def test_heartbeats_keep_a_rank_live(h):
@@ -280,9 +280,9 @@ def test_heartbeats_keep_a_rank_live(h):
     for step in range(1, 5):
         h.advance(4.0)  # less than the 5 s timeout each time, 16 s in all
         h.heartbeat(0, step=step)
-        assert h.core.registry.ranks[0].state is RankState.LIVE
+        assert h.core.engine().registry.ranks[0].state is RankState.LIVE
     assert h.events("lost") == []
-    assert h.core.registry.ranks[0].step == 4
+    assert h.core.engine().registry.ranks[0].step == 4
 
 
 def test_silence_marks_lost_with_time_and_last_step_then_back(h):
@@ -294,11 +294,11 @@ def test_silence_marks_lost_with_time_and_last_step_then_back(h):
     h.advance(4)
     h.heartbeat(1, step=43)
     h.advance(0.9)  # 4.9 s silent: still live
-    assert h.core.registry.ranks[0].state is RankState.LIVE
+    assert h.core.engine().registry.ranks[0].state is RankState.LIVE
     lost_wall = h.wall.now + 0.2
     h.advance(0.2)  # 5.1 s silent
-    assert h.core.registry.ranks[0].state is RankState.LOST
-    assert h.core.registry.ranks[1].state is RankState.LIVE
+    assert h.core.engine().registry.ranks[0].state is RankState.LOST
+    assert h.core.engine().registry.ranks[1].state is RankState.LIVE
     [lost] = h.events("lost")
     assert lost["rank"] == 0 and lost["time"] == lost_wall and lost["last_step"] == 42
     assert lost["silent_for"] == pytest.approx(5.1)
@@ -307,14 +307,14 @@ def test_silence_marks_lost_with_time_and_last_step_then_back(h):
     assert to_agents(h.heartbeat(0), Op.PULSE)[peer_of(0)]["registered"] is False
     # it is back when it registers again
     assert ops(h.register(0, peer=peer_of(0, 1), applied_seq=0)) == [Op.REGISTERED]
-    assert h.core.registry.ranks[0].state is RankState.LIVE
+    assert h.core.engine().registry.ranks[0].state is RankState.LIVE
     assert [e["rank"] for e in h.events("back")] == [0]
 
 
 def test_heartbeat_from_unknown_peer_asks_to_register(h):
     sent = h.heartbeat(2, peer=b"stranger")
     assert to_agents(sent, Op.PULSE) == {b"stranger": {"epoch": h.core.epoch, "registered": False}}
-    assert h.core.registry.ranks == {}
+    assert h.core.engine().registry.ranks == {}
 
 
 def test_pulses_to_live_agents_every_interval(h):
@@ -339,7 +339,7 @@ def test_goodbye_records_where_the_rank_last_stood(h):
     issue_three(h)
     h.agent(peer_of(0), Op.GOODBYE, {"rank": 0, "step": 7, "applied_seq": 3, "held_seq": 3,
                                      "state": {"locked": True, "num_ubatches": 2}})
-    info = h.core.registry.ranks[0]
+    info = h.core.engine().registry.ranks[0]
     assert (info.step, info.applied_seq, info.held_seq) == (7, 3, 3)
     assert info.manager_state == {"locked": True, "num_ubatches": 2}
 
@@ -353,7 +353,7 @@ def test_goodbye_marks_the_rank_stopped_and_silence_never_makes_it_lost(h):
     h.advance(2)
     stopped_wall = h.wall.now
     assert goodbye(h, 0, step=42) == []  # no answer: the agent is closing its socket
-    info = h.core.registry.ranks[0]
+    info = h.core.engine().registry.ranks[0]
     assert info.state is RankState.STOPPED and info.stopped_at == stopped_wall and info.step == 42
     [event] = h.events("stopped")
     assert (event["rank"], event["tp_group"], event["last_step"], event["time"]) == (0, 0, 42, stopped_wall)
@@ -364,15 +364,15 @@ def test_goodbye_marks_the_rank_stopped_and_silence_never_makes_it_lost(h):
     assert info.state is RankState.STOPPED and h.events("lost") == []
     [rank0] = [r for r in h.ok(Op.RANKS)["ranks"] if r["rank"] == 0]
     assert rank0["state"] == "stopped" and rank0["stopped_at"] == stopped_wall and rank0["lost_at"] is None
-    assert h.core.registry.missing()[0] == "stopped (said goodbye at 2023-11-14T22:13:22Z, last step 42)"
+    assert h.core.engine().registry.missing()[0] == "stopped (said goodbye at 2023-11-14T22:13:22Z, last step 42)"
     status = h.ok(Op.STATUS)
     assert status["ranks"] == {"live": 1, "lost": 0, "stopped": 1, "missing": 2}
     assert status["groups"][0]["live"] == [1]
-    assert status["groups"][0]["missing"] == [{"rank": 0, "reason": h.core.registry.missing()[0]}]
+    assert status["groups"][0]["missing"] == [{"rank": 0, "reason": h.core.engine().registry.missing()[0]}]
     assert peer_of(0) not in to_agents(h.advance(1), Op.PULSE)  # no pulses to a stopped rank
     # A new process of rank 0 is live again, and logged as back.
     assert ops(h.register(0, peer=peer_of(0, 1))) == [Op.REGISTERED]
-    assert h.core.registry.ranks[0].state is RankState.LIVE
+    assert h.core.engine().registry.ranks[0].state is RankState.LIVE
     assert [e["rank"] for e in h.events("back")] == [0]
 
 
@@ -385,7 +385,7 @@ def test_goodbye_from_anyone_but_the_ranks_own_connection_is_ignored(h):
     assert goodbye(h, 0, peer=peer_of(1)) == []  # a registered peer naming another rank
     h.register(0, peer=peer_of(0, 1))  # rank 0 reconnected: the old connection is superseded
     assert goodbye(h, 0, peer=peer_of(0, 0)) == []  # the old process's late goodbye
-    assert [i.state for i in h.core.registry.ranks.values()] == [RankState.LIVE, RankState.LIVE]
+    assert [i.state for i in h.core.engine().registry.ranks.values()] == [RankState.LIVE, RankState.LIVE]
     assert h.events("stopped") == []
     assert h.ok(Op.STATUS)["ranks"]["stopped"] == 0
 
@@ -434,7 +434,7 @@ def test_command_numbered_and_persisted_before_it_is_sent(h, monkeypatch):
     """Promise 6: a restarted coordinator knows every command it ever sent."""
     h.register_all()
     order: list[tuple[str, Any]] = []
-    write, encode = h.core.log._append_record, p.encode
+    write, encode = h.core.engine().log._append_record, p.encode
 
     def spy_write(record):
         write(record)
@@ -445,7 +445,7 @@ def test_command_numbered_and_persisted_before_it_is_sent(h, monkeypatch):
     def spy_encode(op, body=None, request_id=0):
         order.append(("encoded", op))
         return encode(op, body, request_id)
-    monkeypatch.setattr(h.core.log, "_append_record", spy_write)
+    monkeypatch.setattr(h.core.engine().log, "_append_record", spy_write)
     monkeypatch.setattr(p, "encode", spy_encode)
     sent = h.client(Op.SET_UBATCHES, {"n": 4, "wait": False})
     monkeypatch.undo()
@@ -471,7 +471,7 @@ def test_command_not_sent_when_state_file_cannot_be_written(tmp_path):
     assert ops(sent) == []
     reply = only_reply(sent)
     assert not reply.ok and reply.code is ErrorCode.STORAGE and "coordinator.state" in reply.message
-    assert h.core.log.seq == 0 and h.core.log.default["locked"] is None
+    assert h.core.engine().log.seq == 0 and h.core.engine().log.default["locked"] is None
 
 
 def test_reply_waits_for_every_ack_with_steps_and_same_step(h):
@@ -561,7 +561,7 @@ def test_group_command_targets_only_that_group(h):
     assert [a["rank"] for a in result["acked"]] == [2]
     assert result["missing"] == [{"rank": 3, "reason": "never registered"}]
     assert result["complete"] is False and result["same_step"] == {"1": True}
-    assert h.core.log.desired(1)["locked"] is True and h.core.log.desired(0)["locked"] is None
+    assert h.core.engine().log.desired(1)["locked"] is True and h.core.engine().log.desired(0)["locked"] is None
 
 
 @pytest.mark.parametrize("op", [Op.RESERVE, Op.TRIM], ids=str)
@@ -572,7 +572,7 @@ def test_reserve_and_trim_refused_while_locked(h, op):
     for group in (None, 1):
         reply = h.call(op, {**body, "group": group})
         assert not reply.ok and reply.code is ErrorCode.CONFLICT and "unlock" in reply.message
-    assert h.core.log.seq == 1
+    assert h.core.engine().log.seq == 1
     fresh = CommandLog(h.config.state_file, 10)
     assert fresh.load() and fresh.seq == 1
     # group 0 is not locked: allowed there
@@ -582,7 +582,7 @@ def test_reserve_and_trim_refused_while_locked(h, op):
 def test_group_out_of_range(h):
     reply = h.call(Op.LOCK, {"group": 2})
     assert reply.code is ErrorCode.BAD_FIELD and "group" in reply.message and "0..1" in reply.message
-    assert h.core.log.seq == 0
+    assert h.core.engine().log.seq == 0
     reply = h.call(Op.STATS, {"group": 5})
     assert reply.code is ErrorCode.BAD_FIELD and "group" in reply.message
 
@@ -903,7 +903,7 @@ def test_ranks_and_ping(h):
     result = h.ok(Op.RANKS)
     assert [(r["rank"], r["state"], r["tp_group"], r["pid"]) for r in result["ranks"]] == [(1, "live", 0, 1001)]
     assert [m["rank"] for m in result["missing"]] == [0, 2, 3]
-    assert h.ok(Op.PING) == {"epoch": h.core.epoch, "time": WALL0, "seq": 0}
+    assert h.ok(Op.PING) == {"epoch": h.core.epoch, "time": WALL0, "seq": 0, "engines": {"default": 0}}
 
 
 def test_lock_violation_event_from_agent(h):
@@ -940,10 +940,10 @@ def test_restart_restores_seq_and_desired_state(tmp_path):
     first.register_all()
     issue_three(first)
     second = make(tmp_path)
-    assert second.core.recovered is True and second.core.log.seq == 3
-    assert second.core.log.default == first.core.log.default
-    assert second.core.log.desired(0) == {"locked": False, "num_ubatches": None, "reserve_bytes": None}
-    assert second.core.log.desired(1) == {"locked": True, "num_ubatches": 4, "reserve_bytes": None}
+    assert second.core.recovered is True and second.core.engine().log.seq == 3
+    assert second.core.engine().log.default == first.core.engine().log.default
+    assert second.core.engine().log.desired(0) == {"locked": False, "num_ubatches": None, "reserve_bytes": None}
+    assert second.core.engine().log.desired(1) == {"locked": True, "num_ubatches": 4, "reserve_bytes": None}
     assert second.core.epoch != first.core.epoch
     assert second.ok(Op.STATUS)["recovered"] is True
     assert second.events("started")[0]["recovered"] is True
@@ -973,21 +973,21 @@ def test_agent_ahead_of_the_log_is_refused_until_the_operator_resumes(tmp_path):
     for name in ("coordinator.state", "coordinator.state.journal"):  # snapshot and journal
         (tmp_path / name).unlink()
     second = make(tmp_path)
-    assert second.core.log.seq == 0 and second.core.recovered is False
+    assert second.core.engine().log.seq == 0 and second.core.recovered is False
     rejected = to_agents(second.register(0, applied_seq=3), Op.REJECTED)[peer_of(0)]
     assert rejected["code"] == "mismatch"
     assert "applied_seq 3" in rejected["message"] and "resume_seq = 3" in rejected["message"]
-    assert second.core.log.seq == 0 and second.core.registry.live() == []
+    assert second.core.engine().log.seq == 0 and second.core.engine().registry.live() == []
     assert second.events("rejected")[-1]["reason"] == rejected["message"]
     assert CommandLog(second.config.state_file, 10).load() is False  # nothing persisted
     # the documented recovery: restart with resume_seq
     third = make(tmp_path, resume_seq=3)
-    assert third.core.log.seq == 3 and [e["seq"] for e in third.events("resumed")] == [3]
+    assert third.core.engine().log.seq == 3 and [e["seq"] for e in third.events("resumed")] == [3]
     assert ops(third.register(0, applied_seq=3)) == [Op.REGISTERED]
     assert to_agents(third.client(Op.LOCK, {"wait": False}), Op.COMMAND)[peer_of(0)]["seq"] == 4
     fresh = CommandLog(third.config.state_file, 10)
     assert fresh.load() and fresh.seq == 4
-    assert make(tmp_path, resume_seq=3).core.log.seq == 4  # left in the file: no effect once past
+    assert make(tmp_path, resume_seq=3).core.engine().log.seq == 4  # left in the file: no effect once past
 
 
 def test_fresh_agent_joining_a_live_group_gets_the_baseline(h):
@@ -1032,7 +1032,7 @@ def test_desired_state_is_the_one_at_an_older_baseline(h):
     h.client(Op.UNLOCK, {"group": 0, "wait": False})  # seq 4
     h.client(Op.RESERVE, {"group": 0, "bytes": 4096, "wait": False})  # seq 5
     h.client(Op.LOCK, {"group": 0, "wait": False})  # seq 6
-    assert h.core.log.desired(0) == {"locked": True, "num_ubatches": 5, "reserve_bytes": 4096}
+    assert h.core.engine().log.desired(0) == {"locked": True, "num_ubatches": 5, "reserve_bytes": 4096}
     sent = h.register(1)  # fresh, while rank 0 is live
     assert to_agents(sent, Op.REGISTERED)[peer_of(1)]["baseline_seq"] == 1
     assert desired_sent(sent, 1) == {"locked": None, "num_ubatches": 3, "reserve_bytes": None}
@@ -1125,8 +1125,8 @@ def test_torn_last_journal_record_is_dropped_and_reported(tmp_path):
     first.client(Op.UNLOCK, {"group": 0, "wait": False})
     journal.write_bytes(two + journal.read_bytes()[len(two):-3])  # the third record cut short, never counted
     second = make(tmp_path)
-    assert second.core.recovered is True and second.core.log.seq == 2
-    assert second.core.log.desired(0)["locked"] is True  # the unlock of group 0 was torn
+    assert second.core.recovered is True and second.core.engine().log.seq == 2
+    assert second.core.engine().log.desired(0)["locked"] is True  # the unlock of group 0 was torn
     (repaired,) = second.events("state_repaired")
     assert "coordinator.state.journal" in repaired["detail"] and "never sent" in repaired["detail"]
     assert make(tmp_path).events("state_repaired") == []  # repaired once, for good
@@ -1148,7 +1148,7 @@ def test_garbage_agent_frames_rejected_and_counted(h, frame):
     [rejected] = to_agents(out, Op.REJECTED).values()
     assert rejected["code"] in {str(c) for c in ErrorCode} and rejected["message"]
     assert h.core.dropped_bad_agent_frames == 1
-    assert h.core.registry.ranks[0].state is RankState.LIVE
+    assert h.core.engine().registry.ranks[0].state is RankState.LIVE
 
 
 def test_oversized_client_frame(tmp_path):
@@ -1177,7 +1177,7 @@ def test_handler_exception_becomes_internal_error_and_core_keeps_serving(h, monk
     reply = h.call(Op.STATUS, request_id=44)
     assert not reply.ok and reply.code is ErrorCode.INTERNAL and reply.id == 44 and "boom" in reply.message
     assert h.ok(Op.PING)["seq"] == 0
-    monkeypatch.setitem(h.core._agent_ops, Op.HEARTBEAT, lambda peer, body: 1 / 0)
+    monkeypatch.setitem(h.core.engine().agent_ops, Op.HEARTBEAT, lambda peer, body: 1 / 0)
     h.register_all([0])
     assert h.heartbeat(0) == []
     assert h.ok(Op.RANKS)["ranks"][0]["state"] == "live"
@@ -1209,7 +1209,7 @@ def test_times_shown_to_operators_are_wall_clock(h):
     h.advance(6)
     [rank] = [r for r in h.ok(Op.RANKS)["ranks"] if r["rank"] == 0]
     assert rank["state"] == "lost" and rank["lost_at"] == pytest.approx(WALL0 + 8)
-    reason = h.core.registry.missing()[0]
+    reason = h.core.engine().registry.missing()[0]
     assert reason == "lost at 2023-11-14T22:13:28Z (last step 0)"
 
 
@@ -1261,10 +1261,10 @@ def test_full_disk_is_answered_storage_and_numbers_nothing(tmp_path):
     reply = only_reply(sent)
     assert not reply.ok and reply.code is ErrorCode.STORAGE
     assert reply.message.startswith(f"{journal}: storage unavailable (no space left on device)"), reply.message
-    assert h.core.log.seq == 1 and h.core.log.default["locked"] is True
+    assert h.core.engine().log.seq == 1 and h.core.engine().log.default["locked"] is True
     # the next command writes a fresh snapshot and journal first (replacing the link)
     assert to_agents(h.client(Op.UNLOCK, {"wait": False}), Op.COMMAND)[peer_of(0)]["seq"] == 2
-    assert make(tmp_path).core.log.seq == 2
+    assert make(tmp_path).core.engine().log.seq == 2
 
 
 def test_a_bug_met_on_every_frame_is_answered_each_time_and_logged_at_a_bounded_rate(h, caplog):
@@ -1276,7 +1276,7 @@ def test_a_bug_met_on_every_frame_is_answered_each_time_and_logged_at_a_bounded_
 
     h.register_all()
     h.core._client_ops[Op.PING] = broken
-    h.core._agent_ops[Op.HEARTBEAT] = broken
+    h.core.engine().agent_ops[Op.HEARTBEAT] = broken
     caplog.set_level("ERROR", logger="wsd.coordinator.core")
     for i in range(500):
         reply = h.call(Op.PING, request_id=i + 1)
@@ -1297,9 +1297,9 @@ def test_a_registration_cannot_set_an_absurd_world(tmp_path):
     sent = h.register(0, world_size=1 << 20, tp_size=1, tp_group=0)
     rejected = to_agents(sent, Op.REJECTED)[peer_of(0)]
     assert rejected["code"] == str(ErrorCode.MISMATCH) and "[coordinator] world_size" in rejected["message"]
-    assert h.core.registry.world_size is None
+    assert h.core.engine().registry.world_size is None
     assert ops(h.register(0, world_size=MAX_CLAIMED_WORLD, tp_size=1, tp_group=0))[0] is Op.REGISTERED
-    assert h.core.registry.world_size == MAX_CLAIMED_WORLD
+    assert h.core.engine().registry.world_size == MAX_CLAIMED_WORLD
     (tmp_path / "big").mkdir()
     configured = make(tmp_path / "big", world_size=1 << 16, tp_size=8)
     assert ops(configured.register(0, world_size=1 << 16, tp_size=8, tp_group=0))[0] is Op.REGISTERED
@@ -1323,7 +1323,7 @@ def test_an_agent_behind_resume_seq_starts_again_from_the_log_instead_of_waiting
     assert ops(sent) == [Op.REGISTERED]  # nothing to resend: it starts at the log's seq
     (event,) = second.events("rebased")
     assert (event["rank"], event["applied_seq"], event["baseline_seq"]) == (0, 1, 4)
-    assert second.core.registry.ranks[0].applied_seq == 4
+    assert second.core.engine().registry.ranks[0].applied_seq == 4
     # an agent the log can bring up to date is sent what it lacks, as before
     sent = second.register(1, applied_seq=3)
     assert to_agents(sent, Op.REGISTERED)[peer_of(1)]["rebase"] is False

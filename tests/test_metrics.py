@@ -19,7 +19,6 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -43,6 +42,9 @@ from wsd.coordinator.metrics import (
     Collector,
     CommandOutcome,
     CommandStats,
+    CoreView,
+    Counters,
+    EngineFigures,
     Published,
     StatsView,
     ViolationTotals,
@@ -71,6 +73,15 @@ def parse(text: str) -> tuple[dict[str, str], Samples]:
         for s in family.samples:
             samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
     return types, samples
+
+
+E = (("engine", "default"),)
+"""The label set of a one-engine coordinator's per-engine families."""
+
+
+def one_engine(core: CoreView, stats: StatsView | None = None, counters: Counters | None = None) -> Published:
+    """What a coordinator of one engine, ``default``, publishes."""
+    return Published(counters=counters or Counters(), engines=(EngineFigures("default", core, stats),))
 
 
 def collect(published: Published, wall: float = 0.0) -> tuple[dict[str, str], Samples]:
@@ -150,11 +161,13 @@ def test_collector_exports_every_family_with_its_labels_and_values():
     commands = CommandStats()
     commands.record("lock", CommandOutcome.COMPLETE, 0.02)
     commands.record("lock", CommandOutcome.PARTIAL, 3.0)
-    view = core_view(registry, seq=7, heartbeats=41, inconsistent={1}, commands=commands,
-                     refused={"registration forbidden": 3, "rate": 12})
+    view = core_view(registry, seq=7, inconsistent={1})
+    counts, latency = commands.snapshot()
+    counters = Counters(heartbeats=41, commands=counts, latency=latency,
+                        refused=(("rate", 12), ("registration forbidden", 3)))
     stats = stats_view({0: manager([4096, 8192]), 1: manager([4096, 0])}, tp_size=2, world_size=4, time=990.0,
                        pushed=988.0)
-    types, s = collect(Published(core=view, stats=stats), wall=1000.0)
+    types, s = collect(one_engine(view, stats, counters), wall=1000.0)
 
     for name, (kind, labels) in FAMILIES.items():
         family = name[: -len("_total")] if kind == "counter" else name
@@ -185,7 +198,7 @@ def test_collector_exports_every_family_with_its_labels_and_values():
     assert by(s, "wsd_group_consistent", "tp_group") == {"0": 1, "1": 0}
     assert by(s, "wsd_ranks", "state") == {"live": 2, "lost": 1, "stopped": 0, "missing": 1}
     # Ranks 2 (lost) and 3 (never registered) have no snapshot in the figures; none is stale.
-    assert s["wsd_stats_absent_ranks"] == {(): 2} and s["wsd_stats_stale_ranks"] == {(): 0}
+    assert s["wsd_stats_absent_ranks"] == {E: 2} and s["wsd_stats_stale_ranks"] == {E: 0}
     assert by(s, "wsd_events_total", "kind") == {str(kind): 0 for kind in EventKind}  # none given: all at 0
     assert nonzero(by(s, "wsd_commands_total", "action", "result")) == {("lock", "complete"): 1, ("lock", "partial"): 1}
     # every reason from the start, at 0 until refused (a first refusal is then an increase)
@@ -193,8 +206,8 @@ def test_collector_exports_every_family_with_its_labels_and_values():
                                                            "registration forbidden": 3, "rate": 12}
     assert nonzero(by(s, "wsd_command_duration_seconds_count", "action")) == {"lock": 2}
     assert nonzero(by(s, "wsd_command_duration_seconds_sum", "action")) == {"lock": pytest.approx(3.02)}
-    assert s["wsd_heartbeats_total"] == {(): 41} and s["wsd_command_seq"] == {(): 7}
-    assert s["wsd_stats_age_seconds"] == {(): 12.0}  # pushed 2 s before the copy, 10 s before the scrape
+    assert s["wsd_heartbeats_total"] == {(): 41} and s["wsd_command_seq"] == {E: 7}
+    assert s["wsd_stats_age_seconds"] == {E: 12.0}  # pushed 2 s before the copy, 10 s before the scrape
     assert by(s, "wsd_rank_stats_age_seconds", "rank") == {"0": 12.0, "1": 12.0}
     assert by(s, "wsd_rank_stats_stale", "rank") == {"0": 0, "1": 0}  # as the copy found them
 
@@ -205,10 +218,10 @@ def test_labels_gone_from_the_published_views_are_gone_from_the_next_scrape():
     registry = Registry(4, 2, 5.0)
     for rank in range(4):
         registry.register(b"p%d" % rank, registration(rank), 0.0)
-    views = [Published(core=core_view(registry, seq=0, heartbeats=0, inconsistent=set(), commands=CommandStats()),
+    views = [one_engine(core=core_view(registry, seq=0, inconsistent=set()),
                        stats=stats_view({r: manager([64, 64]) for r in range(4)}, 2, 4))]
     smaller = stats_view({0: manager([64]), 1: manager([64])}, 2, 4)
-    views.append(Published(core=views[0].core, stats=smaller))
+    views.append(one_engine(core=views[0].engines[0].core, stats=smaller))
     current = iter(views)
     published = next(current)
     collector = Collector(lambda: published)
@@ -229,7 +242,7 @@ def test_rank_lock_violations_never_go_down_when_slots_are_dropped_or_start_agai
     10 left as new violations (WsdLockViolations fired with none). The slots gone keep
     their last count; a slot counting again from 0 (set back up, or a new process) adds on."""
     registry = Registry(2, 2, 5.0)
-    core = core_view(registry, seq=0, heartbeats=0, inconsistent=set(), commands=CommandStats())
+    core = core_view(registry, seq=0, inconsistent=set())
 
     def ranks(*slots: list[int]) -> StatsView:
         snapshots = {}
@@ -241,22 +254,22 @@ def test_rank_lock_violations_never_go_down_when_slots_are_dropped_or_start_agai
                                                                  persistent=()) for u, v in enumerate(violations)))
         return stats_view(snapshots, 2, 2)
 
-    published = Published(core=core, stats=ranks([30, 10], [1]))
+    published = one_engine(core=core, stats=ranks([30, 10], [1]))
     collector = Collector(lambda: published)
 
     def totals() -> dict[Any, float]:
         return by(parse(collector.render().decode())[1], "wsd_rank_lock_violations_total", "rank")
 
     assert totals() == {"0": 40, "1": 1}
-    published = Published(core=core, stats=ranks([30], [1]))  # set_ubatches 1: slot 1 and its 10 gone
+    published = one_engine(core=core, stats=ranks([30], [1]))  # set_ubatches 1: slot 1 and its 10 gone
     assert totals() == {"0": 40, "1": 1}
-    published = Published(core=core, stats=ranks([32], [1]))  # two new ones
+    published = one_engine(core=core, stats=ranks([32], [1]))  # two new ones
     assert totals() == {"0": 42, "1": 1}
-    published = Published(core=core, stats=ranks([32, 0], [1]))  # set_ubatches 2: slot 1 from 0
+    published = one_engine(core=core, stats=ranks([32, 0], [1]))  # set_ubatches 2: slot 1 from 0
     assert totals() == {"0": 42, "1": 1}
-    published = Published(core=core, stats=ranks([32, 3], [0]))  # rank 1 a new process: from 0
+    published = one_engine(core=core, stats=ranks([32, 3], [0]))  # rank 1 a new process: from 0
     assert totals() == {"0": 45, "1": 1}
-    published = Published(core=core, stats=ranks([5, 3], [2]))  # rank 0's slot 0 a new life at 5
+    published = one_engine(core=core, stats=ranks([5, 3], [2]))  # rank 0's slot 0 a new life at 5
     assert totals() == {"0": 50, "1": 3}
 
 
@@ -280,7 +293,7 @@ def test_concurrent_scrapes_of_one_view_share_one_render_and_the_ages_still_grow
     """The text is written once per published view (two Prometheus servers, or overlapping
     scrapes, each wrote their own 14 MB before); the ages are the scrape's own."""
     registry = Registry(2, 2, 5.0)
-    published = Published(core=core_view(registry, seq=0, heartbeats=0, inconsistent=set(), commands=CommandStats()),
+    published = one_engine(core=core_view(registry, seq=0, inconsistent=set()),
                           stats=stats_view({0: manager([64, 64]), 1: manager([64])}, 2, 2, time=100.0, pushed=99.0))
     wall = [100.0]
     collector = Collector(lambda: published, wall=lambda: wall[0])
@@ -293,11 +306,11 @@ def test_concurrent_scrapes_of_one_view_share_one_render_and_the_ages_still_grow
     wall[0] = 110.0
     _, s = parse(collector.render().decode())
     assert len(writes) == 1
-    assert s["wsd_stats_age_seconds"] == {(): 11.0} and by(s, "wsd_rank_stats_age_seconds", "rank") == {
+    assert s["wsd_stats_age_seconds"] == {E: 11.0} and by(s, "wsd_rank_stats_age_seconds", "rank") == {
         "0": 11.0, "1": 11.0}
-    published = replace(published, stats=stats_view({0: manager([64])}, 2, 2, time=110.0, pushed=110.0))
+    published = one_engine(published.engines[0].core, stats_view({0: manager([64])}, 2, 2, time=110.0, pushed=110.0))
     _, s = parse(collector.render().decode())
-    assert len(writes) == 2 and s["wsd_stats_absent_ranks"] == {(): 1}
+    assert len(writes) == 2 and s["wsd_stats_absent_ranks"] == {E: 1}
 
 
 def test_rank_states_are_the_registrys_own_counts():
@@ -327,8 +340,7 @@ def test_a_registration_renames_no_series_its_host_is_in_rank_info_alone():
     registry = Registry(2, 2, 5.0)
 
     def scrape_of() -> Samples:
-        return collect(Published(core=core_view(registry, seq=0, heartbeats=0, inconsistent=set(),
-                                                commands=CommandStats())))[1]
+        return collect(one_engine(core=core_view(registry, seq=0, inconsistent=set())))[1]
 
     before = scrape_of()
     assert by(before, "wsd_rank_up", "rank", "tp_group") == {("0", "0"): 0, ("1", "0"): 0}
@@ -347,10 +359,9 @@ def test_a_registration_renames_no_series_its_host_is_in_rank_info_alone():
 def test_every_state_is_missing_not_never_registered_and_there_from_the_start():
     """One name per rank state: a rank that never registered is `missing` in `ranks`, `wsctl
     status` and wsd_ranks alike; every state has its sample before any rank registers."""
-    _, s = collect(Published(core=core_view(Registry(3, 1, 5.0), seq=0, heartbeats=0, inconsistent=set(),
-                                            commands=CommandStats())))
+    _, s = collect(one_engine(core=core_view(Registry(3, 1, 5.0), seq=0, inconsistent=set())))
     assert by(s, "wsd_ranks", "state") == {"live": 0, "lost": 0, "stopped": 0, "missing": 3}
-    assert s["wsd_stats_absent_ranks"] == {(): 3}  # nothing copied yet: every expected rank
+    assert s["wsd_stats_absent_ranks"] == {E: 3}  # nothing copied yet: every expected rank
 
 
 def test_slots_off_drops_the_per_slot_series_and_keeps_every_other():
@@ -359,7 +370,7 @@ def test_slots_off_drops_the_per_slot_series_and_keeps_every_other():
     registry = Registry(4, 2, 5.0)
     for rank in range(4):
         registry.register(b"p%d" % rank, registration(rank), 0.0)
-    published = Published(core=core_view(registry, seq=0, heartbeats=0, inconsistent=set(), commands=CommandStats()),
+    published = one_engine(core=core_view(registry, seq=0, inconsistent=set()),
                           stats=stats_view({r: manager([64, 128]) for r in range(4)}, 2, 4))
     on = Collector(lambda: published, wall=lambda: 0.0).render().decode()
     off_text = Collector(lambda: published, wall=lambda: 0.0, slots=False).render().decode()
@@ -412,8 +423,9 @@ def test_command_latency_histogram_is_cumulative_per_action():
     for seconds in (0.003, 0.02, 7.0, 100.0):
         commands.record("trim", CommandOutcome.FAILED, seconds)
     registry = Registry(2, 2, 5.0)
-    view = core_view(registry, seq=4, heartbeats=0, inconsistent=set(), commands=commands)
-    _, s = collect(Published(core=view))
+    view = core_view(registry, seq=4, inconsistent=set())
+    counts, latency = commands.snapshot()
+    _, s = collect(one_engine(view, counters=Counters(commands=counts, latency=latency)))
     buckets = {le: v for (action, le), v in by(s, "wsd_command_duration_seconds_bucket", "action", "le").items()
                if action == "trim"}
     assert len(buckets) == len(COMMAND_BUCKETS) + 1
@@ -473,7 +485,7 @@ def test_metrics_copy_the_pushed_snapshots_every_metrics_refresh_and_never_ask_a
     _, s = collect(core.published, wall=clock.now + 1.5)
     assert by(s, "wsd_slot_capacity_bytes", "rank", "ubatch")[("0", "1")] == 512
     assert by(s, "wsd_rank_stats_age_seconds", "rank") == {"0": 1.5, "1": 1.5}
-    assert s["wsd_stats_age_seconds"] == {(): 1.5}
+    assert s["wsd_stats_age_seconds"] == {E: 1.5}
     assert by(s, "wsd_rank_up", "rank") == {"0": 1, "1": 1}  # the core view published with it
     push(core, b"p0", 2, [1024])
     clock.now += 2.9
@@ -494,7 +506,7 @@ def test_a_rank_that_stops_pushing_turns_stale_then_lost(tmp_path):
     push(core, b"p0", 1, [64])
     core.tick()
     _, s = collect(core.published, wall=clock.now)
-    assert s["wsd_stats_absent_ranks"] == {(): 1} and s["wsd_stats_stale_ranks"] == {(): 0}  # p1: nothing yet
+    assert s["wsd_stats_absent_ranks"] == {E: 1} and s["wsd_stats_stale_ranks"] == {E: 0}  # p1: nothing yet
     push(core, b"p1", 1, [64])
     for _ in range(7):  # rank 0 keeps confirming its snapshot; rank 1 falls silent
         clock.now += 0.5
@@ -505,13 +517,13 @@ def test_a_rank_that_stops_pushing_turns_stale_then_lost(tmp_path):
     assert by(s, "wsd_rank_stats_stale", "rank") == {"0": 0, "1": 1}
     assert by(s, "wsd_rank_stats_age_seconds", "rank") == {"0": 0.0, "1": 3.5}
     assert by(s, "wsd_rank_up", "rank") == {"0": 1, "1": 1}
-    assert s["wsd_stats_absent_ranks"] == {(): 0} and s["wsd_stats_stale_ranks"] == {(): 1}
+    assert s["wsd_stats_absent_ranks"] == {E: 0} and s["wsd_stats_stale_ranks"] == {E: 1}
     clock.now += 1.6  # 5.1 s silent: past the heartbeat timeout
     core.tick()
     _, s = collect(core.published, wall=clock.now)
     assert set(by(s, "wsd_rank_workspace_bytes", "rank")) == {"0"}
     assert by(s, "wsd_rank_up", "rank") == {"0": 1, "1": 0}
-    assert s["wsd_stats_absent_ranks"] == {(): 1} and s["wsd_stats_stale_ranks"] == {(): 0}
+    assert s["wsd_stats_absent_ranks"] == {E: 1} and s["wsd_stats_stale_ranks"] == {E: 0}
 
 
 def test_core_without_a_metrics_port_runs_no_rounds_and_publishes_nothing(tmp_path):
@@ -530,7 +542,7 @@ def test_core_counts_commands_by_outcome_with_their_latency_and_heartbeats(tmp_p
 
     def command(op: Op, body: dict[str, Any], acks: dict[int, bool], after: float) -> None:
         core.handle_client((b"c", b""), p.encode(op, {"wait": True, **body}, 1))
-        seq = core.log.seq
+        seq = core.engine().log.seq
         clock.now += after
         for rank, ok in acks.items():
             core.handle_agent((b"p%d" % rank,), p.encode(Op.ACK, {
@@ -549,7 +561,7 @@ def test_core_counts_commands_by_outcome_with_their_latency_and_heartbeats(tmp_p
         ("lock", "complete"): 1, ("unlock", "failed"): 1, ("lock", "partial"): 1}
     assert nonzero(by(s, "wsd_command_duration_seconds_sum", "action")) == {
         "lock": pytest.approx(0.25 + core.config.command_timeout), "unlock": pytest.approx(0.5)}
-    assert s["wsd_command_seq"] == {(): 3} and s["wsd_heartbeats_total"] == {(): 2}
+    assert s["wsd_command_seq"] == {E: 3} and s["wsd_heartbeats_total"] == {(): 2}
     assert by(s, "wsd_rank_last_step", "rank") == {"0": 8, "1": 8}
 
 
@@ -630,8 +642,8 @@ def test_scrape_of_a_running_cluster_matches_wsctl_stats(start_coordinator, caps
             assert set(by(s, "wsd_rank_ubatches", "rank").values()) == {1}
             assert nonzero(by(s, "wsd_commands_total", "action", "result")) == {("set_ubatches", "partial"): 1}
             assert nonzero(by(s, "wsd_command_duration_seconds_count", "action")) == {"set_ubatches": 1}
-            assert s["wsd_command_seq"] == {(): 1}
-            assert s["wsd_stats_age_seconds"][()] < 5
+            assert s["wsd_command_seq"] == {E: 1}
+            assert s["wsd_stats_age_seconds"][E] < 5
 
             leaving.stop()
             left = True
@@ -656,11 +668,11 @@ def test_every_expected_rank_is_down_from_the_first_scrape_with_world_size_alone
     # The TP group is not known yet: empty, which Prometheus reads as no label.
     assert {dict(labels)["tp_group"] for labels in first["wsd_rank_up"]} == {""}
     assert by(first, "wsd_ranks", "state") == {"live": 0, "lost": 0, "stopped": 0, "missing": 4}
-    assert first["wsd_stats_absent_ranks"] == {(): 4}
+    assert first["wsd_stats_absent_ranks"] == {E: 4}
     with SimulatedRanks(coordinator.agent_endpoint, [0, 1], world_size=4, tp_size=2, num_ubatches=2,
                         **HEARTBEAT) as ranks:
         assert ranks.wait_registered(10)
-        s = wait_until(lambda: (m := scrape(coordinator.metrics_url)) and m["wsd_stats_absent_ranks"] == {(): 2}
+        s = wait_until(lambda: (m := scrape(coordinator.metrics_url)) and m["wsd_stats_absent_ranks"] == {E: 2}
                        and m, 10, "ranks 0 and 1 in the scrape")
         assert by(s, "wsd_rank_up", "rank", "tp_group") == {("0", "0"): 1, ("1", "0"): 1, ("2", "1"): 0, ("3", "1"): 0}
         assert by(s, "wsd_ranks", "state") == {"live": 2, "lost": 0, "stopped": 0, "missing": 2}

@@ -433,7 +433,7 @@ def test_restarted_coordinator_is_rejoined_and_no_command_is_lost_or_repeated(cl
 
     second = start_coordinator(**world(4, 2), agent_endpoint=first.agent_endpoint,
                                client_endpoint=first.client_endpoint)
-    assert second.core.recovered and second.core.log.seq == 2
+    assert second.core.recovered and second.core.engine().log.seq == 2
     right_after = c.client.unlock(wait=False)  # most likely before any agent rejoined
     assert right_after.seq == 3
     c.wait_live()

@@ -21,10 +21,11 @@ from wsd.wire.protocol import ErrorCode, Op, ProtocolError
 # One valid body per operation; every Op must appear here (checked below).
 VALID: dict[Op, dict] = {
     Op.PING: {},
-    Op.STATUS: {},
+    Op.ENGINES: {},
+    Op.STATUS: {"engine": "node-a-llama"},
     Op.RANKS: {},
     Op.STATS: {"group": 1, "timeout": 2.5, "fresh": True},
-    Op.EVENTS: {"cursor": 7, "limit": 50},
+    Op.EVENTS: {"cursor": 7, "limit": 50, "engine": "e_2"},
     Op.LOCK: {"group": 0, "wait": False, "timeout": 1.0},
     Op.UNLOCK: {},
     Op.SET_UBATCHES: {"n": 4, "wait": True},
@@ -35,6 +36,7 @@ VALID: dict[Op, dict] = {
         "rank": 3, "world_size": 4, "tp_size": 2, "tp_group": 1, "host": "node-a", "pid": 4242,
         "device": "cpu", "applied_seq": 5, "acks": [[5, 10, True, None]], "step": 10, "idle": True,
         "state": {"locked": False, "num_ubatches": 2}, "config": {"num_lanes": 1},
+        "engine": "node-a-Llama-3-1-8B", "model": "meta-llama/Llama-3.1-8B",
     },
     Op.HEARTBEAT: {"rank": 0, "step": 9, "applied_seq": 2, "held_seq": 3, "state": {"locked": True}},
     Op.ACK: {"rank": 1, "seq": 4, "step": 12, "ok": False, "error": "WorkspaceLockedError: ..."},
@@ -81,7 +83,7 @@ def test_contract_pins_ops_codes_and_socket_sets():
     coordinators of different builds talk to each other only if these agree."""
     assert p.PROTOCOL_VERSION == 1
     assert {str(op) for op in Op} == {
-        "ping", "status", "ranks", "stats", "events",
+        "ping", "engines", "status", "ranks", "stats", "events",
         "lock", "unlock", "set_ubatches", "reserve", "equalize", "trim",
         "register", "heartbeat", "ack", "stats_reply", "stats_push", "event", "goodbye",
         "registered", "pulse", "command", "stats_request", "stats_ack", "rejected",
@@ -90,7 +92,7 @@ def test_contract_pins_ops_codes_and_socket_sets():
         "bad_message", "bad_version", "unknown_op", "bad_field", "too_large", "mismatch",
         "conflict", "forbidden", "timeout", "unavailable", "storage", "internal",
     }
-    assert p.READ_ONLY_OPS == {Op.PING, Op.STATUS, Op.RANKS, Op.STATS, Op.EVENTS}
+    assert p.READ_ONLY_OPS == {Op.PING, Op.ENGINES, Op.STATUS, Op.RANKS, Op.STATS, Op.EVENTS}
     assert p.COMMAND_OPS == {Op.LOCK, Op.UNLOCK, Op.SET_UBATCHES, Op.RESERVE, Op.EQUALIZE, Op.TRIM}
     assert p.CLIENT_OPS == p.READ_ONLY_OPS | p.COMMAND_OPS
     assert p.AGENT_OPS == {Op.REGISTER, Op.HEARTBEAT, Op.ACK, Op.STATS_REPLY, Op.STATS_PUSH, Op.EVENT,
@@ -150,8 +152,8 @@ def test_defaults_filled_in_and_not_shared():
     """Optional fields get their documented default; a mutable default is a fresh
     copy, so one message mutating its body cannot change the next one's."""
     body = p.decode(p.encode(Op.LOCK)).body
-    assert body == {"group": None, "wait": True, "timeout": None}
-    assert p.decode(p.encode(Op.EVENTS)).body == {"cursor": 0, "limit": 100}
+    assert body == {"engine": None, "group": None, "wait": True, "timeout": None}
+    assert p.decode(p.encode(Op.EVENTS)).body == {"cursor": 0, "limit": 100, "engine": None}
     minimal = {k: VALID[Op.REGISTER][k] for k in
                ("rank", "world_size", "tp_size", "tp_group", "host", "pid", "device")}
     first = p.decode(p.encode(Op.REGISTER, minimal)).body
@@ -463,3 +465,14 @@ def test_names_a_peer_claims_hold_no_control_character(op, field, value):
     assert info.value.code == ErrorCode.BAD_FIELD and "\x1b" not in str(info.value) and "\x07" not in str(info.value)
     assert p.decode(p.encode(op, {**VALID[op], field: value.replace("\x1b", "").replace("\x07", "")
                                   .replace("\x9b", "")})).body[field]
+
+
+@pytest.mark.parametrize("name", ["", "a/b", "x@y", "-lead", "a.b", "é", "a" * 129, "a\nb"])
+def test_an_engine_name_that_could_leave_its_state_file_or_its_label_is_refused(name):
+    """An engine's name becomes part of a file name (STATE_FILE@NAME), a Prometheus label and
+    a command-line argument: a slash, a dot, an at sign or a control character is refused
+    before any of that, naming the field."""
+    for op, body in ((Op.STATUS, {"engine": name}), (Op.REGISTER, {**VALID[Op.REGISTER], "engine": name})):
+        with pytest.raises(ProtocolError) as e:
+            p.decode(p.encode(op, body))
+        assert e.value.code is ErrorCode.BAD_FIELD and "engine" in str(e.value)

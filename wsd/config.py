@@ -78,6 +78,7 @@ NOT_CONFIGURATION: dict[str, str] = {
     "WSD_CURVE_SERVER_KEY": "the coordinator's public certificate, for wsctl and wsd_client",
     "WSD_CURVE_CLIENT_KEY": "the client's secret certificate, for wsctl and wsd_client",
     "WSD_AGENT_TOKEN": "the registration secret a launcher hands its workers",
+    "WSD_ENGINE": "the engine a worker's rank belongs to: the short name of WSD_AGENT_ENGINE, which wins",
     "WSD_LAUNCHER_PARENT_PID": "the process whose death ends torchrun as wsd up starts it (wsd.worker.launcher)",
     "WSD_SOAK_RECORD": "the folder bench/soak.py's workers record into",
     "WSD_VLLM_SOURCE": "a vLLM checkout, for tests/vllm_peer",
@@ -285,6 +286,8 @@ def load_config(
             if not isinstance(body, dict):
                 raise ConfigError(f"{source}: {section} must be a [{section}] table")
             raw[section].update({k: (v, source, False) for k, v in body.items()})
+    if "WSD_ENGINE" in env:  # the short name of WSD_AGENT_ENGINE, which wins where both are set
+        raw["agent"]["engine"] = (env["WSD_ENGINE"], "environment variable WSD_ENGINE", True)
     for name, value in env.items():
         if not name.startswith("WSD_") or name in NOT_CONFIGURATION:
             continue

@@ -95,8 +95,14 @@ class AgentLink:
         pid: int | None = None,
         now: float = 0.0,
         token: bytes | None = None,
+        engine: str | None = None,
+        model: str | None = None,
     ) -> None:
+        """``engine``: the engine this rank belongs to (None: the coordinator's default);
+        ``model``: what it serves, as ``wsctl engines`` shows it."""
         self.target = target
+        self.engine = engine
+        self.model = model
         self.rank = rank
         self.world_size = world_size
         self.tp_size = tp_size
@@ -262,6 +268,7 @@ class AgentLink:
             "acks": list(self._acks), "step": self.steps, "idle": self.idle,
             "state": self.target.state(), "config": self.extra,
             "instance": self.instance, "proof": self._proof,
+            "engine": self.engine, "model": self.model,
         }
 
     # -- frames from the coordinator ------------------------------------------------

@@ -31,6 +31,7 @@ from wsd.agent.core import AgentLink
 from wsd.config import MAX_UBATCHES
 from wsd.errors import ConfigError, SimulationError, WsdError
 from wsd.manager.stats import SLOT_NUMBERS, ManagerStats, PersistentStats, SlotStats
+from wsd.names import engine_name_problem
 from wsd.security import SecurityConfig, load_agent_token
 from wsd.wire.transport import Waker, answer_waiting, connect, make_socket, raise_fd_limit, send_nowait
 
@@ -163,7 +164,12 @@ class SimulatedRanks:
         heartbeat_timeout: float = 5.0,
         context: zmq.Context | None = None,
         token: bytes | None = None,
+        engine: str | None = None,
     ) -> None:
+        """``engine``: the engine every one of these ranks belongs to (None: the coordinator's default)."""
+        problem = None if engine is None else engine_name_problem(engine)
+        if problem is not None:
+            raise ValueError(f"engine: {problem}")
         self.endpoint = endpoint
         self.ranks = list(ranks)
         if not self.ranks:
@@ -176,7 +182,7 @@ class SimulatedRanks:
         self.links = [
             AgentLink(m, rank=r, world_size=world_size, tp_size=tp_size, idle=True,
                       heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
-                      extra={"simulated": True}, now=now, token=token)
+                      extra={"simulated": True}, now=now, token=token, engine=engine)
             for r, m in zip(self.ranks, self.managers)
         ]
         self._own_context = context is None
@@ -323,6 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0)
     parser.add_argument("--busy", action="store_true",
                         help="every slot serves requests, so each rank pushes a changed snapshot every interval")
+    parser.add_argument("--engine", help="the engine these ranks belong to (default: the coordinator's default)")
     args = parser.parse_args(argv)
     if args.ranks < 1:
         parser.error(f"--ranks must be at least 1, got {args.ranks}")
@@ -336,7 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              world_size=world, tp_size=args.tp_size, num_ubatches=args.ubatches, busy=args.busy,
                              heartbeat_interval=args.heartbeat_interval,
                              heartbeat_timeout=args.heartbeat_timeout,
-                             token=load_agent_token(SecurityConfig()))  # $WSD_AGENT_TOKEN, if set
+                             token=load_agent_token(SecurityConfig()),  # $WSD_AGENT_TOKEN, if set
+                             engine=args.engine)
     except (ValueError, ConfigError) as e:
         parser.error(str(e))
     with sim:

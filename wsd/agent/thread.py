@@ -111,6 +111,7 @@ class Agent:
         on_pending: Callable[[], None] | None = None,
         token: bytes | None = None,
         warm: bool = True,
+        model: str | None = None,
     ) -> None:
         self.manager = manager
         self.endpoint = endpoint
@@ -134,7 +135,7 @@ class Agent:
         self._link = AgentLink(
             _ManagerTarget(manager, self.warm), rank=rank, world_size=world_size, tp_size=tp_size, idle=idle,
             heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout, extra=extra,
-            now=time.monotonic(), token=token,
+            now=time.monotonic(), token=token, engine=self.config.engine, model=model,
         )
         self.registered = self._link.registered
         # Frames from the engine thread (acks, violation events) for the I/O thread to send.

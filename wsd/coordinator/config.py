@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from wsd.names import DEFAULT_ENGINE, engine_name_problem
 from wsd.sections import check_endpoint, check_positive, check_range, coerce_enum, size_field
 
 __all__ = ["MAX_EVENT_CAPACITY", "CoordinatorConfig", "CoordinatorMode"]
@@ -97,6 +98,12 @@ class CoordinatorConfig:
     """Refuse a scraper without a client certificate that ``metrics_client_cafile`` or
     ``metrics_client_capath`` (one of them required) vouch for, never the system's CAs
     (``client_auth_required``); false: client certificates are not asked for."""
+    engine: str = DEFAULT_ENGINE
+    """The name of this coordinator's default engine: that of every agent that names none
+    (``[agent] engine``), whose command log is ``state_file``; another engine's is
+    ``STATE_FILE@NAME``. ``wsd up`` names it after its cluster."""
+    max_engines: int = 64
+    """Engines served at most: a registration that would add one more is refused."""
     resume_seq: int | None = None
     """Recovery after the state file was lost: number commands after this seq, the highest
     ``applied_seq`` that refused agents report (the events name it). No effect once the
@@ -145,6 +152,10 @@ class CoordinatorConfig:
             raise ValueError(f"metrics_host must be an address such as 127.0.0.1, got {self.metrics_host!r}")
         check_positive("metrics_refresh", self.metrics_refresh, 3600.0)
         self._check_metrics_tls()
+        problem = engine_name_problem(self.engine)
+        if problem is not None:
+            raise ValueError(f"engine: {problem}")
+        check_range("max_engines", self.max_engines, 1, 4096)
         if self.resume_seq is not None:
             check_range("resume_seq", self.resume_seq, 0, 2**62)
 

@@ -1,11 +1,17 @@
-"""The coordinator's logic: registry, commands, the ranks' pushed stats, events.
+"""The coordinator's logic: engines, and what routes to them.
 
 ``CoordinatorCore`` makes every decision as plain methods with no I/O:
 ``handle_agent(route, frame)``, ``handle_client(route, frame)`` and ``tick()``
 each return the frames to send as ``(AGENT | CLIENT, route, frame)``. The
-socket loop that drives it is ``wsd.coordinator.loop.Coordinator``. What an agent
+socket loop that drives it is ``wsd.coordinator.loop.Coordinator``.
+
+One coordinator serves many engines (``wsd.coordinator.engine.Engine``), each
+its own world of ranks with its own command log. An agent frame goes to the
+engine its connection registered with; a client request to the engine it
+names, or, naming none, to the only engine served (the default engine while
+none is), or to every engine, each answering for itself. What an agent
 connection may send and cost, and whether a registration proves its identity,
-is ``wsd.coordinator.admission.AgentGate``'s. Imports no torch.
+is ``wsd.coordinator.admission.AgentGate``'s, for every engine. Imports no torch.
 """
 
 from __future__ import annotations
@@ -18,72 +24,48 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from wsd.commands import COMMANDS, CommandResult
+import msgpack
+
 from wsd.config import CoordinatorConfig
 from wsd.coordinator.admission import TOO_LARGE, UNREGISTERED_FRAME, AgentGate, Unauthenticated
-from wsd.coordinator.aggregate import StatsRound, read_snapshot
-from wsd.coordinator.commandlog import Command, CommandLog
-from wsd.coordinator.events import EventKind, EventLog, bounded_detail
-from wsd.coordinator.latest import LatestStats
-from wsd.coordinator.metrics import CommandOutcome, CommandStats, Published, StatsView, core_view
-from wsd.coordinator.registry import RankState, RankTaken, RegistrationError, Registry
+from wsd.coordinator.engine import AGENT, CLIENT, RESEND_WINDOW, Answer, Engine, Out, Route, Shared, refuse, state_path
+from wsd.coordinator.events import EventKind, EventLog
+from wsd.coordinator.metrics import CommandStats, Counters, EngineFigures, Published, StatsView
 from wsd.errors import StateFileError
 from wsd.wire import protocol as p
 from wsd.wire.protocol import ErrorCode, Op, ProtocolError
 
-__all__ = ["AGENT", "CLIENT", "CoordinatorCore", "Out"]
+__all__ = ["AGENT", "CLIENT", "RESEND_WINDOW", "CoordinatorCore", "Out"]
 
 logger = logging.getLogger(__name__)
 
-AGENT = "agent"
-CLIENT = "client"
-Route = tuple[bytes, ...]
-Out = tuple[str, Route, bytes]
-
-# Commands sent to a rank per registration or heartbeat that finds it behind:
-# the rest follow at its next heartbeats, so no claim makes one message cost many.
-RESEND_WINDOW = 64
-_SCOPES_KEPT = 64  # the scopes of answers from memory kept, each for one group asked for (or all)
-
 
 @dataclass
-class _PendingCommand:
-    command: Command
-    route: Route | None  # None: the client did not wait
-    request_id: int
-    targets: set[int]
-    deadline: float
-    missing: dict[int, str]
-    numbered: float = 0.0  # monotonic time it got its seq: the start of its latency
-    acks: dict[int, dict[str, Any]] = field(default_factory=dict)
-    lost: set[int] = field(default_factory=set)
-    # Targets neither acknowledged nor lost: done when empty, checked in O(1) per ack.
-    owed: set[int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.owed = set(self.targets)
-
-
-@dataclass
-class _PendingStats:
-    """A fresh stats round (``wsctl stats --fresh``): every live rank asked, the answer waiting."""
+class _Fanout:
+    """A client request that every engine answers for itself: the answer waits for all of them."""
 
     route: Route
     request_id: int
-    group: int | None
-    targets: set[int]
-    deadline: float
-    gathered: StatsRound  # the replies so far, aggregated as they arrive
-    lost: set[int] = field(default_factory=set)
-    # Targets that will not be in the answer for a reason of their own (an invalid
-    # snapshot, a goodbye), and that reason.
-    reasons: dict[int, str] = field(default_factory=dict)
-    # Targets that have neither answered nor been lost: done when empty, checked
-    # in O(1) per reply.
-    owed: set[int] = field(init=False)
+    owed: set[str]
+    results: dict[str, bytes] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        self.owed = set(self.targets)
+    def answer(self, engine: str) -> Answer:
+        def take(result: dict[str, Any] | bytes) -> list[Out]:
+            self.results[engine] = result if isinstance(result, bytes) else msgpack.packb(result, use_bin_type=True)
+            self.owed.discard(engine)
+            if self.owed:
+                return []
+            # {"engines": {name: answer}}, each answer as its engine encoded it.
+            engines = p.spliced({}, dict(sorted(self.results.items())))
+            return [(CLIENT, self.route, p.ok_reply_packed(self.request_id, p.spliced({}, {"engines": engines})))]
+        return take
+
+
+def _direct(route: Route, request_id: int) -> Answer:
+    def send(result: dict[str, Any] | bytes) -> list[Out]:
+        frame = p.ok_reply_packed(request_id, result) if isinstance(result, bytes) else p.ok_reply(request_id, result)
+        return [(CLIENT, route, frame)]
+    return send
 
 
 class CoordinatorCore:
@@ -104,66 +86,47 @@ class CoordinatorCore:
         # What agents may send and cost, and whether a registration proves it holds
         # the agent token (None: not authenticated; a warning at start-up says so).
         self.gate = AgentGate(agent_token, config.heartbeat_timeout, clock)
-        self.registry = Registry(config.world_size, config.tp_size, config.heartbeat_timeout, wall=wall)
-        self.log = CommandLog(config.state_file, config.log_capacity)
-        self.recovered = self.log.load()
         self.events = EventLog(config.event_capacity)
-        # When each command in the log was last sent to agents (monotonic): a rank
-        # still lacking one a heartbeat interval later is sent it again.
-        self._sent_at: dict[int, float] = {}
-        self._resent_at: dict[int, float] = {}
-        self.started = wall()
-        self.events.add(EventKind.STARTED, self.started, seq=self.log.seq, recovered=self.recovered)
-        if self.log.repaired:  # a torn last journal record was dropped: tell the operator
-            self.events.add(EventKind.STATE_REPAIRED, self.started, detail=self.log.repaired)
-        if config.resume_seq is not None and config.resume_seq > self.log.seq:
-            # The operator's recovery from a lost state file: never hand out again a
-            # number that agents applied. Written at once, so it holds across restarts.
-            self.events.add(EventKind.RESUMED, self.started, seq=config.resume_seq, was=self.log.seq)
-            logger.warning("resuming numbering after seq %d ([coordinator] resume_seq; the log was at %d)",
-                           config.resume_seq, self.log.seq)
-            self.log.bump_to(config.resume_seq)
-        self._commands: dict[int, _PendingCommand] = {}
-        self._stats: dict[int, _PendingStats] = {}  # fresh rounds (wsctl stats --fresh)
-        # Per group asked for (None: all), the scope and missing ranks of an answer from memory,
-        # as of the registry's count of changes.
-        self._stats_scopes: dict[int | None, tuple[int, dict[int, list[int]], dict[int, str]]] = {}
-        self._stats_ids = 0
-        # Each rank's latest snapshot as its agent pushed it: what stats answers come from.
-        self.latest = LatestStats()
+        self.shared = Shared(config, clock, wall, self.epoch, self.gate, self.events, CommandStats())
+        # The default engine is there from the start: its state file is the configured one,
+        # and a command before any rank registered is its.
+        default = Engine(config.engine, self.shared, config.state_file)
+        self.engines: dict[str, Engine] = {config.engine: default}
+        self.started = default.started
+        # Which engine each registered connection belongs to (checked against that engine's
+        # registry, which is the truth: a connection superseded there is forgotten here).
+        self._peers: dict[bytes, Engine] = {}
         self._next_pulse = clock()
-        # The sequence number fresh processes of a TP group start from, so that
-        # members registering a moment apart still see the same commands, with
-        # the group's desired state at it (None: older than the log could tell).
-        self._baselines: dict[int, tuple[int, dict[str, Any] | None]] = {}
-        self._inconsistent: set[int] = set()
-        self.dropped_bad_agent_frames = 0
-        # Metrics: counters kept here on the loop thread; the HTTP thread reads only
+        self._dropped_bad_agent_frames = 0
+        # Metrics: counters kept on the loop thread; the HTTP thread reads only
         # ``published``, immutable views replaced whole (see wsd.coordinator.metrics).
-        self.heartbeats = 0
-        self.command_stats = CommandStats()
         self.published = Published()
         self._metrics = config.metrics_port is not None
         self._next_refresh = clock() if self._metrics else math.inf
         self._client_ops: dict[Op, Callable[[Route, p.Message], list[Out]]] = {
             Op.PING: self._ping,
+            Op.ENGINES: self._engines,
             Op.STATUS: self._status,
             Op.RANKS: self._ranks,
             Op.STATS: self._stats_request,
             Op.EVENTS: self._events,
             **{op: self._command for op in p.COMMAND_OPS},
         }
-        self._agent_ops: dict[Op, Callable[[bytes, dict[str, Any]], list[Out]]] = {
-            Op.REGISTER: self._register,
-            Op.HEARTBEAT: self._heartbeat,
-            Op.ACK: self._ack,
-            Op.STATS_REPLY: self._stats_reply,
-            Op.STATS_PUSH: self._stats_push,
-            Op.EVENT: self._agent_event,
-            Op.GOODBYE: self._goodbye,
-        }
         if self._metrics:  # a scrape before the first tick sees every family too
             self._publish()
+
+    def engine(self, name: str | None = None) -> Engine:
+        """Engine ``name`` (None: the default engine); KeyError if the coordinator serves none of that name."""
+        return self.engines[self.config.engine if name is None else name]
+
+    @property
+    def recovered(self) -> bool:
+        """Whether the default engine's state was read from its state file at start."""
+        return self.engine().recovered
+
+    @property
+    def dropped_bad_agent_frames(self) -> int:
+        return self._dropped_bad_agent_frames + sum(e.dropped_bad_agent_frames for e in self.engines.values())
 
     # -- entry points --------------------------------------------------------
 
@@ -190,7 +153,8 @@ class CoordinatorCore:
 
     def handle_agent(self, route: Route, frame: bytes) -> list[Out]:
         peer = route[0]
-        refused = self.gate.meter(peer, len(frame), registered=self.registry.by_peer(peer) is not None)
+        engine = self._engine_of(peer)
+        refused = self.gate.meter(peer, len(frame), registered=engine is not None)
         if refused is not None:  # dropped unread
             if refused == TOO_LARGE and self.gate.allow(("too large", peer)):
                 # A real agent would otherwise retry for ever without a word of why.
@@ -198,14 +162,19 @@ class CoordinatorCore:
                     f"a frame of {len(frame)} bytes from a connection that has not registered: "
                     f"at most {UNREGISTERED_FRAME}")}))]
             return []
-        if len(frame) > p.SMALL_FRAME and p.peek_op(frame) == Op.STATS_REPLY and not self._asked(peer):
+        if len(frame) > p.SMALL_FRAME and p.peek_op(frame) == Op.STATS_REPLY and not (
+                engine is not None and engine.asked(peer)):
             self.gate.refused["stats reply not asked for"] += 1  # never decoded
             return []
         try:
             message = p.decode(frame, p.AGENT_OPS)
-            return self._agent_ops[message.op](peer, message.body)
+            if message.op is Op.REGISTER:
+                return self._register(peer, message.body, engine)
+            # An unregistered connection's frame goes to the default engine, which knows it
+            # not and answers as it always did (a heartbeat: register again).
+            return (engine or self.engine()).agent_ops[message.op](peer, message.body)
         except ProtocolError as e:
-            self.dropped_bad_agent_frames += 1
+            self._dropped_bad_agent_frames += 1
             if self.gate.allow(("bad message",)):  # one log line, however many peers
                 logger.warning("bad message from agent %s: %s (%d bad frames in all)", peer.hex(), e,
                                self.dropped_bad_agent_frames)
@@ -218,10 +187,38 @@ class CoordinatorCore:
                 logger.exception("coordinator failed on an agent message")
             return []
 
-    def _asked(self, peer: bytes) -> bool:
-        """Whether a stats round waits for this connection's rank."""
-        info = self.registry.by_peer(peer)
-        return info is not None and any(info.rank in s.owed for s in self._stats.values())
+    def _engine_of(self, peer: bytes) -> Engine | None:
+        engine = self._peers.get(peer)
+        if engine is not None and engine.registry.by_peer(peer) is None:
+            del self._peers[peer]  # superseded or forgotten there
+            return None
+        return engine
+
+    def _register(self, peer: bytes, body: dict[str, Any], engine: Engine | None) -> list[Out]:
+        name = body["engine"] or self.config.engine
+        try:
+            self.gate.authenticate(body)
+        except Unauthenticated as e:
+            return refuse(self.shared, peer, body, ErrorCode.FORBIDDEN, str(e), engine=name)
+        if engine is not None and engine.name != name:
+            return refuse(self.shared, peer, body, ErrorCode.MISMATCH, (
+                f"this connection registered rank {engine.registry.by_peer(peer).rank} of engine "  # type: ignore[union-attr]
+                f"{engine.name!r}; a rank of engine {name!r} connects on its own"), engine=name)
+        target = self.engines.get(name)
+        if target is None:
+            if len(self.engines) >= self.config.max_engines:
+                return refuse(self.shared, peer, body, ErrorCode.CONFLICT, (
+                    f"engine {name!r} would be engine {len(self.engines) + 1} of this coordinator, which "
+                    f"serves at most [coordinator] max_engines = {self.config.max_engines}"), engine=name)
+            target = self.engines[name] = Engine(name, self.shared, state_path(
+                self.config.state_file, name, self.config.engine), first=EventKind.ENGINE_ADDED)
+        old = target.registry.ranks.get(body["rank"])
+        out = target.register(peer, body)
+        if target.registry.by_peer(peer) is not None:
+            self._peers[peer] = target
+            if old is not None and old.peer != peer:
+                self._peers.pop(old.peer, None)
+        return out
 
     def note_heard(self, until: float) -> None:
         """The socket loop: every agent frame that arrived before ``until`` has been read."""
@@ -238,23 +235,15 @@ class CoordinatorCore:
         now = self.clock()
         out: list[Out] = []
         heard = self.gate.heard(now)
-        for info in self.registry.expire(heard):
-            self.events.add(EventKind.LOST, self.wall(), rank=info.rank, tp_group=info.tp_group,
-                            last_step=info.step, silent_for=round(heard - info.last_seen, 3))
-            out += self._rank_gone(info.rank, tp_group=info.tp_group)
-        for seq, pending in list(self._commands.items()):
-            if now >= pending.deadline:
-                out += self._finish_command(seq)
-        for request, waiting in list(self._stats.items()):
-            if now >= waiting.deadline:
-                out += self._finish_stats(request)
+        for engine in list(self.engines.values()):
+            out += engine.tick(now, heard)
         if now >= self._next_pulse:
             self._next_pulse = now + self.config.heartbeat_interval
             suppressed = self.gate.take_suppressed()
             if suppressed:  # one line for a flood, at most once an interval
                 self.events.add(EventKind.SUPPRESSED, self.wall(), counts=suppressed)
             pulse = p.encode(Op.PULSE, {"epoch": self.epoch})
-            out += [(AGENT, (i.peer,), pulse) for i in self.registry.live()]
+            out += [(AGENT, (i.peer,), pulse) for e in self.engines.values() for i in e.registry.live()]
             if self._metrics:
                 self._publish_core()
         if now >= self._next_refresh:
@@ -262,454 +251,99 @@ class CoordinatorCore:
             self._publish()
         return out
 
+    def next_deadline(self) -> float:
+        """When ``tick`` next has something to do (monotonic clock)."""
+        return min(self._next_pulse, self._next_refresh, *(e.next_deadline() for e in self.engines.values()))
+
+    # -- metrics --------------------------------------------------------------
+
     def _publish(self) -> None:
         """Give the metrics endpoint the stats and core views of now. The metrics copy what is
         remembered: no rank is asked."""
-        now = self.clock()
-        figures = self.latest.figures(*self._scope(None), now, self.config.stale_after)
-        self.published = replace(self.published, stats=StatsView(self.wall(), *figures))
-        self._publish_core()
+        now, wall = self.clock(), self.wall()
+        stats = tuple(StatsView(wall, *e.latest.figures(*e.scope(None), now, self.config.stale_after))
+                      for e in self.engines.values())
+        self._publish_core(stats)
 
-    def next_deadline(self) -> float:
-        """When ``tick`` next has something to do (monotonic clock)."""
-        deadlines = [self._next_pulse, self.registry.next_expiry(), self._next_refresh]
-        deadlines += [c.deadline for c in self._commands.values()]
-        deadlines += [s.deadline for s in self._stats.values()]
-        return min(deadlines)
-
-    # -- agents -------------------------------------------------------------
-
-    def _register(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
-        now = self.clock()
-        try:
-            self.gate.authenticate(body)
-            claimed = body["applied_seq"]
-            if claimed is not None and claimed > self.log.seq:
-                raise RegistrationError(
-                    f"rank {body['rank']} reports applied_seq {claimed}, but this coordinator has issued "
-                    f"only up to {self.log.seq}: its state file was lost or replaced. If so, set "
-                    f"[coordinator] resume_seq = {claimed} (the highest such report) and restart it")
-            info, old = self.registry.register(peer, body, now, heard=self.gate.heard(now))
-        except Unauthenticated as e:
-            return self._refuse(peer, body, ErrorCode.FORBIDDEN, str(e))
-        except RankTaken as e:
-            return self._refuse(peer, body, ErrorCode.CONFLICT, str(e))
-        except RegistrationError as e:
-            return self._refuse(peer, body, ErrorCode.MISMATCH, str(e))
-        group = info.tp_group
-        desired: dict[str, Any] | None = None
-        claimed = body["applied_seq"]
-        missed = [] if claimed is None else self.log.since(claimed)
-        # The kept log cannot bring it up to date: the commands after what it applied are
-        # gone (older than log_capacity), or were never issued here (a resume_seq past it).
-        # It would wait for them for ever; it starts again as a fresh process does instead.
-        rebase = claimed is not None and claimed < self.log.seq and (not missed or missed[0].seq != claimed + 1)
-        if claimed is None or rebase:  # a fresh process, or one started again
-            live_peers = [i for i in self.registry.live(group) if i.rank != info.rank]
-            # Started again, from now: its live peers have applied every command the log kept.
-            recorded = self._baselines.get(group) if live_peers and not rebase else None
-            baseline, desired = (self.log.seq, self.log.desired(group)) if recorded is None else recorded
-            if desired is None:  # the kept log could not rebuild it: the process keeps its configuration
-                logger.warning("rank %d starts at seq %d without its group's desired state (older than the log)",
-                               info.rank, baseline)
-        else:
-            baseline = claimed  # checked above: never beyond what was issued
-        if rebase:
-            self._event(("rank", info.rank), EventKind.REBASED, rank=info.rank, tp_group=group,
-                        applied_seq=claimed, baseline_seq=baseline, oldest_kept=missed[0].seq if missed else None)
-            missed = []
-        if group not in self._baselines:
-            # The desired state goes with the baseline: a fresh process applies it
-            # and then the commands after the baseline, so it must be the state
-            # *at* the baseline (recorded now, when the log can still tell), not
-            # the current one, or a later command would count twice or be undone.
-            known = desired if desired is not None else self.log.desired_at(group, baseline)
-            self._baselines[group] = (baseline, known)
-        info.applied_seq = info.held_seq = baseline
-        self.latest.forget(info.rank)  # the agent pushes its snapshot whole once registered
-        kind: EventKind | None = EventKind.JOINED
-        if old is not None and old.state in (RankState.LOST, RankState.STOPPED):
-            kind = EventKind.BACK
-        elif old is not None and old.peer == peer:
-            kind = None  # the same connection asking again (our answer was late): nothing new
-        elif old is not None:
-            kind = EventKind.SUPERSEDED
-        if kind is not None:  # a peer's doing, however fast it goes: within its rank's budget
-            self._event(("rank", info.rank), kind, rank=info.rank, tp_group=group, host=info.host,
-                        pid=info.pid, applied_seq=baseline)
-        out: list[Out] = [(AGENT, (peer,), p.encode(Op.REGISTERED, {
-            "epoch": self.epoch,
-            "baseline_seq": baseline,
-            "heartbeat_interval": self.config.heartbeat_interval,
-            "heartbeat_timeout": self.config.heartbeat_timeout,
-            "stats_interval": self.config.pushed_interval,
-            "desired": desired,  # only to a fresh process: a re-registration keeps what it applied
-            "rebase": rebase,
-        }))]
-        if claimed is None or rebase:
-            missed = self.log.since(baseline)
-        out += self._resend(info.rank, peer, missed, now, registering=True)
-        for ack in body["acks"]:  # acknowledgements sent while we could not hear them
-            try:  # [seq, step, ok, error], checked as an ACK message would be
-                if not (isinstance(ack, list) and len(ack) == 4):
-                    raise ProtocolError(ErrorCode.BAD_FIELD, "register.acks: expected [seq, step, ok, error]")
-                a = p.validate_body(Op.ACK, {"rank": info.rank, **dict(zip(("seq", "step", "ok", "error"), ack))})
-            except ProtocolError as e:
-                logger.warning("rank %d resent a bad ack %r: %s", info.rank, ack, e)
-                continue
-            out += self._record_ack(info.rank, a["seq"], a["step"], a["ok"], a["error"])
-        return out
-
-    def _refuse(self, peer: bytes, body: dict[str, Any], code: ErrorCode, reason: str) -> list[Out]:
-        """Answer a refused registration; counted, and an event unless they come too fast."""
-        self.gate.refused[f"registration {code}"] += 1
-        self._event(("refused",), EventKind.REJECTED, rank=body["rank"], code=str(code), reason=reason,
-                    host=body["host"], pid=body["pid"])
-        return [(AGENT, (peer,), p.encode(Op.REJECTED, {"code": str(code), "message": reason}))]
-
-    def _event(self, source: tuple[Any, ...], kind: EventKind, **detail: Any) -> None:
-        """An event from a source a peer controls: rate-limited per source, the rest counted
-        and summed up in one ``suppressed`` event a heartbeat interval later."""
-        if self.gate.event_allowed(source, str(kind)):
-            self.events.add(kind, self.wall(), **detail)
-
-    def _resend(self, rank: int, peer: bytes, missed: list[Command], now: float, *,
-                registering: bool = False) -> list[Out]:
-        """Send a rank the commands it lacks: a window of them, at most once a heartbeat
-        interval, and each only once it has been out for an interval (monotonic clock).
-
-        A command frame can be lost (a full queue, a peer reconnecting) and its
-        whole TP group would wait for it for ever, so a rank still lacking one is
-        sent it again; agents drop the sequence numbers they already hold, so a
-        resend is never applied twice. The window and the pace bound what any
-        claim costs: the rest follow at the rank's next heartbeats.
-        """
-        interval = self.config.heartbeat_interval
-        if now < self._resent_at.get(rank, -math.inf) + interval:
-            return []
-        # A registering rank lacks all of them; a heartbeat's rank may have the last
-        # ones on their way.
-        cutoff = math.inf if registering else now - interval
-        due = [c for c in missed[:RESEND_WINDOW] if self._sent_at.get(c.seq, -math.inf) <= cutoff]
-        if due:
-            self._resent_at[rank] = now
-        return [(AGENT, (peer,), p.encode(Op.COMMAND, c.to_wire())) for c in due]
-
-    def _heartbeat(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
-        self.heartbeats += 1
-        now = self.clock()
-        issued = self.log.seq
-        body = self.gate.believable(body, "heartbeat", issued)
-        info = self.registry.heartbeat(peer, body, now)
-        if info is None:  # e.g. we restarted: ask the agent to register again
-            return [(AGENT, (peer,), p.encode(Op.PULSE, {"epoch": self.epoch, "registered": False}))]
-        self._check_group(info.tp_group)
-        out: list[Out] = []
-        version = body.get("stats_version")
-        if version is not None and not self.latest.confirm(info.rank, version, now):
-            # Not the snapshot we hold (we lost it): the agent pushes its whole one.
-            out.append((AGENT, (peer,), p.encode(Op.STATS_ACK, {"version": version, "ok": False})))
-        if info.held_seq >= issued:
-            return out
-        return out + self._resend(info.rank, peer, self.log.since(info.held_seq), now)
-
-    def _stats_push(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
-        """A changed snapshot, which is a heartbeat too; acknowledged with whether it was used."""
-        out = self._heartbeat(peer, {k: body[k] for k in ("rank", "step", "applied_seq", "held_seq", "state")})
-        info = self.registry.by_peer(peer)
-        if info is None or info.state is not RankState.LIVE:
-            return out  # the heartbeat's answer asks it to register; its snapshot waits until then
-        try:
-            ok = self.latest.push(info.rank, info.tp_group, body, self.clock())
-        except ValueError as e:  # a buggy or newer agent: its rank shows missing, saying why
-            ok = False
-            self.dropped_bad_agent_frames += 1
-            if self.gate.allow(("bad snapshot", info.rank)):
-                logger.warning("rank %d pushed an invalid stats snapshot: %s", info.rank, e)
-        return [*out, (AGENT, (peer,), p.encode(Op.STATS_ACK, {"version": body["version"], "ok": ok}))]
-
-    def _check_group(self, group: int) -> None:
-        members = self.registry.live(group)
-        settled = len({i.applied_seq for i in members}) == 1
-        states = {(i.manager_state.get("locked"), i.manager_state.get("num_ubatches")) for i in members}
-        if settled and len(states) > 1 and group not in self._inconsistent:
-            self._inconsistent.add(group)
-            # Its members' reports drive the flips: within the group's budget.
-            self._event(("group", group), EventKind.GROUP_INCONSISTENT, tp_group=group, ranks={
-                str(i.rank): {"locked": i.manager_state.get("locked"),
-                              "num_ubatches": i.manager_state.get("num_ubatches")} for i in members})
-        elif len(states) <= 1 and group in self._inconsistent:
-            self._inconsistent.discard(group)
-            self._event(("group", group), EventKind.GROUP_CONSISTENT, tp_group=group)
-
-    def _ack(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
-        info = self.registry.touch(peer, self.clock())
-        if info is None or info.rank != body["rank"]:
-            return []
-        return self._record_ack(info.rank, body["seq"], body["step"], body["ok"], body["error"])
-
-    def _record_ack(self, rank: int, seq: Any, step: Any, ok: Any, error: Any) -> list[Out]:
-        pending = self._commands.get(seq) if isinstance(seq, int) else None
-        if pending is None or rank not in pending.targets or rank in pending.acks:
-            return []
-        pending.acks[rank] = {"rank": rank, "step": step, "ok": bool(ok), "error": error}
-        pending.owed.discard(rank)
-        if not ok:
-            self.events.add(EventKind.COMMAND_FAILED, self.wall(), rank=rank, seq=seq,
-                            action=pending.command.action, error=error)
-        if not pending.owed:
-            return self._finish_command(seq)
-        return []
-
-    def _stats_reply(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
-        info = self.registry.touch(peer, self.clock())
-        pending = self._stats.get(body["request"])
-        if info is None or pending is None or info.rank not in pending.owed:
-            return []
-        pending.owed.discard(info.rank)
-        try:
-            pending.gathered.add(read_snapshot(info.rank, info.tp_group, body["step"], body["stats"]))
-        except ValueError as e:  # a buggy or newer agent: the others' answer must not suffer
-            self.dropped_bad_agent_frames += 1
-            logger.warning("rank %d sent an invalid stats snapshot: %s", info.rank, e)
-            pending.reasons[info.rank] = f"sent an invalid stats snapshot ({e})"
-        if not pending.owed:
-            return self._finish_stats(body["request"])
-        return []
-
-    def _agent_event(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
-        info = self.registry.touch(peer, self.clock())
-        if info is None:
-            return []
-        kind = EventKind.LOCK_VIOLATION if body["kind"] == "lock_violation" else EventKind.AGENT_EVENT
-        # The event's own keys come from the coordinator; a clashing detail key
-        # would be a duplicate keyword argument and lose the whole event.
-        own = ("id", "time", "kind", "rank", "tp_group", "agent_kind")
-        detail = bounded_detail(body["detail"], reserved=own)
-        self._event(("rank", info.rank), kind, rank=info.rank, tp_group=info.tp_group,
-                    agent_kind=body["kind"], **detail)
-        return []
-
-    def _goodbye(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
-        body = self.gate.believable(body, "goodbye", self.log.seq)
-        info = self.registry.stop(peer, body)
-        if info is None:  # not the connection that registered that rank (an impostor, a late frame)
-            return []
-        self._event(("rank", info.rank), EventKind.STOPPED, rank=info.rank, tp_group=info.tp_group,
-                    last_step=info.step)
-        return self._rank_gone(info.rank, tp_group=info.tp_group,
-                               why=self.registry.missing(info.tp_group)[info.rank])
-
-    def _rank_gone(self, rank: int, *, tp_group: int, why: str | None = None) -> list[Out]:
-        """A rank is no longer live: lost (``why`` None) or stopped (``why`` says so).
-
-        What waits for it is answered without it: a lost rank is listed as lost, a
-        stopped one as missing with ``why``.
-        """
-        out: list[Out] = []
-        for seq, pending in list(self._commands.items()):
-            if rank in pending.owed:
-                if why is None:
-                    pending.lost.add(rank)
-                else:
-                    pending.missing[rank] = why
-                pending.owed.discard(rank)
-                if not pending.owed:
-                    out += self._finish_command(seq)
-        for request, stats in list(self._stats.items()):
-            if rank in stats.owed:
-                if why is None:
-                    stats.lost.add(rank)
-                else:
-                    stats.reasons[rank] = why
-                stats.owed.discard(rank)
-                if not stats.owed:
-                    out += self._finish_stats(request)
-        if not self.registry.live(tp_group):  # a fresh group starts from the log again
-            self._baselines.pop(tp_group, None)
-        return out
+    def _publish_core(self, stats: tuple[StatsView, ...] | None = None) -> None:
+        """Give the metrics endpoint a fresh copy of the registries and counters (replaced whole);
+        the stats views as they were unless given."""
+        kept = {f.name: f.stats for f in self.published.engines}
+        views = stats if stats is not None else tuple(kept.get(name) for name in self.engines)
+        counts, latency = self.shared.command_stats.snapshot()
+        counters = Counters(heartbeats=sum(e.heartbeats for e in self.engines.values()), commands=counts,
+                            latency=latency, refused=tuple(sorted(self.gate.refused.items())),
+                            events=tuple(sorted(self.events.counts.items())))
+        engines = tuple(EngineFigures(name, e.core_view(), view)
+                        for (name, e), view in zip(self.engines.items(), views))
+        self.published = replace(self.published, counters=counters, engines=engines)
 
     # -- clients ----------------------------------------------------------
 
+    def _addressed(self, name: str | None) -> list[Engine]:
+        """The engines a request is for: the one it names, else the only one in use (the
+        default engine while none is), else every engine in use."""
+        if name is not None:
+            engine = self.engines.get(name)
+            if engine is None:
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"engine: this coordinator serves no engine {name!r} "
+                                                         f"(it serves {', '.join(sorted(self.engines))})")
+            return [engine]
+        used = [e for e in self.engines.values() if e.in_use]
+        return used if used else [self.engine()]
+
+    def _answer(self, route: Route, message: p.Message, engines: list[Engine],
+                ask: Callable[[Engine, Answer], list[Out]]) -> list[Out]:
+        """Ask one engine, answered as it answers; or several, answered ``{"engines": {name: answer}}``
+        once all have."""
+        if len(engines) == 1:
+            return ask(engines[0], _direct(route, message.id))
+        fan = _Fanout(route, message.id, {e.name for e in engines})
+        out: list[Out] = []
+        for engine in engines:
+            out += ask(engine, fan.answer(engine.name))
+        return out
+
     def _ping(self, route: Route, message: p.Message) -> list[Out]:
-        answer = {"epoch": self.epoch, "time": self.wall(), "seq": self.log.seq}
+        answer = {"epoch": self.epoch, "time": self.wall(), "seq": self.engine().log.seq,
+                  "engines": {name: e.log.seq for name, e in sorted(self.engines.items())}}
         return [(CLIENT, route, p.ok_reply(message.id, answer))]
 
-    def _check_group_arg(self, group: int | None) -> None:
-        groups = self.registry.groups()
-        if group is not None and self.registry.world_size is not None and group not in groups:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"group: no TP group {group} (groups are 0..{len(groups) - 1})")
+    def _engines(self, route: Route, message: p.Message) -> list[Out]:
+        rows = [e.summary() for name, e in sorted(self.engines.items()) if e.in_use or name == self.config.engine]
+        return [(CLIENT, route, p.ok_reply(message.id, {"engines": rows, "default": self.config.engine}))]
 
     def _command(self, route: Route, message: p.Message) -> list[Out]:
-        body = message.body
-        group = body["group"]
-        self._check_group_arg(group)
+        engines = self._addressed(message.body["engine"])
         action = str(message.op)
-        if COMMANDS[action].refused_while_locked:
-            # The manager refuses these while locked; say so before numbering one.
-            scope = self.registry.groups() if group is None else [group]
-            locked = [g for g in scope if self.log.desired(g)["locked"]]
-            if locked or (group is None and not scope and self.log.default["locked"]):
-                raise ProtocolError(ErrorCode.CONFLICT, f"{action}: TP group(s) {locked} are locked; unlock first")
-        args = {k: v for k, v in body.items() if k not in ("group", "wait", "timeout")}
-        now = self.clock()
-        command = self.log.append(action, args, group, self.wall())
-        self._sent_at[command.seq] = now
-        while len(self._sent_at) > self.config.log_capacity:  # older ones left the log
-            del self._sent_at[next(iter(self._sent_at))]
-        self.events.add(EventKind.COMMAND, self.wall(), seq=command.seq, action=action, group=group, args=args)
-        frame = p.encode(Op.COMMAND, command.to_wire())
-        live = self.registry.live()
-        out: list[Out] = [(AGENT, (i.peer,), frame) for i in live]  # every rank holds every seq
-        targets = {i.rank for i in live if command.targets(i.tp_group)}
-        pending = _PendingCommand(
-            command=command, route=route if body["wait"] else None, request_id=message.id,
-            targets=targets, deadline=now + (body["timeout"] or self.config.command_timeout),
-            missing=self.registry.missing(group), numbered=now,
-        )
-        self._commands[command.seq] = pending
-        if not body["wait"]:
-            numbered = CommandResult(command.seq, action, group, waited=False)
-            out.append((CLIENT, route, p.ok_reply(message.id, numbered.to_dict())))
-        if not targets:
-            out += self._finish_command(command.seq)
-        return out
-
-    def _finish_command(self, seq: int) -> list[Out]:
-        pending = self._commands.pop(seq)
-        command = pending.command
-        acks = [pending.acks[r] for r in sorted(pending.acks)]
-        steps_by_group: dict[int, set[int]] = {}
-        for ack in acks:
-            steps_by_group.setdefault(self.registry.ranks[ack["rank"]].tp_group, set()).add(ack["step"])
-        waiting = tuple(sorted(pending.owed))
-        result = CommandResult(
-            seq=seq, action=command.action, group=command.group, waited=pending.route is not None,
-            complete=not waiting and not pending.lost and not pending.missing,
-            acked=tuple(acks), failed=tuple(a["rank"] for a in acks if not a["ok"]),
-            same_step={g: len(s) == 1 for g, s in sorted(steps_by_group.items())},
-            pending=waiting, lost=tuple(sorted(pending.lost)),
-            missing=tuple({"rank": r, "reason": why} for r, why in sorted(pending.missing.items())),
-        )
-        self.events.add(EventKind.COMMAND_APPLIED, self.wall(), seq=seq, action=command.action,
-                        group=command.group, steps={str(a["rank"]): a["step"] for a in acks},
-                        pending=list(waiting), complete=result.complete)
-        outcome = (CommandOutcome.FAILED if result.failed else
-                   CommandOutcome.COMPLETE if result.complete else CommandOutcome.PARTIAL)
-        self.command_stats.record(command.action, outcome, self.clock() - pending.numbered)
-        if pending.route is None:
-            return []
-        return [(CLIENT, pending.route, p.ok_reply(pending.request_id, result.to_dict()))]
+        for engine in engines:  # refused by one: numbered by none
+            engine.check_command(action, message.body["group"])
+        return self._answer(route, message, engines, lambda e, answer: e.command(action, message.body, answer))
 
     def _stats_request(self, route: Route, message: p.Message) -> list[Out]:
-        group = message.body["group"]
-        self._check_group_arg(group)
-        if message.body["fresh"]:  # ask every live rank now, and wait
-            return self._start_stats(route, message.id, group, message.body["timeout"] or self.config.stats_timeout)
-        return [(CLIENT, route, p.ok_reply_packed(message.id, self._remembered(group)))]
-
-    def _remembered(self, group: int | None) -> bytes:
-        """The encoded ``stats`` answer from the ranks' pushed snapshots (group None: all)."""
-        scope, missing = self._scope(group)
-        return self.latest.answer(scope, missing, self.clock(), self.wall(), self.config.stale_after,
-                                  key=group, version=self.registry.changes)
-
-    def _scope(self, group: int | None) -> tuple[dict[int, list[int]], dict[int, str]]:
-        """``_stats_scope(group)`` and the registry's missing ranks of it, kept while the registry
-        counts no change; shared, never to be changed by the caller."""
-        changes = self.registry.changes
-        kept = self._stats_scopes.get(group)
-        if kept is None or kept[0] != changes:
-            if len(self._stats_scopes) >= _SCOPES_KEPT:  # groups asked for come and go: keep a few
-                self._stats_scopes.clear()
-            kept = self._stats_scopes[group] = (changes, self._stats_scope(group), self.registry.missing(group))
-        return kept[1], kept[2]
-
-    def _start_stats(self, route: Route, request_id: int, group: int | None, timeout: float) -> list[Out]:
-        """Ask every live rank of ``group`` (None: all) for a snapshot now, and answer when all did."""
-        self._stats_ids += 1
-        request = self._stats_ids
-        live = self.registry.live(group)
-        self._stats[request] = _PendingStats(
-            route=route, request_id=request_id, group=group, targets={i.rank for i in live},
-            deadline=self.clock() + timeout, gathered=StatsRound(self._stats_scope(group)),
-        )
-        frame = p.encode(Op.STATS_REQUEST, {"request": request})
-        out: list[Out] = [(AGENT, (i.peer,), frame) for i in live]
-        if not live:
-            out += self._finish_stats(request)
-        return out
-
-    def _stats_scope(self, group: int | None) -> dict[int, list[int]]:
-        """Each TP group a stats request covers, with its expected ranks."""
-        groups = self.registry.groups() if group is None else [group]
-        return {g: self.registry.expected(g) for g in groups}
-
-    def _finish_stats(self, request: int) -> list[Out]:
-        pending = self._stats.pop(request)
-        missing = self.registry.missing(pending.group)
-        for rank in pending.targets - set(pending.gathered.replies):
-            missing[rank] = pending.reasons.get(rank) or (
-                "lost while asked" if rank in pending.lost else "no reply within the stats timeout")
-        # Encoded already: the parts as the replies came, spliced.
-        result = pending.gathered.finish(self._stats_scope(pending.group), missing, round(self.wall(), 3))
-        return [(CLIENT, pending.route, p.ok_reply_packed(pending.request_id, result))]
-
-    def _publish_core(self) -> None:
-        """Give the metrics endpoint a fresh copy of the registry and counters (replaced whole)."""
-        view = core_view(self.registry, seq=self.log.seq, heartbeats=self.heartbeats,
-                         inconsistent=self._inconsistent, commands=self.command_stats,
-                         refused=self.gate.refused, events=self.events.counts,
-                         drifting={g for g in self.registry.groups() if self._drift(g)})
-        self.published = replace(self.published, core=view)
-
-    def _drift(self, group: int) -> list[str]:
-        """How a settled TP group's live ranks differ from its desired state (``["locked: desired
-        false, ranks report true"]``); none while a command is on its way or nothing is desired.
-
-        Consistency says the ranks agree with each other; this says they agree with what was
-        asked (an engine that locks by itself after warm-up drifts from a desired unlock).
-        """
-        desired = self.log.desired(group)
-        live = self.registry.live(group)
-        if not desired or not live or any(i.applied_seq != self.log.seq for i in live):
-            return []
-        out = []
-        for key in ("locked", "num_ubatches"):
-            want = desired.get(key)
-            seen = sorted({i.manager_state.get(key) for i in live}, key=str)
-            if want is not None and seen != [want]:
-                out.append(f"{key}: desired {want}, ranks report {', '.join(map(str, seen))}")
-        return out
+        body = message.body
+        engines = self._addressed(body["engine"])
+        for engine in engines:
+            engine.check_group(body["group"])
+        if body["fresh"]:  # ask every live rank now, and wait
+            timeout = body["timeout"] or self.config.stats_timeout
+            return self._answer(route, message, engines,
+                                lambda e, answer: e.start_stats(answer, body["group"], timeout))
+        return self._answer(route, message, engines, lambda e, answer: answer(e.remembered(body["group"])))
 
     def _events(self, route: Route, message: p.Message) -> list[Out]:
-        events, cursor = self.events.since(message.body["cursor"], message.body["limit"])
+        name = message.body["engine"]
+        if name is not None:
+            self._addressed(name)  # a name it serves, or an error that says which it does
+        events, cursor = self.events.since(message.body["cursor"], message.body["limit"], engine=name)
         # The epoch tells a follower that ids started again (a restarted coordinator).
         result = {"events": events, "cursor": cursor, "epoch": self.epoch}
         return [(CLIENT, route, p.ok_reply(message.id, result))]
 
     def _ranks(self, route: Route, message: p.Message) -> list[Out]:
-        result = self.registry.public(self.clock(), self.wall())
-        return [(CLIENT, route, p.ok_reply(message.id, result))]
+        return self._answer(route, message, self._addressed(message.body["engine"]),
+                            lambda e, answer: answer(e.ranks()))
 
     def _status(self, route: Route, message: p.Message) -> list[Out]:
-        groups = [{**self.registry.group_status(g), "desired": self.log.desired(g),
-                   "consistent": g not in self._inconsistent, "drift": self._drift(g)}
-                  for g in self.registry.groups()]
-        result = {
-            "epoch": self.epoch,
-            "started": self.started,
-            "recovered": self.recovered,
-            "seq": self.log.seq,
-            "world_size": self.registry.world_size,
-            "tp_size": self.registry.tp_size,
-            "desired": self.log.default,
-            "ranks": self.registry.counts(),
-            "pending_commands": sorted(self._commands),
-            "groups": groups,
-            # Agent frames and registrations refused, by reason: an impostor or a
-            # flood shows here (see the threat model in docs/security.md).
-            "agents_refused": dict(sorted(self.gate.refused.items())),
-            "agents_authenticated": self.gate.token is not None,
-        }
-        return [(CLIENT, route, p.ok_reply(message.id, result))]
+        return self._answer(route, message, self._addressed(message.body["engine"]),
+                            lambda e, answer: answer(e.status()))

@@ -20,6 +20,8 @@ __all__ = ["EventKind", "EventLog"]
 
 class EventKind(StrEnum):
     STARTED = "started"
+    ENGINE_ADDED = "engine_added"
+    """An engine the coordinator had not served since it started: its first rank registered."""
     STATE_REPAIRED = "state_repaired"
     RESUMED = "resumed"
     """The operator's ``resume_seq`` moved numbering past a lost state file's."""
@@ -98,20 +100,24 @@ class EventLog:
             self.bytes -= dropped
         return event
 
-    def since(self, cursor: int, limit: int) -> tuple[list[dict[str, Any]], int]:
+    def since(self, cursor: int, limit: int, *, engine: str | None = None) -> tuple[list[dict[str, Any]], int]:
         """Events with id > cursor (at most ``limit``) and the cursor to ask with next.
 
+        ``engine``: only that engine's events and those of no engine (the coordinator's own).
         A cursor past the newest event is the tail: nothing, and the newest id as the
         cursor, so that a client can start following from now (ids are consecutive, so
         ``tail - n`` also finds the last ``n`` events without reading the whole log).
         """
         out = []
+        seen = min(cursor, self.last_id)  # the last id looked at: the events another engine's skipped
         for event, _ in self._events:
             if event["id"] > cursor:
-                out.append(event)
-                if len(out) >= limit:
-                    break
-        return out, (out[-1]["id"] if out else min(cursor, self.last_id))
+                seen = event["id"]
+                if engine is None or event.get("engine") in (None, engine):
+                    out.append(event)
+                    if len(out) >= limit:
+                        break
+        return out, seen
 
     def __len__(self) -> int:
         return len(self._events)

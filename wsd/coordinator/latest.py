@@ -139,6 +139,14 @@ class LatestStats:
         self._confirmations += 1
         return True
 
+    def total_bytes(self) -> int:
+        """Scratch held by every rank with a snapshot, in bytes."""
+        return sum(held.snapshot.total_bytes for held in self.ranks.values())
+
+    def violations(self) -> int:
+        """Lock violations counted by every rank's current slots."""
+        return sum(sum(held.snapshot.columns["lock_violations"]) for held in self.ranks.values())
+
     def forget(self, rank: int) -> None:
         """A registration: what the rank's agent pushed before is not its state now."""
         self._generation += 1

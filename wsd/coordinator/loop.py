@@ -97,7 +97,7 @@ class Coordinator:
         self.dropped_sends = 0
         logger.info("coordinator %s: agents on %s, clients on %s (seq %d%s)",
                     self.core.epoch[:8], self.agent_endpoint, self.client_endpoint,
-                    self.core.log.seq, ", recovered" if self.core.recovered else "")
+                    self.core.engine().log.seq, ", recovered" if self.core.recovered else "")
         if self.metrics is not None:
             logger.info("coordinator metrics on %s", self.metrics.url)
 

@@ -15,8 +15,9 @@ remembers them, copied every ``[coordinator] metrics_refresh`` seconds: a
 scrape never asks a rank. ``wsd_rank_stats_age_seconds`` says how old each
 rank's is, and ``wsd_stats_age_seconds`` the oldest.
 
-Every series a rank has keeps one identity, ``{rank, tp_group}``, from the
-coordinator's start: what a rank registered with (its host, pid, device) is
+Every series a rank has keeps one identity, ``{engine, rank, tp_group}``, from
+the coordinator's start (ranks are unique within an engine; every per-rank,
+per-group and per-slot family, and each engine's own figures, carry ``engine``): what a rank registered with (its host, pid, device) is
 in ``wsd_rank_info`` alone, so that a registration adds one series instead of
 renaming every other. The HTTP endpoint is ``wsd.coordinator.metrics_server``.
 Imports no torch.
@@ -28,7 +29,7 @@ import bisect
 import platform
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -44,12 +45,14 @@ from wsd.manager.stats import SLOT_NUMBERS
 from wsd.wire.protocol import PROTOCOL_VERSION, StrEnum
 
 __all__ = ["COMMAND_BUCKETS", "CONTENT_TYPE", "FAMILIES", "RANK_STATES", "SLOT_FAMILIES", "Collector",
-           "CommandOutcome", "CommandStats", "CoreView", "GroupFigures", "Published", "RankFigures", "RankRow",
+           "CommandOutcome", "CommandStats", "CoreView", "Counters", "EngineFigures", "GroupFigures", "Published",
+           "RankFigures", "RankRow",
            "StatsView", "ViolationTotals", "core_view"]
 
-_SLOT = ("rank", "tp_group", "ubatch", "lane")
-_RANK = ("rank", "tp_group")
-_GROUP = ("tp_group",)
+_SLOT = ("engine", "rank", "tp_group", "ubatch", "lane")
+_RANK = ("engine", "rank", "tp_group")
+_GROUP = ("engine", "tp_group")
+_ENGINE = ("engine",)
 
 RANK_STATES = (*(str(s) for s in RankState), "missing")
 """The ``state`` values of ``wsd_ranks``, every one exported from the start: the keys of
@@ -59,7 +62,7 @@ RANK_STATES = (*(str(s) for s in RankState), "missing")
 FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     **{n.metric: ("counter" if n.counter else "gauge", _SLOT) for n in SLOT_NUMBERS},
     "wsd_rank_up": ("gauge", _RANK),
-    "wsd_rank_info": ("gauge", ("rank", "tp_group", "host", "pid", "device")),
+    "wsd_rank_info": ("gauge", (*_RANK, "host", "pid", "device")),
     "wsd_rank_locked": ("gauge", _RANK),
     "wsd_rank_ubatches": ("gauge", _RANK),
     "wsd_rank_last_step": ("gauge", _RANK),
@@ -73,13 +76,13 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "wsd_group_drift": ("gauge", _GROUP),
     "wsd_command_duration_seconds": ("histogram", ("action",)),
     "wsd_commands_total": ("counter", ("action", "result")),
-    "wsd_ranks": ("gauge", ("state",)),
+    "wsd_ranks": ("gauge", ("engine", "state")),
     "wsd_heartbeats_total": ("counter", ()),
     "wsd_agent_refusals_total": ("counter", ("reason",)),
-    "wsd_command_seq": ("gauge", ()),
-    "wsd_stats_age_seconds": ("gauge", ()),
-    "wsd_stats_absent_ranks": ("gauge", ()),
-    "wsd_stats_stale_ranks": ("gauge", ()),
+    "wsd_command_seq": ("gauge", _ENGINE),
+    "wsd_stats_age_seconds": ("gauge", _ENGINE),
+    "wsd_stats_absent_ranks": ("gauge", _ENGINE),
+    "wsd_stats_stale_ranks": ("gauge", _ENGINE),
     "wsd_events_total": ("counter", ("kind",)),
     "wsd_build_info": ("gauge", ("version", "python", "pyzmq", "libzmq", "protocol")),
 }
@@ -109,12 +112,12 @@ _HELP = {
                        "count other than the desired one.",
     "wsd_command_duration_seconds": "Seconds from numbering a command to its result.",
     "wsd_commands_total": "Commands finished, by action and result (complete, partial, failed).",
-    "wsd_ranks": "Expected ranks by state (live, lost, stopped, missing).",
+    "wsd_ranks": "Expected ranks of the engine by state (live, lost, stopped, missing).",
     "wsd_heartbeats_total": "Heartbeats received from agents.",
     "wsd_agent_refusals_total": "Agent frames and registrations refused, by reason (an impostor, a flood, "
                                 "claims beyond the issued seq).",
-    "wsd_command_seq": "The last command sequence number handed out.",
-    "wsd_stats_age_seconds": "Seconds since the oldest rank's snapshot was known current.",
+    "wsd_command_seq": "The last command sequence number the engine handed out.",
+    "wsd_stats_age_seconds": "Seconds since the engine's oldest rank snapshot was known current.",
     "wsd_stats_absent_ranks": "Expected ranks absent from the per-slot figures: lost, stopped, missing, or live "
                               "without a snapshot yet.",
     "wsd_stats_stale_ranks": "Ranks whose snapshot in the per-slot figures is older than stats_stale_after.",
@@ -180,19 +183,25 @@ class RankRow(NamedTuple):
 
 @dataclass(frozen=True)
 class CoreView:
-    """The registry and counters at one moment, for the metrics (immutable)."""
+    """One engine's registry at one moment, for the metrics (immutable)."""
 
     seq: int
-    heartbeats: int
     ranks: tuple[RankRow, ...]
     states: tuple[tuple[str, int], ...]
     consistent: tuple[tuple[int, bool], ...]
-    commands: tuple[tuple[tuple[str, str], int], ...]
-    latency: tuple[tuple[str, tuple[int, ...], float], ...]
-    refused: tuple[tuple[str, int], ...] = ()
     drift: tuple[tuple[int, bool], ...] = ()
+
+
+@dataclass(frozen=True)
+class Counters:
+    """The coordinator's own counters at one moment, over every engine (immutable)."""
+
+    heartbeats: int = 0
+    commands: tuple[tuple[tuple[str, str], int], ...] = ()
+    latency: tuple[tuple[str, tuple[int, ...], float], ...] = ()
+    refused: tuple[tuple[str, int], ...] = ()
     events: tuple[tuple[str, int], ...] = ()
-    """Events logged by kind, every kind from the start."""
+    """Events logged by kind."""
 
 
 class RankFigures(NamedTuple):
@@ -225,18 +234,25 @@ class StatsView:
     groups: tuple[GroupFigures, ...]
 
 
+class EngineFigures(NamedTuple):
+    """One engine's views: its registry, and its ranks' snapshots (None: not copied yet)."""
+
+    name: str
+    core: CoreView
+    stats: StatsView | None = None
+
+
 @dataclass(frozen=True)
 class Published:
     """What the collector reads; the core replaces it whole, never changes it."""
 
-    core: CoreView | None = None
-    stats: StatsView | None = None
+    counters: Counters | None = None
+    engines: tuple[EngineFigures, ...] = ()
 
 
-def core_view(registry: Registry, *, seq: int, heartbeats: int, inconsistent: set[int],
-              commands: CommandStats, refused: dict[str, int] | None = None,
-              drifting: set[int] | None = None, events: Mapping[str, int] | None = None) -> CoreView:
-    """Copy what the metrics need of the registry and counters (on the loop thread).
+def core_view(registry: Registry, *, seq: int, inconsistent: set[int],
+              drifting: set[int] | None = None) -> CoreView:
+    """Copy what the metrics need of an engine's registry (on the loop thread).
 
     Every expected rank has a row, registered or not, so that ``wsd_rank_up`` has a 0
     for a rank that never registered also when only ``world_size`` is configured.
@@ -244,13 +260,9 @@ def core_view(registry: Registry, *, seq: int, heartbeats: int, inconsistent: se
     rows = [_rank_row(registry, rank) for rank in registry.expected()]
     counted = registry.counts()  # the registry's own counts, as ``status`` shows them
     states = {state: counted[state] for state in RANK_STATES}
-    counts, latency = commands.snapshot()
-    logged = {str(kind): 0 for kind in EventKind} | dict(events or {})
-    return CoreView(seq=seq, heartbeats=heartbeats, ranks=tuple(rows), states=tuple(states.items()),
+    return CoreView(seq=seq, ranks=tuple(rows), states=tuple(states.items()),
                     consistent=tuple((g, g not in inconsistent) for g in registry.groups()),
-                    drift=tuple((g, g in (drifting or set())) for g in registry.groups()),
-                    commands=counts, latency=latency, refused=tuple(sorted((refused or {}).items())),
-                    events=tuple(sorted(logged.items())))
+                    drift=tuple((g, g in (drifting or set())) for g in registry.groups()))
 
 
 def _rank_row(registry: Registry, rank: int) -> RankRow:
@@ -292,10 +304,10 @@ class ViolationTotals:
     """
 
     def __init__(self) -> None:
-        self._slots: dict[int, dict[tuple[int, int], int]] = {}
-        self._retired: dict[int, int] = {}
+        self._slots: dict[Hashable, dict[tuple[int, int], int]] = {}
+        self._retired: dict[Hashable, int] = {}
 
-    def total(self, rank: int, columns: Mapping[str, Sequence[int]]) -> int:
+    def total(self, rank: Hashable, columns: Mapping[str, Sequence[int]]) -> int:
         """The rank's total, given its current slot columns (``ubatch``, ``lane``, ``lock_violations``)."""
         now = dict(zip(zip(columns["ubatch"], columns["lane"]), columns["lock_violations"]))
         retired = self._retired.get(rank, 0)
@@ -411,40 +423,25 @@ class Collector:
                 self._written = (published, self._write(published))
             written = self._written[1]
         ages = _Text()
-        if published.stats is not None:
-            self._ages(published.stats, ages)
+        for engine in published.engines:
+            if engine.stats is not None:
+                self._ages(engine.name, engine.stats, ages)
         return [c if isinstance(c, bytes) else ages.family(c) for c in written] + [generate_latest(self._process)]
 
     def _write(self, published: Published) -> list[bytes | str]:
         text = _Text()
         text.add("wsd_build_info", self._build, 1)
-        if published.core is not None:
-            self._core(published.core, text)
-        if published.stats is not None:
-            self._stats(published.stats, text)
-        if published.core is not None:
-            self._completeness(published.core, published.stats, text)
+        if published.counters is not None:
+            self._counters(published.counters, text)
+        for engine in published.engines:
+            self._core(engine.name, engine.core, text)
+            if engine.stats is not None:
+                self._stats(engine.name, engine.stats, text)
+            self._completeness(engine, text)
         return text.chunks(apart=_PER_SCRAPE)
 
     @staticmethod
-    def _core(view: CoreView, text: _Text) -> None:
-        for row in view.ranks:
-            labels = (row.rank, "" if row.tp_group is None else row.tp_group)
-            text.add("wsd_rank_up", labels, row.up)
-            if row.registered is not None:
-                text.add("wsd_rank_info", (*labels, *row.registered), 1)
-            if row.locked is not None:
-                text.add("wsd_rank_locked", labels, row.locked)
-            if row.num_ubatches is not None:
-                text.add("wsd_rank_ubatches", labels, row.num_ubatches)
-            if row.step is not None:
-                text.add("wsd_rank_last_step", labels, row.step)
-        for state, count in view.states:
-            text.add("wsd_ranks", (state,), count)
-        for group, consistent in view.consistent:
-            text.add("wsd_group_consistent", (group,), consistent)
-        for group, drifting in view.drift:
-            text.add("wsd_group_drift", (group,), drifting)
+    def _counters(view: Counters, text: _Text) -> None:
         for (action, outcome), count in view.commands:
             text.add("wsd_commands_total", (action, outcome), count)
         histogram = "wsd_command_duration_seconds"
@@ -462,36 +459,59 @@ class Collector:
         refused.update(view.refused)
         for reason, count in refused.items():
             text.add("wsd_agent_refusals_total", (reason,), count)
-        for kind, count in view.events:
+        logged = {str(kind): 0 for kind in EventKind} | dict(view.events)  # every kind from the start
+        for kind, count in sorted(logged.items()):
             text.add("wsd_events_total", (kind,), count)
-        text.add("wsd_command_seq", (), view.seq)
 
-    def _stats(self, view: StatsView, text: _Text) -> None:
+    @staticmethod
+    def _core(engine: str, view: CoreView, text: _Text) -> None:
+        for row in view.ranks:
+            labels = (engine, row.rank, "" if row.tp_group is None else row.tp_group)
+            text.add("wsd_rank_up", labels, row.up)
+            if row.registered is not None:
+                text.add("wsd_rank_info", (*labels, *row.registered), 1)
+            if row.locked is not None:
+                text.add("wsd_rank_locked", labels, row.locked)
+            if row.num_ubatches is not None:
+                text.add("wsd_rank_ubatches", labels, row.num_ubatches)
+            if row.step is not None:
+                text.add("wsd_rank_last_step", labels, row.step)
+        for state, count in view.states:
+            text.add("wsd_ranks", (engine, state), count)
+        for group, consistent in view.consistent:
+            text.add("wsd_group_consistent", (engine, group), consistent)
+        for group, drifting in view.drift:
+            text.add("wsd_group_drift", (engine, group), drifting)
+        text.add("wsd_command_seq", (engine,), view.seq)
+
+    def _stats(self, engine: str, view: StatsView, text: _Text) -> None:
         for rank in view.ranks:
-            labels = (rank.rank, rank.tp_group)
+            labels = (engine, rank.rank, rank.tp_group)
             text.add("wsd_rank_workspace_bytes", labels, rank.total_bytes)
             text.add("wsd_rank_stats_stale", labels, rank.stale)
-            text.add("wsd_rank_lock_violations_total", labels, self._violations.total(rank.rank, rank.columns))
+            text.add("wsd_rank_lock_violations_total", labels,
+                     self._violations.total((engine, rank.rank), rank.columns))
             if self.slots:
-                self._slots(rank, text)
+                self._slots(engine, rank, text)
         for group in view.groups:
-            text.add("wsd_group_workspace_bytes", (group.tp_group,), group.total_bytes)
-            text.add("wsd_group_skew_bytes", (group.tp_group,), group.skew_bytes)
+            text.add("wsd_group_workspace_bytes", (engine, group.tp_group), group.total_bytes)
+            text.add("wsd_group_skew_bytes", (engine, group.tp_group), group.skew_bytes)
 
-    def _ages(self, view: StatsView, text: _Text) -> None:
-        """The ``_PER_SCRAPE`` families: each rank's age at this scrape, and the oldest."""
+    def _ages(self, engine: str, view: StatsView, text: _Text) -> None:
+        """The ``_PER_SCRAPE`` families: each rank's age at this scrape, and the engine's oldest."""
         since = max(0.0, self._wall() - view.time)  # the ages were measured when the view was made
         oldest = 0.0
         for rank in view.ranks:
             age = rank.age + since
             oldest = max(oldest, age)
-            text.add("wsd_rank_stats_age_seconds", (rank.rank, rank.tp_group), age)
-        text.add("wsd_stats_age_seconds", (), oldest)
+            text.add("wsd_rank_stats_age_seconds", (engine, rank.rank, rank.tp_group), age)
+        text.add("wsd_stats_age_seconds", (engine,), oldest)
 
     @staticmethod
-    def _slots(rank: RankFigures, text: _Text) -> None:
+    def _slots(engine: str, rank: RankFigures, text: _Text) -> None:
         """The bulk of a scrape: one line per slot and number, written as plainly as can be."""
-        places = [f'rank="{rank.rank}",tp_group="{rank.tp_group}",ubatch="{u}",lane="{lane}"}} '
+        head_labels = f'engine="{_escape(engine)}",rank="{rank.rank}",tp_group="{rank.tp_group}"'
+        places = [f'{head_labels},ubatch="{u}",lane="{lane}"}} '
                   for u, lane in zip(rank.columns["ubatch"], rank.columns["lane"])]
         for number in SLOT_NUMBERS:
             head = number.metric + "{"
@@ -501,8 +521,10 @@ class Collector:
             text.lines[number.metric] += [f"{head}{place}{value}\n" for place, value in zip(places, values)]
 
     @staticmethod
-    def _completeness(core: CoreView, stats: StatsView | None, text: _Text) -> None:
-        """How far the per-slot figures are from every expected rank's current snapshot."""
+    def _completeness(engine: EngineFigures, text: _Text) -> None:
+        """How far an engine's per-slot figures are from every expected rank's current snapshot."""
+        stats = engine.stats
         reported = set() if stats is None else {r.rank for r in stats.ranks}
-        text.add("wsd_stats_absent_ranks", (), sum(1 for r in core.ranks if r.rank not in reported))
-        text.add("wsd_stats_stale_ranks", (), 0 if stats is None else sum(1 for r in stats.ranks if r.stale))
+        text.add("wsd_stats_absent_ranks", (engine.name,), sum(1 for r in engine.core.ranks if r.rank not in reported))
+        text.add("wsd_stats_stale_ranks", (engine.name,),
+                 0 if stats is None else sum(1 for r in stats.ranks if r.stale))

@@ -84,6 +84,8 @@ class RankInfo:
     idle: bool
     instance: str | None = None
     """The agent process's own value, the same across its reconnections (None: not given)."""
+    model: str | None = None
+    """What its engine serves, as the agent said (None: not said)."""
     state: RankState = RankState.LIVE
     registered_at: float = 0.0
     """Wall-clock time (``time.time()``) of the registration."""
@@ -120,6 +122,7 @@ class RankInfo:
             "stopped_at": self.stopped_at,
             "locked": self.manager_state.get("locked"),
             "num_ubatches": self.manager_state.get("num_ubatches"),
+            "model": self.model,
             # Its engine is still warming up: no command applies to it before that ends.
             "warming": self.manager_state.get("warming", False),
         }
@@ -202,7 +205,7 @@ class Registry:
             pid=body["pid"], device=body["device"], idle=body["idle"], instance=body.get("instance"),
             registered_at=self.wall(), last_seen=now, step=body["step"],
             applied_seq=body["applied_seq"] or 0, held_seq=body["applied_seq"] or 0,
-            manager_state=_manager_state(body["state"]), config=body["config"],
+            manager_state=_manager_state(body["state"]), config=body["config"], model=body.get("model"),
         )
         self.ranks[info.rank] = info
         self._by_peer[peer] = info.rank

@@ -25,6 +25,7 @@ import msgpack
 
 from wsd.commands import COMMANDS
 from wsd.errors import ProtocolError  # here too: the wire's error, as p.ProtocolError
+from wsd.names import ENGINE_NAME, MAX_ENGINE_NAME, engine_name_problem
 
 __all__ = [
     "CLIENT_OPS",
@@ -56,6 +57,7 @@ class StrEnum(str, enum.Enum):
 class Op(StrEnum):
     # client -> coordinator: read-only
     PING = "ping"
+    ENGINES = "engines"
     STATUS = "status"
     RANKS = "ranks"
     STATS = "stats"
@@ -115,7 +117,7 @@ class ErrorCode(StrEnum):
 # Every row of the command table is an operation of the same name (ValueError here, at
 # import, for a row without its Op member).
 COMMAND_OPS = frozenset(Op(name) for name in COMMANDS)
-READ_ONLY_OPS = frozenset({Op.PING, Op.STATUS, Op.RANKS, Op.STATS, Op.EVENTS})
+READ_ONLY_OPS = frozenset({Op.PING, Op.ENGINES, Op.STATUS, Op.RANKS, Op.STATS, Op.EVENTS})
 CLIENT_OPS = COMMAND_OPS | READ_ONLY_OPS
 AGENT_OPS = frozenset({Op.REGISTER, Op.HEARTBEAT, Op.ACK, Op.STATS_REPLY, Op.STATS_PUSH, Op.EVENT, Op.GOODBYE})
 COORDINATOR_OPS = frozenset({Op.REGISTERED, Op.PULSE, Op.COMMAND, Op.STATS_REQUEST, Op.STATS_ACK, Op.REJECTED})
@@ -144,6 +146,8 @@ class Field:
     printable: bool = False
     """A string that must hold no control character (a host name, a device): one from a peer
     would otherwise reach an operator's terminal raw (ESC, BEL)."""
+    pattern: re.Pattern[str] | None = None
+    """A string that must match this whole (an engine's name)."""
 
     def check(self, value: Any, where: str) -> Any:
         # The common case in one test: exactly a listed type (so never a bool
@@ -153,7 +157,8 @@ class Field:
         if kind in self.types and kind in _PLAIN:
             if kind in _SIZED:
                 if (self.max_len is None or len(value) <= self.max_len) and not (
-                        self.printable and _CONTROL.search(value)):
+                        self.printable and _CONTROL.search(value)) and (
+                        self.pattern is None or self.pattern.fullmatch(value)):
                     return value
             elif (self.low is None or self.low <= value) and (self.high is None or value <= self.high):
                 return value
@@ -184,6 +189,8 @@ class Field:
         if self.printable and isinstance(value, str) and _CONTROL.search(value):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"{where}{self.name}: must hold no control character, "
                                                      f"got {_CONTROL.sub('?', value)[:80]!r}")
+        if self.pattern is not None and isinstance(value, str) and not self.pattern.fullmatch(value):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{where}{self.name}: {engine_name_problem(value)}")
         return value
 
     def _kind(self) -> str:
@@ -211,10 +218,14 @@ def _map(name: str, max_len: int, **kw: Any) -> Field:
 
 def _opt(field: Field, default: Any = None) -> Field:
     return Field(field.name, field.types, False, default, field.low, field.high,
-                 field.nullable or default is None, field.max_len, field.printable)
+                 field.nullable or default is None, field.max_len, field.printable, field.pattern)
 
 
+# The engine a request is for. None: the only engine the coordinator serves (its default
+# engine while it serves none); with several, every engine, each answering for itself.
+_ENGINE = _opt(Field("engine", (str,), max_len=MAX_ENGINE_NAME, pattern=ENGINE_NAME))
 _TARGET = (
+    _ENGINE,
     _opt(_int("group", 0, 65535)),
     _opt(_f("wait", bool), True),
     _opt(Field("timeout", (float,), low=0.0, high=3600.0)),
@@ -234,12 +245,14 @@ of up to 4 bytes each (about 52 KB), its state and config, with room to spare.""
 
 SCHEMAS: dict[Op, tuple[Field, ...]] = {
     Op.PING: (),
-    Op.STATUS: (),
-    Op.RANKS: (),
+    Op.ENGINES: (),
+    Op.STATUS: (_ENGINE,),
+    Op.RANKS: (_ENGINE,),
     # Answered from the snapshots the ranks pushed; ``fresh``: ask every rank now instead.
-    Op.STATS: (_opt(_int("group", 0, 65535)), _opt(Field("timeout", (float,), low=0.0, high=3600.0)),
+    Op.STATS: (_ENGINE, _opt(_int("group", 0, 65535)), _opt(Field("timeout", (float,), low=0.0, high=3600.0)),
                _opt(_f("fresh", bool), False)),
-    Op.EVENTS: (_opt(_int("cursor"), 0), _opt(_int("limit", 1, 10_000), 100)),
+    # ``engine``: only the events of that engine (and those of none, such as the coordinator's start).
+    Op.EVENTS: (_opt(_int("cursor"), 0), _opt(_int("limit", 1, 10_000), 100), _ENGINE),
     **{Op(spec.name): (*(_int(a.name, a.low, a.high) for a in spec.args), *_TARGET) for spec in COMMANDS.values()},
     Op.REGISTER: (
         _RANK,
@@ -260,6 +273,10 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
         # proof that the sender holds it (wsd.security.registration_proof).
         _opt(_str("instance", 64)),
         _opt(_str("proof", 128)),
+        # The engine this rank belongs to (None: the coordinator's default engine), and what
+        # it serves (a model's name), shown in ``wsctl engines``.
+        _ENGINE,
+        _opt(_str("model", 256, printable=True)),
     ),
     # ``stats_version``: the agent has just found its snapshot unchanged since the push
     # of that version the coordinator acknowledged (so that version is fresh now).
@@ -355,15 +372,15 @@ def encode(op: Op, body: dict[str, Any] | None = None, request_id: int = 0, *,
            packed: dict[str, bytes] | None = None) -> bytes:
     """One request frame; ``packed`` adds body fields whose values are already msgpack-encoded."""
     if packed:
-        return _spliced({"v": PROTOCOL_VERSION, "op": str(op), "id": request_id},
-                        {"body": _spliced(body or {}, packed)})
+        return spliced({"v": PROTOCOL_VERSION, "op": str(op), "id": request_id},
+                        {"body": spliced(body or {}, packed)})
     return msgpack.packb(
         {"v": PROTOCOL_VERSION, "op": str(op), "id": request_id, "body": body or {}},
         use_bin_type=True,
     )
 
 
-def _spliced(items: dict[str, Any], packed: dict[str, bytes]) -> bytes:
+def spliced(items: dict[str, Any], packed: dict[str, bytes]) -> bytes:
     """A msgpack map of ``items`` plus ``packed``, whose values are already encoded.
 
     msgpack frames a map as a header followed by its keys and values, so an
@@ -389,7 +406,7 @@ def ok_reply(request_id: int, result: Any = None) -> bytes:
 
 def ok_reply_packed(request_id: int, result: bytes) -> bytes:
     """``ok_reply`` of a result already msgpack-encoded (one whole object)."""
-    return _spliced({"v": PROTOCOL_VERSION, "id": request_id, "ok": True}, {"result": result})
+    return spliced({"v": PROTOCOL_VERSION, "id": request_id, "ok": True}, {"result": result})
 
 
 def error_reply(request_id: int | None, code: ErrorCode, message: str) -> bytes:

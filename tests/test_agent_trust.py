@@ -132,7 +132,8 @@ def test_one_connection_holds_one_rank(h):
     h.register(0)
     sent = h.agent(peer_of(0), Op.REGISTER, registration(1, "agent-0"))
     assert to_agents(sent, Op.REJECTED)[peer_of(0)]["code"] == "conflict"
-    assert [i.rank for i in h.core.engine().registry.live()] == [0] and h.core.engine().registry.by_peer(peer_of(0)).rank == 0
+    registry = h.core.engine().registry
+    assert [i.rank for i in registry.live()] == [0] and registry.by_peer(peer_of(0)).rank == 0
 
 
 def test_with_an_agent_token_only_a_registration_that_proves_it_is_accepted(tmp_path):

@@ -113,10 +113,21 @@ def test_one_engine_in_use_answers_as_a_coordinator_of_one_engine_did(h):
 
 def test_an_engine_not_served_is_named_in_the_error_with_those_that_are(h):
     join(h, "a", range(1))
-    for op in (Op.STATUS, Op.LOCK, Op.STATS, Op.EVENTS):
+    for op in (Op.STATUS, Op.RANKS, Op.STATS, Op.EVENTS):
         reply = h.call(op, {"engine": "typo"})
         assert not reply.ok and reply.code is ErrorCode.BAD_FIELD
         assert "no engine 'typo'" in reply.message and "a, default" in reply.message
+
+
+def test_a_command_for_an_engine_not_served_yet_is_its_desired_state_when_it_starts(h):
+    """A replica's desired state may be set before it starts: the command adds the engine
+    (at most max_engines), and its first rank takes the lock on."""
+    numbered = only_reply(h.client(Op.LOCK, {"engine": "later", "wait": False})).result
+    assert numbered["seq"] == 1 and h.core.engine("later").log.seq == 1
+    assert [e["engine"] for e in h.events("engine_added")] == ["later"]
+    sent = h.register(0, peer=peer("later", 0), engine="later", instance="later-0")
+    assert to_agents(sent, Op.REGISTERED)[peer("later", 0)]["desired"]["locked"] is True
+    assert h.core.engine().log.seq == 0
 
 
 def test_a_connection_registered_for_one_engine_cannot_move_to_another(h):
@@ -133,6 +144,8 @@ def test_engines_beyond_max_engines_are_refused_and_cost_nothing(tmp_path):
     sent = h.register(0, peer=b"third", engine="e3", instance="x")
     body = to_agents(sent, Op.REJECTED)[b"third"]
     assert body["code"] == "conflict" and "max_engines = 3" in body["message"]
+    refused = h.call(Op.LOCK, {"engine": "e4"})
+    assert refused.code is ErrorCode.CONFLICT and "max_engines = 3" in refused.message
     assert sorted(h.core.engines) == ["default", "e1", "e2"]
     assert not os.path.exists(f"{h.config.state_file}@e3")
 

@@ -177,7 +177,7 @@ def test_an_older_coordinators_answer_reads_as_todays():
 def test_every_slot_number_has_its_metric_family_and_help():
     for number in SLOT_NUMBERS:
         assert FAMILIES[number.metric] == ("counter" if number.counter else "gauge",
-                                           ("rank", "tp_group", "ubatch", "lane"))
+                                           ("engine", "rank", "tp_group", "ubatch", "lane"))
         assert _HELP[number.metric] == number.help
 
 

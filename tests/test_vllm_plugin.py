@@ -10,6 +10,7 @@ import queue
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from wsd.integrations.vllm.wake import (
     wake_endpoint,
     wake_folder,
 )
+from wsd.names import engine_name_problem
 from wsd_client.client import Client
 
 
@@ -492,6 +494,25 @@ def test_placement_refuses_a_world_of_partial_tp_groups():
 
     with pytest.raises(ValueError, match="whole TP groups of 4"):
         plugin.placement(Parallel, 1, 6)
+
+
+def _vllm_config(model: str, served: object = None, dp_size: int = 1, dp_index: int | None = 0) -> SimpleNamespace:
+    return SimpleNamespace(model_config=SimpleNamespace(model=model, served_model_name=served),
+                           parallel_config=SimpleNamespace(data_parallel_size=dp_size, data_parallel_index=dp_index))
+
+
+@pytest.mark.parametrize("config, env, name", [
+    (_vllm_config("/models/llama"), {}, "node-a-models-llama"),
+    (_vllm_config("/models/llama", served=["meta-llama/Llama-3.1-8B", "alias"]), {}, "node-a-meta-llama-Llama-3-1-8B"),
+    (_vllm_config("m", served="m"), {"CUDA_VISIBLE_DEVICES": "2,3"}, "node-a-m-gpu2"),
+    (_vllm_config("m", served="m", dp_size=1, dp_index=3), {}, "node-a-m-dp3"),  # a dense DP replica
+    (_vllm_config("m", served="m", dp_size=4, dp_index=3), {}, "node-a-m"),  # MoE DP: one engine
+])
+def test_a_vllm_engine_is_named_after_its_host_model_gpus_and_dense_dp_replica(config, env, name):
+    """Stable across a restart of the same replica, and apart for replicas that differ in
+    model, GPUs or dense DP index; always a valid engine name."""
+    assert plugin.default_engine(config, "node-a", env) == name
+    assert engine_name_problem(name) is None
 
 
 def test_a_vllm_whose_internals_moved_keeps_its_own_class_and_runs_on(monkeypatch, caplog):

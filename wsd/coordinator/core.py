@@ -206,12 +206,10 @@ class CoordinatorCore:
                 f"{engine.name!r}; a rank of engine {name!r} connects on its own"), engine=name)
         target = self.engines.get(name)
         if target is None:
-            if len(self.engines) >= self.config.max_engines:
-                return refuse(self.shared, peer, body, ErrorCode.CONFLICT, (
-                    f"engine {name!r} would be engine {len(self.engines) + 1} of this coordinator, which "
-                    f"serves at most [coordinator] max_engines = {self.config.max_engines}"), engine=name)
-            target = self.engines[name] = Engine(name, self.shared, state_path(
-                self.config.state_file, name, self.config.engine), first=EventKind.ENGINE_ADDED)
+            try:
+                target = self._add_engine(name)
+            except ProtocolError as e:
+                return refuse(self.shared, peer, body, e.code, str(e), engine=name)
         old = target.registry.ranks.get(body["rank"])
         out = target.register(peer, body)
         if target.registry.by_peer(peer) is not None:
@@ -219,6 +217,17 @@ class CoordinatorCore:
             if old is not None and old.peer != peer:
                 self._peers.pop(old.peer, None)
         return out
+
+    def _add_engine(self, name: str) -> Engine:
+        """A new engine, its command log loaded from its state file if it has one; a
+        ProtocolError (``conflict``) beyond ``max_engines``."""
+        if len(self.engines) >= self.config.max_engines:
+            raise ProtocolError(ErrorCode.CONFLICT, (
+                f"engine {name!r} would be engine {len(self.engines) + 1} of this coordinator, which "
+                f"serves at most [coordinator] max_engines = {self.config.max_engines}"))
+        engine = self.engines[name] = Engine(name, self.shared, state_path(
+            self.config.state_file, name, self.config.engine), first=EventKind.ENGINE_ADDED)
+        return engine
 
     def note_heard(self, until: float) -> None:
         """The socket loop: every agent frame that arrived before ``until`` has been read."""
@@ -280,11 +289,15 @@ class CoordinatorCore:
 
     # -- clients ----------------------------------------------------------
 
-    def _addressed(self, name: str | None) -> list[Engine]:
+    def _addressed(self, name: str | None, *, add: bool = False) -> list[Engine]:
         """The engines a request is for: the one it names, else the only one in use (the
-        default engine while none is), else every engine in use."""
+        default engine while none is), else every engine in use. ``add``: one named that the
+        coordinator does not serve yet is added (a command may set an engine's desired state
+        before its first rank starts)."""
         if name is not None:
             engine = self.engines.get(name)
+            if engine is None and add:
+                return [self._add_engine(name)]
             if engine is None:
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"engine: this coordinator serves no engine {name!r} "
                                                          f"(it serves {', '.join(sorted(self.engines))})")
@@ -314,7 +327,7 @@ class CoordinatorCore:
         return [(CLIENT, route, p.ok_reply(message.id, {"engines": rows, "default": self.config.engine}))]
 
     def _command(self, route: Route, message: p.Message) -> list[Out]:
-        engines = self._addressed(message.body["engine"])
+        engines = self._addressed(message.body["engine"], add=True)
         action = str(message.op)
         for engine in engines:  # refused by one: numbered by none
             engine.check_command(action, message.body["group"])

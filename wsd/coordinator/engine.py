@@ -20,13 +20,13 @@ from typing import Any
 
 from wsd.commands import COMMANDS, CommandResult
 from wsd.config import CoordinatorConfig
-from wsd.coordinator.admission import AgentGate, Unauthenticated
+from wsd.coordinator.admission import AgentGate
 from wsd.coordinator.aggregate import StatsRound, read_snapshot
 from wsd.coordinator.commandlog import Command, CommandLog
 from wsd.coordinator.events import EventKind, EventLog, bounded_detail
 from wsd.coordinator.latest import LatestStats
 from wsd.coordinator.metrics import CommandOutcome, CommandStats, CoreView, core_view
-from wsd.coordinator.registry import RankInfo, RankState, RankTaken, RegistrationError, Registry
+from wsd.coordinator.registry import RankState, RankTaken, RegistrationError, Registry
 from wsd.wire import protocol as p
 from wsd.wire.protocol import ErrorCode, Op, ProtocolError
 

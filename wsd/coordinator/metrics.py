@@ -17,8 +17,9 @@ rank's is, and ``wsd_stats_age_seconds`` the oldest.
 
 Every series a rank has keeps one identity, ``{engine, rank, tp_group}``, from
 the coordinator's start (ranks are unique within an engine; every per-rank,
-per-group and per-slot family, and each engine's own figures, carry ``engine``): what a rank registered with (its host, pid, device) is
-in ``wsd_rank_info`` alone, so that a registration adds one series instead of
+per-group and per-slot family, and each engine's own figures, carry
+``engine``): what a rank registered with (its host, pid, device) is in
+``wsd_rank_info`` alone, so that a registration adds one series instead of
 renaming every other. The HTTP endpoint is ``wsd.coordinator.metrics_server``.
 Imports no torch.
 """

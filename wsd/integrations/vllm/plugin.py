@@ -33,12 +33,14 @@ import atexit
 import dataclasses
 import logging
 import os
+import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 from wsd.config import WsdConfig, load_config
+from wsd.names import engine_name
 
 __all__ = ["STRICT", "VLLM_APPLY_EVERY", "Placement", "enabled", "placement", "register", "strict"]
 
@@ -196,6 +198,36 @@ def placement(parallel: Any, world_rank: int, world_size: int) -> Placement:
         raise ValueError(f"vLLM's world group (rank {world_rank} of {world_size}) does not hold "
                          f"whole TP groups of {tp_size}")
     return Placement(rank=world_rank, world_size=world_size, tp_size=tp_size)
+
+
+def served_model(vllm_config: Any) -> str | None:
+    """The name vLLM serves its model under (the first, where it has several)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    served = getattr(model_config, "served_model_name", None) or getattr(model_config, "model", None)
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else None
+    return str(served) if served else None
+
+
+def default_engine(vllm_config: Any, host: str, env: Mapping[str, str] = os.environ) -> str:
+    """The engine a vLLM worker joins when ``[agent] engine`` (``WSD_ENGINE``) names none:
+    ``HOST-MODEL``, stable across restarts of the same replica, every other character ``-``.
+
+    Where one host runs several replicas of one model, each on its own GPUs, the first GPU
+    of ``CUDA_VISIBLE_DEVICES`` tells them apart (``-gpu2``); a dense data-parallel replica
+    other than the first adds its index (``-dp1``: vLLM resets each to a world of its own and
+    keeps only ``data_parallel_index``). MoE data parallelism is one engine: its ranks share
+    one world. Anything else on one host (two replicas on the same GPUs) names its engines.
+    """
+    parts = [host, served_model(vllm_config) or "vllm"]
+    visible = env.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    if visible:
+        parts.append(f"gpu{visible}")
+    parallel = vllm_config.parallel_config
+    index = getattr(parallel, "data_parallel_index", None)
+    if parallel.data_parallel_size == 1 and isinstance(index, int) and index > 0:
+        parts.append(f"dp{index}")
+    return engine_name("-".join(parts))
 
 
 # -- what the patches call ------------------------------------------------------
@@ -379,12 +411,14 @@ def _join(worker: Any, config: WsdConfig) -> None:
         token = load_agent_token(config.security)
         curve = agent_keys(config.security)
         wake = _Wake(place.rank, place.tp_size)
+        engine = config.agent.engine or default_engine(vllm_config, socket.gethostname())
         try:
             agent = Agent(
                 manager, endpoint=_endpoint(config), rank=place.rank, world_size=place.world_size,
                 tp_size=place.tp_size, tp_group=tp.cpu_group if place.tp_size > 1 else None,
-                config=dataclasses.replace(config.agent,
+                config=dataclasses.replace(config.agent, engine=engine,
                                            apply_every=config.agent.apply_every or VLLM_APPLY_EVERY),
+                model=served_model(vllm_config),
                 heartbeat_interval=config.coordinator.heartbeat_interval,
                 heartbeat_timeout=config.coordinator.heartbeat_timeout,
                 extra={"engine": "vllm", "vllm_version": vllm_version(),
@@ -400,8 +434,8 @@ def _join(worker: Any, config: WsdConfig) -> None:
             wake.close()
             raise
         _attachment = _Attachment(agent, wake)
-        logger.info("wsd: rank %d of %d (TP group %d of size %d) joined %s with %r", place.rank,
-                    place.world_size, place.tp_group, place.tp_size, _endpoint(config), manager)
+        logger.info("wsd: rank %d of %d (TP group %d of size %d) of engine %s joined %s with %r", place.rank,
+                    place.world_size, place.tp_group, place.tp_size, engine, _endpoint(config), manager)
 
 
 def _detach() -> None:

@@ -28,7 +28,7 @@ def reporting(coordinator: Coordinator, ranks: Iterable[int], *, world_size: int
                          num_ubatches=num_ubatches, heartbeat_interval=0.2, heartbeat_timeout=3.0).start()
     try:
         assert sim.wait_registered(timeout), f"only {sim.registered()} of {len(ranks)} ranks registered"
-        latest = coordinator.core.engine().latest
+        latest = coordinator.core.engine().snapshots.latest
         wait_until(lambda: set(ranks) <= set(latest.ranks), timeout, "every rank's first snapshot")
         yield sim
     finally:

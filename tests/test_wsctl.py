@@ -43,7 +43,7 @@ def cluster(start_coordinator):
             made.append(agent)
             assert agent.wait_registered(10), f"rank {rank} did not register"
         started = [a.rank for a in made]
-        wait_until(lambda: all(r in coordinator.core.engine().latest.ranks for r in started), 5,
+        wait_until(lambda: all(r in coordinator.core.engine().snapshots.latest.ranks for r in started), 5,
                    "every rank's first pushed snapshot")
         return coordinator, list(made)
 

@@ -28,9 +28,11 @@ import msgpack
 
 from wsd.config import CoordinatorConfig
 from wsd.coordinator.admission import TOO_LARGE, UNREGISTERED_FRAME, AgentGate, Unauthenticated
-from wsd.coordinator.engine import AGENT, CLIENT, RESEND_WINDOW, Answer, Engine, Out, Route, Shared, refuse, state_path
+from wsd.coordinator.dispatch import RESEND_WINDOW
+from wsd.coordinator.engine import Engine, Shared, refuse, state_path
 from wsd.coordinator.events import EventKind, EventLog
 from wsd.coordinator.metrics import CommandStats, Counters, EngineFigures, Published, StatsView
+from wsd.coordinator.outbox import AGENT, CLIENT, Answer, Out, Route
 from wsd.errors import StateFileError
 from wsd.wire import protocol as p
 from wsd.wire.protocol import ErrorCode, Op, ProtocolError
@@ -97,7 +99,7 @@ class CoordinatorCore:
         # registry, which is the truth: a connection superseded there is forgotten here).
         self._peers: dict[bytes, Engine] = {}
         self._next_pulse = clock()
-        self._dropped_bad_agent_frames = 0
+        self._dropped_bad_agent_frames = 0  # frames no engine read: the rest are each engine's
         # Metrics: counters kept on the loop thread; the HTTP thread reads only
         # ``published``, immutable views replaced whole (see wsd.coordinator.metrics).
         self.published = Published()
@@ -269,10 +271,7 @@ class CoordinatorCore:
     def _publish(self) -> None:
         """Give the metrics endpoint the stats and core views of now. The metrics copy what is
         remembered: no rank is asked."""
-        now, wall = self.clock(), self.wall()
-        stats = tuple(StatsView(wall, *e.latest.figures(*e.scope(None), now, self.config.stale_after))
-                      for e in self.engines.values())
-        self._publish_core(stats)
+        self._publish_core(tuple(e.snapshots.view() for e in self.engines.values()))
 
     def _publish_core(self, stats: tuple[StatsView, ...] | None = None) -> None:
         """Give the metrics endpoint a fresh copy of the registries and counters (replaced whole);
@@ -330,8 +329,10 @@ class CoordinatorCore:
         engines = self._addressed(message.body["engine"], add=True)
         action = str(message.op)
         for engine in engines:  # refused by one: numbered by none
-            engine.check_command(action, message.body["group"])
-        return self._answer(route, message, engines, lambda e, answer: e.command(action, message.body, answer))
+            engine.check_group(message.body["group"])
+            engine.dispatch.check(action, message.body["group"])
+        return self._answer(route, message, engines,
+                            lambda e, answer: e.dispatch.command(action, message.body, answer))
 
     def _stats_request(self, route: Route, message: p.Message) -> list[Out]:
         body = message.body
@@ -341,8 +342,9 @@ class CoordinatorCore:
         if body["fresh"]:  # ask every live rank now, and wait
             timeout = body["timeout"] or self.config.stats_timeout
             return self._answer(route, message, engines,
-                                lambda e, answer: e.start_stats(answer, body["group"], timeout))
-        return self._answer(route, message, engines, lambda e, answer: answer(e.remembered(body["group"])))
+                                lambda e, answer: e.snapshots.start(answer, body["group"], timeout))
+        return self._answer(route, message, engines,
+                            lambda e, answer: answer(e.snapshots.remembered(body["group"])))
 
     def _events(self, route: Route, message: p.Message) -> list[Out]:
         name = message.body["engine"]

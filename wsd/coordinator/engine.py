@@ -1,11 +1,12 @@
-"""One engine's share of the coordinator: its ranks, commands, pushed stats and desired state.
+"""One engine's share of the coordinator: its ranks, and what they register, report and stop.
 
 An engine is one world of ranks (a vLLM replica, a data-parallel engine, a
 ``wsd up`` cluster): ranks are unique within it, and it has its own TP groups,
-command log (with a state file of its own), pending commands and stats. The
-coordinator (``wsd.coordinator.core.CoordinatorCore``) routes each agent frame
-to the engine its connection registered with, and each client request to the
-engines it names; what engines share (the agent gate, the event log, the
+command log (with a state file of its own), commands in flight
+(``wsd.coordinator.dispatch.Dispatch``) and stats (``wsd.coordinator.snapshots.Snapshots``).
+The coordinator (``wsd.coordinator.core.CoordinatorCore``) routes each agent
+frame to the engine its connection registered with, and each client request to
+the engines it names; what engines share (the agent gate, the event log, the
 command counters) comes in a ``Shared``. Plain methods, no I/O: each returns
 the frames to send. Imports no torch.
 """
@@ -13,39 +14,28 @@ the frames to send. Imports no torch.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from wsd.commands import COMMANDS, CommandResult
-from wsd.config import CoordinatorConfig
 from wsd.coordinator.admission import AgentGate
-from wsd.coordinator.aggregate import StatsRound, read_snapshot
-from wsd.coordinator.commandlog import Command, CommandLog
+from wsd.coordinator.commandlog import CommandLog
+from wsd.coordinator.config import CoordinatorConfig
+from wsd.coordinator.dispatch import Dispatch
 from wsd.coordinator.events import EventKind, EventLog, bounded_detail
-from wsd.coordinator.latest import LatestStats
-from wsd.coordinator.metrics import CommandOutcome, CommandStats, CoreView, core_view
-from wsd.coordinator.registry import RankState, RankTaken, RegistrationError, Registry
+from wsd.coordinator.metrics import CommandStats, CoreView, core_view
+from wsd.coordinator.outbox import AGENT, Out
+from wsd.coordinator.registry import RankInfo, RankState, RankTaken, RegistrationError, Registry
+from wsd.coordinator.snapshots import Snapshots
 from wsd.wire import protocol as p
 from wsd.wire.protocol import ErrorCode, Op, ProtocolError
 
-__all__ = ["AGENT", "CLIENT", "Answer", "Engine", "Out", "Shared", "state_path"]
+__all__ = ["Engine", "Shared", "refuse", "state_path"]
 
 logger = logging.getLogger(__name__)
 
-AGENT = "agent"
-CLIENT = "client"
-Route = tuple[bytes, ...]
-Out = tuple[str, Route, bytes]
-Answer = Callable[[dict[str, Any] | bytes], list[Out]]
-"""Where a client's answer goes: called once with the result (a map, or one already
-encoded), it returns the frames that carry it (to the client, or to a fan-out across engines)."""
-
-# Commands sent to a rank per registration or heartbeat that finds it behind:
-# the rest follow at its next heartbeats, so no claim makes one message cost many.
-RESEND_WINDOW = 64
-_SCOPES_KEPT = 64  # the scopes of answers from memory kept, each for one group asked for (or all)
+_ACK_FIELDS = ("seq", "step", "ok", "error")
+"""An acknowledgement a registration resends: ``[seq, step, ok, error]``, an ACK's fields."""
 
 
 def state_path(state_file: str, name: str, default: str) -> str:
@@ -68,46 +58,8 @@ class Shared:
     command_stats: CommandStats
 
 
-@dataclass
-class _PendingCommand:
-    command: Command
-    answer: Answer | None  # None: the client did not wait
-    targets: set[int]
-    deadline: float
-    missing: dict[int, str]
-    numbered: float = 0.0  # monotonic time it got its seq: the start of its latency
-    acks: dict[int, dict[str, Any]] = field(default_factory=dict)
-    lost: set[int] = field(default_factory=set)
-    # Targets neither acknowledged nor lost: done when empty, checked in O(1) per ack.
-    owed: set[int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.owed = set(self.targets)
-
-
-@dataclass
-class _PendingStats:
-    """A fresh stats round (``wsctl stats --fresh``): every live rank asked, the answer waiting."""
-
-    answer: Answer
-    group: int | None
-    targets: set[int]
-    deadline: float
-    gathered: StatsRound  # the replies so far, aggregated as they arrive
-    lost: set[int] = field(default_factory=set)
-    # Targets that will not be in the answer for a reason of their own (an invalid
-    # snapshot, a goodbye), and that reason.
-    reasons: dict[int, str] = field(default_factory=dict)
-    # Targets that have neither answered nor been lost: done when empty, checked
-    # in O(1) per reply.
-    owed: set[int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.owed = set(self.targets)
-
-
 class Engine:
-    """One engine's ranks, command log, pending commands and stats, driven by its messages."""
+    """One engine's ranks, command log, commands in flight and stats, driven by its messages."""
 
     def __init__(self, name: str, shared: Shared, state_file: str, *, first: EventKind = EventKind.STARTED) -> None:
         """``first``: the event that says it is here (``started`` for the coordinator's default
@@ -122,11 +74,7 @@ class Engine:
         self.registry = Registry(config.world_size, config.tp_size, config.heartbeat_timeout, wall=shared.wall)
         self.log = CommandLog(state_file, config.log_capacity)
         self.recovered = self.log.load()
-        # When each command in the log was last sent to agents (monotonic): a rank
-        # still lacking one a heartbeat interval later is sent it again.
-        self._sent_at: dict[int, float] = {}
-        self._resent_at: dict[int, float] = {}
-        started = shared.wall()
+        self.started = shared.wall()
         self._add(first, seq=self.log.seq, recovered=self.recovered)
         if self.log.repaired:  # a torn last journal record was dropped: tell the operator
             self._add(EventKind.STATE_REPAIRED, detail=self.log.repaired)
@@ -137,21 +85,15 @@ class Engine:
             logger.warning("engine %s: resuming numbering after seq %d ([coordinator] resume_seq; the log was "
                            "at %d)", name, config.resume_seq, self.log.seq)
             self.log.bump_to(config.resume_seq)
-        self.started = started
-        self._commands: dict[int, _PendingCommand] = {}
-        self._stats: dict[int, _PendingStats] = {}  # fresh rounds (wsctl stats --fresh)
-        # Per group asked for (None: all), the scope and missing ranks of an answer from memory,
-        # as of the registry's count of changes.
-        self._stats_scopes: dict[int | None, tuple[int, dict[int, list[int]], dict[int, str]]] = {}
-        self._stats_ids = 0
-        # Each rank's latest snapshot as its agent pushed it: what stats answers come from.
-        self.latest = LatestStats()
+        self.dispatch = Dispatch(config, self.registry, self.log, shared.command_stats,
+                                 clock=shared.clock, wall=shared.wall, event=self._add)
+        self.snapshots = Snapshots(config, self.registry, clock=shared.clock, wall=shared.wall,
+                                   allow=shared.gate.allow)
         # The sequence number fresh processes of a TP group start from, so that
         # members registering a moment apart still see the same commands, with
         # the group's desired state at it (None: older than the log could tell).
         self._baselines: dict[int, tuple[int, dict[str, Any] | None]] = {}
         self._inconsistent: set[int] = set()
-        self.dropped_bad_agent_frames = 0
         self.heartbeats = 0
         self.agent_ops: dict[Op, Callable[[bytes, dict[str, Any]], list[Out]]] = {
             Op.REGISTER: self.register,
@@ -168,8 +110,18 @@ class Engine:
         """Whether anything ever happened here: a rank registered, or a command was numbered."""
         return bool(self.registry.ranks) or self.log.seq > 0
 
+    @property
+    def dropped_bad_agent_frames(self) -> int:
+        return self.snapshots.invalid
+
     def _add(self, kind: EventKind, **detail: Any) -> None:
         self.shared.events.add(kind, self.wall(), engine=self.name, **detail)
+
+    def _event(self, source: tuple[Any, ...], kind: EventKind, **detail: Any) -> None:
+        """An event from a source a peer controls: rate-limited per source (within this engine),
+        the rest counted and summed up in one ``suppressed`` event a heartbeat interval later."""
+        if self.gate.event_allowed((self.name, *source), str(kind)):
+            self._add(kind, **detail)
 
     # -- time -----------------------------------------------------------------
 
@@ -179,33 +131,24 @@ class Engine:
         for info in self.registry.expire(heard):
             self._add(EventKind.LOST, rank=info.rank, tp_group=info.tp_group,
                       last_step=info.step, silent_for=round(heard - info.last_seen, 3))
-            out += self._rank_gone(info.rank, tp_group=info.tp_group)
-        for seq, pending in list(self._commands.items()):
-            if now >= pending.deadline:
-                out += self._finish_command(seq)
-        for request, waiting in list(self._stats.items()):
-            if now >= waiting.deadline:
-                out += self._finish_stats(request)
-        return out
+            out += self._rank_gone(info, None)
+        return out + self.dispatch.tick(now) + self.snapshots.tick(now)
 
     def next_deadline(self) -> float:
-        deadlines = [self.registry.next_expiry()]
-        deadlines += [c.deadline for c in self._commands.values()]
-        deadlines += [s.deadline for s in self._stats.values()]
-        return min(deadlines)
+        return min(self.registry.next_expiry(), self.dispatch.next_deadline(), self.snapshots.next_deadline())
 
     def asked(self, peer: bytes) -> bool:
         """Whether a stats round waits for this connection's rank."""
         info = self.registry.by_peer(peer)
-        return info is not None and any(info.rank in s.owed for s in self._stats.values())
+        return info is not None and self.snapshots.asked(info.rank)
 
-    # -- agents -------------------------------------------------------------
+    # -- registration ---------------------------------------------------------
 
     def register(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
         """A registration whose proof the coordinator has checked already."""
         now = self.clock()
+        claimed = body["applied_seq"]
         try:
-            claimed = body["applied_seq"]
             if claimed is not None and claimed > self.log.seq:
                 raise RegistrationError(
                     f"rank {body['rank']} reports applied_seq {claimed}, but this coordinator has issued "
@@ -213,12 +156,40 @@ class Engine:
                     f"[coordinator] resume_seq = {claimed} (the highest such report) and restart it")
             info, old = self.registry.register(peer, body, now, heard=self.gate.heard(now))
         except RankTaken as e:
-            return self._refuse(peer, body, ErrorCode.CONFLICT, str(e))
+            return refuse(self.shared, peer, body, ErrorCode.CONFLICT, str(e), engine=self.name)
         except RegistrationError as e:
-            return self._refuse(peer, body, ErrorCode.MISMATCH, str(e))
+            return refuse(self.shared, peer, body, ErrorCode.MISMATCH, str(e), engine=self.name)
+        baseline, desired, rebase, missed = self._start_point(info, claimed)
+        info.applied_seq = info.held_seq = baseline
+        self.snapshots.latest.forget(info.rank)  # the agent pushes its snapshot whole once registered
+        kind: EventKind | None = EventKind.JOINED
+        if old is not None and old.state in (RankState.LOST, RankState.STOPPED):
+            kind = EventKind.BACK
+        elif old is not None and old.peer == peer:
+            kind = None  # the same connection asking again (our answer was late): nothing new
+        elif old is not None:
+            kind = EventKind.SUPERSEDED
+        if kind is not None:  # a peer's doing, however fast it goes: within its rank's budget
+            self._event(("rank", info.rank), kind, rank=info.rank, tp_group=info.tp_group, host=info.host,
+                        pid=info.pid, applied_seq=baseline)
+        out: list[Out] = [(AGENT, (peer,), p.encode(Op.REGISTERED, {
+            "epoch": self.shared.epoch,
+            "baseline_seq": baseline,
+            "heartbeat_interval": self.config.heartbeat_interval,
+            "heartbeat_timeout": self.config.heartbeat_timeout,
+            "stats_interval": self.config.pushed_interval,
+            "desired": desired,  # only to a fresh process: a re-registration keeps what it applied
+            "rebase": rebase,
+        }))]
+        out += self.dispatch.resend(info.rank, peer, missed, now, registering=True)
+        return out + self._replay_acks(info, body["acks"])
+
+    def _start_point(self, info: RankInfo, claimed: int | None) -> tuple[
+            int, dict[str, Any] | None, bool, list[Any]]:
+        """Where a registering rank starts: its baseline seq, the desired state it takes on
+        (a fresh process only), whether it is rebased, and the commands it lacks."""
         group = info.tp_group
         desired: dict[str, Any] | None = None
-        claimed = body["applied_seq"]
         missed = [] if claimed is None else self.log.since(claimed)
         # The kept log cannot bring it up to date: the commands after what it applied are
         # gone (older than log_capacity), or were never issued here (a resume_seq past it).
@@ -233,11 +204,10 @@ class Engine:
                 logger.warning("rank %d starts at seq %d without its group's desired state (older than the log)",
                                info.rank, baseline)
         else:
-            baseline = claimed  # checked above: never beyond what was issued
+            baseline = claimed  # checked by the caller: never beyond what was issued
         if rebase:
             self._event(("rank", info.rank), EventKind.REBASED, rank=info.rank, tp_group=group,
                         applied_seq=claimed, baseline_seq=baseline, oldest_kept=missed[0].seq if missed else None)
-            missed = []
         if group not in self._baselines:
             # The desired state goes with the baseline: a fresh process applies it
             # and then the commands after the baseline, so it must be the state
@@ -245,71 +215,25 @@ class Engine:
             # the current one, or a later command would count twice or be undone.
             known = desired if desired is not None else self.log.desired_at(group, baseline)
             self._baselines[group] = (baseline, known)
-        info.applied_seq = info.held_seq = baseline
-        self.latest.forget(info.rank)  # the agent pushes its snapshot whole once registered
-        kind: EventKind | None = EventKind.JOINED
-        if old is not None and old.state in (RankState.LOST, RankState.STOPPED):
-            kind = EventKind.BACK
-        elif old is not None and old.peer == peer:
-            kind = None  # the same connection asking again (our answer was late): nothing new
-        elif old is not None:
-            kind = EventKind.SUPERSEDED
-        if kind is not None:  # a peer's doing, however fast it goes: within its rank's budget
-            self._event(("rank", info.rank), kind, rank=info.rank, tp_group=group, host=info.host,
-                        pid=info.pid, applied_seq=baseline)
-        out: list[Out] = [(AGENT, (peer,), p.encode(Op.REGISTERED, {
-            "epoch": self.shared.epoch,
-            "baseline_seq": baseline,
-            "heartbeat_interval": self.config.heartbeat_interval,
-            "heartbeat_timeout": self.config.heartbeat_timeout,
-            "stats_interval": self.config.pushed_interval,
-            "desired": desired,  # only to a fresh process: a re-registration keeps what it applied
-            "rebase": rebase,
-        }))]
         if claimed is None or rebase:
             missed = self.log.since(baseline)
-        out += self._resend(info.rank, peer, missed, now, registering=True)
-        for ack in body["acks"]:  # acknowledgements sent while we could not hear them
+        return baseline, desired, rebase, missed
+
+    def _replay_acks(self, info: RankInfo, acks: list[Any]) -> list[Out]:
+        """Acknowledgements a registering agent resends: sent while we could not hear them."""
+        out: list[Out] = []
+        for ack in acks:
             try:  # [seq, step, ok, error], checked as an ACK message would be
-                if not (isinstance(ack, list) and len(ack) == 4):
+                if not (isinstance(ack, list) and len(ack) == len(_ACK_FIELDS)):
                     raise ProtocolError(ErrorCode.BAD_FIELD, "register.acks: expected [seq, step, ok, error]")
-                a = p.validate_body(Op.ACK, {"rank": info.rank, **dict(zip(("seq", "step", "ok", "error"), ack))})
+                a = p.validate_body(Op.ACK, {"rank": info.rank, **dict(zip(_ACK_FIELDS, ack))})
             except ProtocolError as e:
                 logger.warning("rank %d resent a bad ack %r: %s", info.rank, ack, e)
                 continue
-            out += self._record_ack(info.rank, a["seq"], a["step"], a["ok"], a["error"])
+            out += self.dispatch.ack(info.rank, a["seq"], a["step"], a["ok"], a["error"])
         return out
 
-    def _refuse(self, peer: bytes, body: dict[str, Any], code: ErrorCode, reason: str) -> list[Out]:
-        return refuse(self.shared, peer, body, code, reason, engine=self.name)
-
-    def _event(self, source: tuple[Any, ...], kind: EventKind, **detail: Any) -> None:
-        """An event from a source a peer controls: rate-limited per source (within this engine),
-        the rest counted and summed up in one ``suppressed`` event a heartbeat interval later."""
-        if self.gate.event_allowed((self.name, *source), str(kind)):
-            self._add(kind, **detail)
-
-    def _resend(self, rank: int, peer: bytes, missed: list[Command], now: float, *,
-                registering: bool = False) -> list[Out]:
-        """Send a rank the commands it lacks: a window of them, at most once a heartbeat
-        interval, and each only once it has been out for an interval (monotonic clock).
-
-        A command frame can be lost (a full queue, a peer reconnecting) and its
-        whole TP group would wait for it for ever, so a rank still lacking one is
-        sent it again; agents drop the sequence numbers they already hold, so a
-        resend is never applied twice. The window and the pace bound what any
-        claim costs: the rest follow at the rank's next heartbeats.
-        """
-        interval = self.config.heartbeat_interval
-        if now < self._resent_at.get(rank, -math.inf) + interval:
-            return []
-        # A registering rank lacks all of them; a heartbeat's rank may have the last
-        # ones on their way.
-        cutoff = math.inf if registering else now - interval
-        due = [c for c in missed[:RESEND_WINDOW] if self._sent_at.get(c.seq, -math.inf) <= cutoff]
-        if due:
-            self._resent_at[rank] = now
-        return [(AGENT, (peer,), p.encode(Op.COMMAND, c.to_wire())) for c in due]
+    # -- what registered ranks send -------------------------------------------------
 
     def _heartbeat(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
         self.heartbeats += 1
@@ -322,12 +246,12 @@ class Engine:
         self._check_group(info.tp_group)
         out: list[Out] = []
         version = body.get("stats_version")
-        if version is not None and not self.latest.confirm(info.rank, version, now):
+        if version is not None and not self.snapshots.latest.confirm(info.rank, version, now):
             # Not the snapshot we hold (we lost it): the agent pushes its whole one.
             out.append((AGENT, (peer,), p.encode(Op.STATS_ACK, {"version": version, "ok": False})))
         if info.held_seq >= issued:
             return out
-        return out + self._resend(info.rank, peer, self.log.since(info.held_seq), now)
+        return out + self.dispatch.resend(info.rank, peer, self.log.since(info.held_seq), now)
 
     def _stats_push(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
         """A changed snapshot, which is a heartbeat too; acknowledged with whether it was used."""
@@ -335,13 +259,7 @@ class Engine:
         info = self.registry.by_peer(peer)
         if info is None or info.state is not RankState.LIVE:
             return out  # the heartbeat's answer asks it to register; its snapshot waits until then
-        try:
-            ok = self.latest.push(info.rank, info.tp_group, body, self.clock())
-        except ValueError as e:  # a buggy or newer agent: its rank shows missing, saying why
-            ok = False
-            self.dropped_bad_agent_frames += 1
-            if self.gate.allow(("bad snapshot", info.rank)):
-                logger.warning("rank %d pushed an invalid stats snapshot: %s", info.rank, e)
+        ok = self.snapshots.push(info, body)
         return [*out, (AGENT, (peer,), p.encode(Op.STATS_ACK, {"version": body["version"], "ok": ok}))]
 
     def _check_group(self, group: int) -> None:
@@ -362,36 +280,11 @@ class Engine:
         info = self.registry.touch(peer, self.clock())
         if info is None or info.rank != body["rank"]:
             return []
-        return self._record_ack(info.rank, body["seq"], body["step"], body["ok"], body["error"])
-
-    def _record_ack(self, rank: int, seq: Any, step: Any, ok: Any, error: Any) -> list[Out]:
-        pending = self._commands.get(seq) if isinstance(seq, int) else None
-        if pending is None or rank not in pending.targets or rank in pending.acks:
-            return []
-        pending.acks[rank] = {"rank": rank, "step": step, "ok": bool(ok), "error": error}
-        pending.owed.discard(rank)
-        if not ok:
-            self._add(EventKind.COMMAND_FAILED, rank=rank, seq=seq,
-                            action=pending.command.action, error=error)
-        if not pending.owed:
-            return self._finish_command(seq)
-        return []
+        return self.dispatch.ack(info.rank, body["seq"], body["step"], body["ok"], body["error"])
 
     def _stats_reply(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
         info = self.registry.touch(peer, self.clock())
-        pending = self._stats.get(body["request"])
-        if info is None or pending is None or info.rank not in pending.owed:
-            return []
-        pending.owed.discard(info.rank)
-        try:
-            pending.gathered.add(read_snapshot(info.rank, info.tp_group, body["step"], body["stats"]))
-        except ValueError as e:  # a buggy or newer agent: the others' answer must not suffer
-            self.dropped_bad_agent_frames += 1
-            logger.warning("rank %d sent an invalid stats snapshot: %s", info.rank, e)
-            pending.reasons[info.rank] = f"sent an invalid stats snapshot ({e})"
-        if not pending.owed:
-            return self._finish_stats(body["request"])
-        return []
+        return [] if info is None else self.snapshots.reply(info, body)
 
     def _agent_event(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
         info = self.registry.touch(peer, self.clock())
@@ -400,7 +293,7 @@ class Engine:
         kind = EventKind.LOCK_VIOLATION if body["kind"] == "lock_violation" else EventKind.AGENT_EVENT
         # The event's own keys come from the coordinator; a clashing detail key
         # would be a duplicate keyword argument and lose the whole event.
-        own = ("id", "time", "kind", "rank", "tp_group", "agent_kind")
+        own = ("id", "time", "kind", "engine", "rank", "tp_group", "agent_kind")
         detail = bounded_detail(body["detail"], reserved=own)
         self._event(("rank", info.rank), kind, rank=info.rank, tp_group=info.tp_group,
                     agent_kind=body["kind"], **detail)
@@ -413,156 +306,23 @@ class Engine:
             return []
         self._event(("rank", info.rank), EventKind.STOPPED, rank=info.rank, tp_group=info.tp_group,
                     last_step=info.step)
-        return self._rank_gone(info.rank, tp_group=info.tp_group,
-                               why=self.registry.missing(info.tp_group)[info.rank])
+        return self._rank_gone(info, self.registry.missing(info.tp_group)[info.rank])
 
-    def _rank_gone(self, rank: int, *, tp_group: int, why: str | None = None) -> list[Out]:
-        """A rank is no longer live: lost (``why`` None) or stopped (``why`` says so).
-
-        What waits for it is answered without it: a lost rank is listed as lost, a
-        stopped one as missing with ``why``.
-        """
-        out: list[Out] = []
-        for seq, pending in list(self._commands.items()):
-            if rank in pending.owed:
-                if why is None:
-                    pending.lost.add(rank)
-                else:
-                    pending.missing[rank] = why
-                pending.owed.discard(rank)
-                if not pending.owed:
-                    out += self._finish_command(seq)
-        for request, stats in list(self._stats.items()):
-            if rank in stats.owed:
-                if why is None:
-                    stats.lost.add(rank)
-                else:
-                    stats.reasons[rank] = why
-                stats.owed.discard(rank)
-                if not stats.owed:
-                    out += self._finish_stats(request)
-        if not self.registry.live(tp_group):  # a fresh group starts from the log again
-            self._baselines.pop(tp_group, None)
+    def _rank_gone(self, info: RankInfo, why: str | None) -> list[Out]:
+        """A rank is no longer live: lost (``why`` None) or stopped (``why`` says so). What
+        waits for it is answered without it: a lost rank is listed as lost, a stopped one as
+        missing with ``why``."""
+        out = self.dispatch.rank_gone(info.rank, why) + self.snapshots.rank_gone(info.rank, why)
+        if not self.registry.live(info.tp_group):  # a fresh group starts from the log again
+            self._baselines.pop(info.tp_group, None)
         return out
 
-    # -- clients ----------------------------------------------------------
+    # -- what clients and the metrics read ------------------------------------------
 
     def check_group(self, group: int | None) -> None:
         groups = self.registry.groups()
         if group is not None and self.registry.world_size is not None and group not in groups:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"group: no TP group {group} (groups are 0..{len(groups) - 1})")
-
-    def check_command(self, action: str, group: int | None) -> None:
-        """Refuse, before anything is numbered, what the desired state refuses."""
-        self.check_group(group)
-        if COMMANDS[action].refused_while_locked:
-            # The manager refuses these while locked; say so before numbering one.
-            scope = self.registry.groups() if group is None else [group]
-            locked = [g for g in scope if self.log.desired(g)["locked"]]
-            if locked or (group is None and not scope and self.log.default["locked"]):
-                raise ProtocolError(ErrorCode.CONFLICT, f"{action}: TP group(s) {locked} are locked; unlock first")
-
-    def command(self, action: str, body: dict[str, Any], answer: Answer) -> list[Out]:
-        """Number a command, send it to every live rank, and answer when its targets applied it
-        (``body["wait"]``) or at once with its number. ``check_command`` first."""
-        group = body["group"]
-        args = {k: v for k, v in body.items() if k not in ("group", "wait", "timeout", "engine")}
-        now = self.clock()
-        command = self.log.append(action, args, group, self.wall())
-        self._sent_at[command.seq] = now
-        while len(self._sent_at) > self.config.log_capacity:  # older ones left the log
-            del self._sent_at[next(iter(self._sent_at))]
-        self._add(EventKind.COMMAND, seq=command.seq, action=action, group=group, args=args)
-        frame = p.encode(Op.COMMAND, command.to_wire())
-        live = self.registry.live()
-        out: list[Out] = [(AGENT, (i.peer,), frame) for i in live]  # every rank holds every seq
-        targets = {i.rank for i in live if command.targets(i.tp_group)}
-        pending = _PendingCommand(
-            command=command, answer=answer if body["wait"] else None,
-            targets=targets, deadline=now + (body["timeout"] or self.config.command_timeout),
-            missing=self.registry.missing(group), numbered=now,
-        )
-        self._commands[command.seq] = pending
-        if not body["wait"]:
-            out += answer(CommandResult(command.seq, action, group, waited=False).to_dict())
-        if not targets:
-            out += self._finish_command(command.seq)
-        return out
-
-    def _finish_command(self, seq: int) -> list[Out]:
-        pending = self._commands.pop(seq)
-        command = pending.command
-        acks = [pending.acks[r] for r in sorted(pending.acks)]
-        steps_by_group: dict[int, set[int]] = {}
-        for ack in acks:
-            steps_by_group.setdefault(self.registry.ranks[ack["rank"]].tp_group, set()).add(ack["step"])
-        waiting = tuple(sorted(pending.owed))
-        result = CommandResult(
-            seq=seq, action=command.action, group=command.group, waited=pending.answer is not None,
-            complete=not waiting and not pending.lost and not pending.missing,
-            acked=tuple(acks), failed=tuple(a["rank"] for a in acks if not a["ok"]),
-            same_step={g: len(s) == 1 for g, s in sorted(steps_by_group.items())},
-            pending=waiting, lost=tuple(sorted(pending.lost)),
-            missing=tuple({"rank": r, "reason": why} for r, why in sorted(pending.missing.items())),
-        )
-        self._add(EventKind.COMMAND_APPLIED, seq=seq, action=command.action,
-                  group=command.group, steps={str(a["rank"]): a["step"] for a in acks},
-                  pending=list(waiting), complete=result.complete)
-        outcome = (CommandOutcome.FAILED if result.failed else
-                   CommandOutcome.COMPLETE if result.complete else CommandOutcome.PARTIAL)
-        self.shared.command_stats.record(command.action, outcome, self.clock() - pending.numbered)
-        if pending.answer is None:
-            return []
-        return pending.answer(result.to_dict())
-
-    def remembered(self, group: int | None) -> bytes:
-        """The encoded ``stats`` answer from the ranks' pushed snapshots (group None: all)."""
-        scope, missing = self.scope(group)
-        return self.latest.answer(scope, missing, self.clock(), self.wall(), self.config.stale_after,
-                                  key=group, version=self.registry.changes)
-
-    def scope(self, group: int | None) -> tuple[dict[int, list[int]], dict[int, str]]:
-        """``_stats_scope(group)`` and the registry's missing ranks of it, kept while the registry
-        counts no change; shared, never to be changed by the caller."""
-        changes = self.registry.changes
-        kept = self._stats_scopes.get(group)
-        if kept is None or kept[0] != changes:
-            if len(self._stats_scopes) >= _SCOPES_KEPT:  # groups asked for come and go: keep a few
-                self._stats_scopes.clear()
-            kept = self._stats_scopes[group] = (changes, self._stats_scope(group), self.registry.missing(group))
-        return kept[1], kept[2]
-
-    def start_stats(self, answer: Answer, group: int | None, timeout: float) -> list[Out]:
-        """Ask every live rank of ``group`` (None: all) for a snapshot now, and answer when all did."""
-        self._stats_ids += 1
-        request = self._stats_ids
-        live = self.registry.live(group)
-        self._stats[request] = _PendingStats(
-            answer=answer, group=group, targets={i.rank for i in live},
-            deadline=self.clock() + timeout, gathered=StatsRound(self._stats_scope(group)),
-        )
-        frame = p.encode(Op.STATS_REQUEST, {"request": request})
-        out: list[Out] = [(AGENT, (i.peer,), frame) for i in live]
-        if not live:
-            out += self._finish_stats(request)
-        return out
-
-    def _stats_scope(self, group: int | None) -> dict[int, list[int]]:
-        """Each TP group a stats request covers, with its expected ranks."""
-        groups = self.registry.groups() if group is None else [group]
-        return {g: self.registry.expected(g) for g in groups}
-
-    def _finish_stats(self, request: int) -> list[Out]:
-        pending = self._stats.pop(request)
-        missing = self.registry.missing(pending.group)
-        for rank in pending.targets - set(pending.gathered.replies):
-            missing[rank] = pending.reasons.get(rank) or (
-                "lost while asked" if rank in pending.lost else "no reply within the stats timeout")
-        # Encoded already: the parts as the replies came, spliced.
-        return pending.answer(pending.gathered.finish(self._stats_scope(pending.group), missing,
-                                                      round(self.wall(), 3)))
-
-    # -- what clients and the metrics read ------------------------------------------
 
     def core_view(self) -> CoreView:
         """A copy of the registry and this engine's counters, for the metrics (replaced whole)."""
@@ -608,7 +368,7 @@ class Engine:
             "tp_size": self.registry.tp_size,
             "desired": self.log.default,
             "ranks": self.registry.counts(),
-            "pending_commands": sorted(self._commands),
+            "pending_commands": self.dispatch.pending,
             "groups": groups,
             # Agent frames and registrations refused, by reason: an impostor or a
             # flood shows here (see the threat model in docs/security.md).
@@ -619,21 +379,21 @@ class Engine:
     def summary(self) -> dict[str, Any]:
         """This engine in one row of ``wsctl engines``."""
         live = self.registry.live()
-        states = {(i.manager_state.get("locked"), i.manager_state.get("num_ubatches")) for i in live}
-        locked = sorted({s[0] for s in states}, key=str)
-        ubatches = sorted({s[1] for s in states}, key=str)
+        locked = sorted({i.manager_state.get("locked") for i in live}, key=str)
+        ubatches = sorted({i.manager_state.get("num_ubatches") for i in live}, key=str)
         models = sorted({i.model for i in live if i.model})
+        latest = self.snapshots.latest
         return {
             "engine": self.name,
-            "model": models[0] if len(models) == 1 else (", ".join(models) or None),
+            "model": ", ".join(models) or None,
             "live": len(live),
             "world_size": self.registry.world_size,
             "tp_size": self.registry.tp_size,
             "seq": self.log.seq,
             "locked": locked[0] if len(locked) == 1 else None,
             "num_ubatches": ubatches[0] if len(ubatches) == 1 else None,
-            "workspace_bytes": self.latest.total_bytes(),
-            "lock_violations": self.latest.violations(),
+            "workspace_bytes": latest.total_bytes(),
+            "lock_violations": latest.violations(),
             "desired": self.log.default,
         }
 

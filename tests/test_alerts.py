@@ -104,9 +104,10 @@ def test_alert_unit_tests_pass():
 # catch it. (what the rules say, what the fault says, a pattern of what promtool must report.)
 _FAULTS = {
     "matching on tp_group alone": (
-        "/ on (job, instance, namespace, tp_group)", "/ on (tp_group)", r"rule: WsdGroupSkew, .* err: .*matching"),
+        "/ on (job, instance, namespace, engine, tp_group)", "/ on (tp_group)",
+        r"rule: WsdGroupSkew, .* err: .*matching"),
     "counting on tp_group alone": (
-        "count by (job, instance, namespace, tp_group) (wsd_rank_workspace_bytes)",
+        "count by (job, instance, namespace, engine, tp_group) (wsd_rank_workspace_bytes)",
         "count by (tp_group) (wsd_rank_workspace_bytes)", "alertname: WsdGroupSkew"),
     "a coordinator down as absent(wsd_ranks)": (
         'up{job=~"wsd-coordinator.*"} == 0', "absent(wsd_ranks)", "alertname: WsdCoordinatorDown"),
@@ -114,10 +115,13 @@ _FAULTS = {
         'up{job=~"wsd-coordinator.*", job!="wsd-coordinator-slurm"}[1h]', 'up{job=~"wsd-coordinator.*"}[1h]',
         "alertname: WsdCoordinatorGone"),
     "a rank alert per rank": (
-        "count by (job, instance, namespace, tp_group) (wsd_rank_up == 0)", "wsd_rank_up == 0",
+        "count by (job, instance, namespace, engine, tp_group) (wsd_rank_up == 0)", "wsd_rank_up == 0",
         "alertname: WsdRankDown"),
+    "the engines of one coordinator counted together": (
+        "count by (job, instance, namespace, engine, tp_group) (wsd_rank_up == 0)",
+        "count by (job, instance, namespace, tp_group) (wsd_rank_up == 0)", "alertname: WsdRankDown"),
     "a violation alert per rank": (
-        "sum by (job, instance, namespace, tp_group) (increase(wsd_rank_lock_violations_total[5m])) > 0",
+        "sum by (job, instance, namespace, engine, tp_group) (increase(wsd_rank_lock_violations_total[5m])) > 0",
         "increase(wsd_rank_lock_violations_total[5m]) > 0", "alertname: WsdLockViolations"),
 }
 
@@ -145,7 +149,8 @@ def _target(series: str) -> tuple[str, ...]:
 
 def test_alert_unit_tests_fire_every_alert_among_several_clusters():
     """Every alert is shown firing in some scenario, and every scenario holds two clusters or
-    more: what one Prometheus sees when it scrapes several coordinators."""
+    more (what one Prometheus sees when it scrapes several coordinators), or two engines of one
+    coordinator (each numbering its ranks from 0)."""
     document = _yaml(ALERT_TESTS)
     assert document["rule_files"] == [ALERTS.name]
     fired = {case["alertname"] for test in document["tests"] for case in test.get("alert_rule_test", [])
@@ -153,7 +158,9 @@ def test_alert_unit_tests_fire_every_alert_among_several_clusters():
     assert fired == {rule["alert"] for rule in _rules()}
     for test in document["tests"]:
         clusters = {_target(s["series"]) for s in test["input_series"]}
-        assert len(clusters) >= 2, f"{test['name']}: one cluster only"
+        engines = {(_target(s["series"]), m.group(1)) for s in test["input_series"]
+                   if (m := re.search(r'engine="([^"]*)"', s["series"]))}
+        assert len(clusters) >= 2 or len(engines) >= 2, f"{test['name']}: one cluster and one engine only"
 
 
 @needs_promtool
@@ -461,7 +468,7 @@ def test_every_alert_rule_evaluates_in_prometheus(prometheus):
 
 def _substituted(expr: str, cluster: Cluster) -> str:
     """A dashboard query as Grafana sends it with cluster ``cluster`` chosen and All groups and ranks."""
-    values = {"namespace": ".*", "job": "wsd-coordinator", "instance": cluster.target, "tp_group": ".*",
+    values = {"namespace": ".*", "job": "wsd-coordinator", "instance": cluster.target, "engine": ".*", "tp_group": ".*",
               "rank": ".*", "__rate_interval": "1m"}
     label_values = re.fullmatch(r"\s*label_values\((.*),\s*\w+\s*\)\s*", expr, re.S)
     if label_values:  # Grafana's, not PromQL: Grafana asks for the series of its selector

@@ -21,7 +21,7 @@ from test_coordinator_core import Harness, make, ops, peer_of, to_agents
 
 from wsd.agent.simulated import SimulatedRanks
 from wsd.coordinator.core import RESEND_WINDOW
-from wsd.security import registration_proof
+from wsd.security import challenge_proof, registration_proof
 from wsd.wire import protocol as p
 from wsd.wire.protocol import ErrorCode, Op
 from wsd_client.client import Client
@@ -136,6 +136,14 @@ def test_one_connection_holds_one_rank(h):
     assert [i.rank for i in registry.live()] == [0] and registry.by_peer(peer_of(0)).rank == 0
 
 
+def challenged(h: Harness, peer: bytes, nonce: str = "n0") -> str:
+    """A first registration's challenge, checked to prove the coordinator holds the token."""
+    sent = h.agent(peer, Op.REGISTER, {**registration(0, "x"), "nonce": nonce})
+    challenge = to_agents(sent, Op.CHALLENGE)[peer]
+    assert challenge["proof"] == challenge_proof(TOKEN, nonce, challenge["nonce"])
+    return challenge["nonce"]
+
+
 def test_with_an_agent_token_only_a_registration_that_proves_it_is_accepted(tmp_path):
     from wsd.coordinator.core import CoordinatorCore
 
@@ -146,13 +154,20 @@ def test_with_an_agent_token_only_a_registration_that_proves_it_is_accepted(tmp_
     def register(peer: bytes, body: dict[str, Any]) -> list:
         return ops(h.agent(peer, Op.REGISTER, body))
 
-    assert register(b"a", registration(0, "x")) == [Op.REJECTED]  # no proof
-    assert register(b"a", registration(0, "x", proof="0" * 64)) == [Op.REJECTED]  # a wrong one
-    # a proof seen on the wire is good for its own rank and instance only
-    seen = registration_proof(TOKEN, 0, "x")
-    assert register(b"a", registration(1, "x", proof=seen)) == [Op.REJECTED]
-    assert register(b"a", registration(0, "y", proof=seen)) == [Op.REJECTED]
-    assert register(b"a", registration(0, "x", proof=seen)) == [Op.REGISTERED]
+    assert register(b"a", registration(0, "x")) == [Op.REJECTED]  # no nonce: an agent too old to be challenged
+
+    def answer(rank: int, instance: str, proof: str | None) -> dict[str, Any]:
+        return {**registration(rank, instance, proof=proof), "nonce": "n0", "challenge": challenged(h, b"a")}
+
+    assert register(b"a", answer(0, "x", None)) == [Op.REJECTED]  # no proof
+    assert register(b"a", answer(0, "x", "0" * 64)) == [Op.REJECTED]  # a wrong one
+    # a proof is good for its own rank, instance and challenge only
+    body = answer(1, "x", None)
+    body["proof"] = registration_proof(TOKEN, 0, "x", None, "n0", body["challenge"])
+    assert register(b"a", body) == [Op.REJECTED]
+    body = answer(0, "x", None)
+    body["proof"] = registration_proof(TOKEN, 0, "x", None, "n0", body["challenge"])
+    assert register(b"a", body) == [Op.REGISTERED]
     refused = h.events("rejected")
     assert len(refused) == 4 and all(e["code"] == "forbidden" for e in refused)
     assert h.ok(Op.STATUS)["agents_authenticated"] is True
@@ -346,12 +361,29 @@ def test_an_impostor_holding_the_token_cannot_take_over_a_live_rank(start_coordi
         assert sim.wait_registered(20)
         answers = []
         deadline = time.monotonic() + 2.0
+        attempt = 0
         while time.monotonic() < deadline:
-            body = registration(1, "impostor", proof=registration_proof(TOKEN, 1, "impostor"), world=2)
-            body.update(tp_size=1, tp_group=1)
+            attempt += 1
+            body = registration(1, "impostor", world=2)
+            body.update(tp_size=1, tp_group=1, nonce=f"n{attempt}")
+            impostor.send(p.encode(Op.REGISTER, body))  # its challenge first, then its proof
+            challenge = None
+            while challenge is None and impostor.poll(200):
+                m = p.decode(impostor.recv(), p.COORDINATOR_OPS)
+                if m.op is Op.CHALLENGE and m.body["proof"] == challenge_proof(TOKEN, body["nonce"], m.body["nonce"]):
+                    challenge = m.body["nonce"]  # ours: not one to an earlier attempt
+                elif m.op is not Op.CHALLENGE:
+                    answers.append(m)
+            if challenge is None:
+                continue  # sent before the connection was made: again
+            body.update(challenge=challenge, proof=registration_proof(TOKEN, 1, "impostor", None, body["nonce"],
+                                                                      challenge))
             impostor.send(p.encode(Op.REGISTER, body))
-            if impostor.poll(200):
-                answers.append(p.decode(impostor.recv(), p.COORDINATOR_OPS))
+            while impostor.poll(200):
+                m = p.decode(impostor.recv(), p.COORDINATOR_OPS)
+                if m.op is not Op.CHALLENGE:  # a late challenge to an earlier attempt is no answer
+                    answers.append(m)
+                    break
         assert answers and all(m.op is Op.REJECTED and m.body["code"] == "conflict" for m in answers)
         with Client(coordinator.client_endpoint, timeout=5) as client:
             events = client.events(limit=10_000)["events"]

@@ -143,9 +143,15 @@ class Malice:
         world = r.choice([WORLD, WORLD, WORLD * 2, 1, min(rank + 1, 1 << 20), 1 << 20])
         tp = r.choice([TP, TP, TP, 1, 4, 1 << 20])
         instance = r.choice([None, "", self.text(64), "0" * 32])
+        nonce = r.choice([None, "n", self.text(64)])
+        challenge = r.choice([None, None, "c" * 32, self.text(64)])  # none sent to this peer: never the real one
         proof = r.choice([None, "", "0" * 64, r.randbytes(32).hex(), self.text(128),
-                          registration_proof(b"not-the-token-0123456789abcdef", rank, instance or ""),
-                          registration_proof(TOKEN, (rank + 1) % WORLD, instance or "")])  # seen for another rank
+                          registration_proof(b"not-the-token-0123456789abcdef", rank, instance or "", None,
+                                             nonce or "", challenge or ""),
+                          # seen for another rank, or for a challenge never sent
+                          registration_proof(TOKEN, (rank + 1) % WORLD, instance or "", None, nonce or "",
+                                             challenge or ""),
+                          registration_proof(TOKEN, rank, instance or "", None, nonce or "", challenge or "")])
         acks: list[Any] = [[self.seq(), self.number(), r.random() < 0.5, r.choice([None, self.text(100)])]
                            for _ in range(r.choice([0, 0, 1, 5, 64]))]
         if acks and r.random() < 0.3:  # an entry an ack never is
@@ -156,7 +162,7 @@ class Malice:
             "host": self.text(255, _PRINTABLE), "pid": r.randint(0, 1 << 31), "device": self.text(64, _PRINTABLE),
             "applied_seq": r.choice([None, None, self.seq()]), "acks": acks, "step": self.number(),
             "idle": r.random() < 0.5, "state": self.state(), "config": self.junk_map(64, 0),
-            "instance": instance, "proof": proof,
+            "instance": instance, "proof": proof, "nonce": nonce, "challenge": challenge,
         }
 
     def _heartbeat(self, a: Attacker) -> dict[str, Any]:

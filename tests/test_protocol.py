@@ -47,8 +47,9 @@ VALID: dict[Op, dict] = {
     Op.GOODBYE: {"rank": 3, "step": 120},
     Op.REGISTERED: {"epoch": "abc", "baseline_seq": 0, "heartbeat_interval": 1.0, "heartbeat_timeout": 5.0,
                     "desired": {"locked": True, "num_ubatches": 3, "reserve_bytes": None}},
+    Op.CHALLENGE: {"nonce": "c0ffee" * 5, "proof": "ab" * 32},
     Op.PULSE: {"epoch": "abc", "registered": False},
-    Op.COMMAND: {"seq": 1, "action": "set_ubatches", "args": {"n": 4}, "group": 0},
+    Op.COMMAND: {"seq": 1, "action": "set_ubatches", "args": {"n": 4}, "group": 0, "mac": "cd" * 32},
     Op.STATS_REQUEST: {"request": 1},
     Op.STATS_ACK: {"version": 5, "ok": False},
     Op.REJECTED: {"code": "mismatch", "message": "rank 9 is not below its world_size=4"},
@@ -86,7 +87,7 @@ def test_contract_pins_ops_codes_and_socket_sets():
         "ping", "engines", "status", "ranks", "stats", "events",
         "lock", "unlock", "set_ubatches", "reserve", "equalize", "trim",
         "register", "heartbeat", "ack", "stats_reply", "stats_push", "event", "goodbye",
-        "registered", "pulse", "command", "stats_request", "stats_ack", "rejected",
+        "registered", "challenge", "pulse", "command", "stats_request", "stats_ack", "rejected",
     }
     assert {str(c) for c in ErrorCode} == {
         "bad_message", "bad_version", "unknown_op", "bad_field", "too_large", "mismatch",
@@ -97,7 +98,7 @@ def test_contract_pins_ops_codes_and_socket_sets():
     assert p.CLIENT_OPS == p.READ_ONLY_OPS | p.COMMAND_OPS
     assert p.AGENT_OPS == {Op.REGISTER, Op.HEARTBEAT, Op.ACK, Op.STATS_REPLY, Op.STATS_PUSH, Op.EVENT,
                            Op.GOODBYE}
-    assert p.COORDINATOR_OPS == {Op.REGISTERED, Op.PULSE, Op.COMMAND, Op.STATS_REQUEST, Op.STATS_ACK,
+    assert p.COORDINATOR_OPS == {Op.REGISTERED, Op.CHALLENGE, Op.PULSE, Op.COMMAND, Op.STATS_REQUEST, Op.STATS_ACK,
                                  Op.REJECTED}
     # The sets partition the ops: each op belongs to exactly one socket direction.
     parts = [p.CLIENT_OPS, p.AGENT_OPS, p.COORDINATOR_OPS]
@@ -109,7 +110,8 @@ def test_contract_pins_ops_codes_and_socket_sets():
     # interval of its pushes (optional: an older coordinator says none, and takes none).
     registered = {f.name: f.required for f in p.SCHEMAS[Op.REGISTERED]}
     assert registered == {"epoch": True, "baseline_seq": True, "heartbeat_interval": True,
-                          "heartbeat_timeout": True, "stats_interval": False, "desired": False, "rebase": False}
+                          "heartbeat_timeout": True, "stats_interval": False, "desired": False, "rebase": False,
+                          "proof": False}
     assert p.decode(p.encode(Op.REGISTERED, {k: v for k, v in VALID[Op.REGISTERED].items()
                                              if k != "desired"})).body["desired"] is None
 

@@ -19,15 +19,19 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import json
 import os
+import secrets
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from wsd.errors import ConfigError
 
-__all__ = ["AGENT_TOKEN_ENV", "Role", "SecurityConfig", "load_agent_token", "read_owned",
-           "registration_proof"]
+__all__ = ["AGENT_TOKEN_ENV", "NONCE_BYTES", "Role", "SecurityConfig", "challenge_proof", "command_mac",
+           "load_agent_token", "new_nonce", "read_owned", "registered_proof", "registration_proof", "same_proof",
+           "session_key"]
 
 AGENT_TOKEN_ENV = "WSD_AGENT_TOKEN"
 """The environment variable by which launchers hand the agent token to a coordinator
@@ -174,10 +178,56 @@ def load_agent_token(security: SecurityConfig, environ: Mapping[str, str] | None
     return token
 
 
-def registration_proof(token: bytes, rank: int, instance: str) -> str:
-    """What a registration carries to show that its sender holds ``token``.
+# The agent token's handshake. Both sides prove they hold the token on every connection, to
+# each other, bound to two nonces: the agent's (in its first REGISTER) and the coordinator's
+# (in its CHALLENGE), each fresh per registration. So a proof seen on the wire is worth nothing
+# on another connection or later, an endpoint squatted without the token gets no proof from an
+# agent, and a key derived from the token and both nonces authenticates every command of that
+# registration. Each HMAC is over its own prefix, so that no proof can stand for another.
 
-    An HMAC of the rank and the agent's instance: the token itself never
-    travels, and a proof seen on the wire is good for that rank and instance only.
-    """
-    return hmac.new(token, f"wsd-register:{rank}:{instance}".encode(), hashlib.sha256).hexdigest()
+NONCE_BYTES = 16
+"""Random bytes per nonce (hex on the wire)."""
+
+
+def _mac(key: bytes, *parts: object) -> str:
+    return hmac.new(key, ":".join(map(str, parts)).encode(), hashlib.sha256).hexdigest()
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(NONCE_BYTES)
+
+
+def challenge_proof(token: bytes, nonce: str, challenge: str) -> str:
+    """The coordinator's proof, in its CHALLENGE, that it holds ``token``: over the agent's
+    ``nonce`` and its own ``challenge``."""
+    return _mac(token, "wsd-challenge", nonce, challenge)
+
+
+def registration_proof(token: bytes, rank: int, instance: str, engine: str | None, nonce: str,
+                       challenge: str) -> str:
+    """The agent's proof, in its second REGISTER, that it holds ``token``: over who it
+    registers as and both nonces (the token itself never travels)."""
+    return _mac(token, "wsd-register", rank, instance, engine or "", nonce, challenge)
+
+
+def registered_proof(token: bytes, nonce: str, challenge: str, epoch: str, baseline_seq: int) -> str:
+    """The coordinator's proof, in REGISTERED, that this answer is its own, to this registration."""
+    return _mac(token, "wsd-registered", nonce, challenge, epoch, baseline_seq)
+
+
+def session_key(token: bytes, nonce: str, challenge: str) -> bytes:
+    """The key of one registration: it authenticates every command sent under it."""
+    return hmac.new(token, f"wsd-session:{nonce}:{challenge}".encode(), hashlib.sha256).digest()
+
+
+def command_mac(key: bytes, command: Mapping[str, Any]) -> str:
+    """A command's authentication under a registration's ``session_key``: over its seq,
+    action, arguments and group (``Command.to_wire()``, its ``mac`` left out)."""
+    fields = {k: v for k, v in command.items() if k != "mac"}
+    return _mac(key, "wsd-command", json.dumps(fields, sort_keys=True, separators=(",", ":")))
+
+
+def same_proof(given: object, expected: str) -> bool:
+    """Whether ``given`` (a peer's, any type) is ``expected``, in constant time."""
+    # As bytes: compare_digest refuses a str that is not ASCII (a TypeError, not a refusal).
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())

@@ -23,7 +23,15 @@ from typing import Any, Protocol
 from wsd.commands import start_actions
 from wsd.fmt import cut
 from wsd.manager.stats import snapshot_delta
-from wsd.security import registration_proof
+from wsd.security import (
+    challenge_proof,
+    command_mac,
+    new_nonce,
+    registered_proof,
+    registration_proof,
+    same_proof,
+    session_key,
+)
 from wsd.wire import protocol as p
 from wsd.wire.protocol import Op
 
@@ -43,6 +51,7 @@ _UNSENT_RETRY = 0.05
 # Least seconds between two pushes that a command or a lock violation brings forward,
 # so that a violation at every engine step costs a bounded number of frames.
 _URGENT_GAP = 0.05
+_UNPROVEN_WARNING_EVERY = 60.0  # seconds between warnings of frames that do not prove the token
 
 
 class RankTarget(Protocol):
@@ -116,7 +125,18 @@ class AgentLink:
         # This agent process, the same across its reconnections: the coordinator
         # passes a live rank to another connection only with the same instance.
         self.instance = uuid.uuid4().hex
-        self._proof = None if token is None else registration_proof(token, rank, self.instance)
+        # With the agent token, every registration is a handshake (wsd.security): our nonce in a
+        # first REGISTER, the coordinator's CHALLENGE proving it holds the token, a second
+        # REGISTER proving we do over both nonces, and REGISTERED proving it is the
+        # coordinator's answer. The two nonces key the registration's commands.
+        self._token = token
+        self._nonce: str | None = None
+        self._challenge: str | None = None
+        self._key: bytes | None = None
+        self.unauthenticated = 0
+        """Frames dropped for not proving the coordinator holds the token (challenges,
+        answers, commands): an endpoint squatted, or frames of an earlier registration."""
+        self._warned_at = -math.inf
         self._lock = threading.Lock()
         self._received: dict[int, dict[str, Any]] = {}
         self.held = 0  # highest seq with every seq up to it received
@@ -153,6 +173,7 @@ class AgentLink:
         self._last_push = now - _URGENT_GAP
         self._handlers: dict[Op, Callable[[dict[str, Any], float], list[bytes]]] = {
             Op.REGISTERED: self._on_registered,
+            Op.CHALLENGE: self._on_challenge,
             Op.PULSE: self._on_pulse,
             Op.COMMAND: self._on_command,
             Op.STATS_REQUEST: self._on_stats_request,
@@ -186,6 +207,8 @@ class AgentLink:
         if not self.registered.is_set():
             if now >= self.next_register:
                 self.next_register = now + self.interval
+                if self._token is not None:  # every attempt a new handshake
+                    self._nonce, self._challenge = new_nonce(), None
                 return [p.encode(Op.REGISTER, self.registration())]
         else:
             out = self._take_reports()
@@ -267,9 +290,26 @@ class AgentLink:
             "applied_seq": None if self._fresh else max(self.applied, self.baseline),
             "acks": list(self._acks), "step": self.steps, "idle": self.idle,
             "state": self.target.state(), "config": self.extra,
-            "instance": self.instance, "proof": self._proof,
-            "engine": self.engine, "model": self.model,
+            "instance": self.instance, "engine": self.engine, "model": self.model,
+            "nonce": self._nonce, "challenge": self._challenge, "proof": self._proof(),
         }
+
+    def _proof(self) -> str | None:
+        """Our proof that we hold the token, once the coordinator proved it does (None before)."""
+        if self._token is None or self._nonce is None or self._challenge is None:
+            return None
+        return registration_proof(self._token, self.rank, self.instance, self.engine, self._nonce, self._challenge)
+
+    def _unproven(self, what: str, now: float) -> list[bytes]:
+        """A frame that does not prove the coordinator holds the token: dropped, and said at
+        most once a minute."""
+        self.unauthenticated += 1
+        if now >= self._warned_at + _UNPROVEN_WARNING_EVERY:
+            self._warned_at = now
+            logger.warning("rank %d: dropped %s that does not prove it comes from a coordinator holding the "
+                           "agent token (%d such frames): another process on the coordinator's endpoint, or an "
+                           "answer to an earlier registration", self.rank, what, self.unauthenticated)
+        return []
 
     # -- frames from the coordinator ------------------------------------------------
 
@@ -283,7 +323,22 @@ class AgentLink:
         self.last_heard = now
         return self._handlers[message.op](message.body, now)
 
+    def _on_challenge(self, body: dict[str, Any], now: float) -> list[bytes]:
+        """The coordinator's answer to a first registration: answered with our proof if it
+        proved it holds the token over our nonce."""
+        if self._token is None or self._nonce is None or self.registered.is_set() or not same_proof(
+                body["proof"], challenge_proof(self._token, self._nonce, body["nonce"])):
+            return self._unproven("a challenge", now)
+        self._challenge = body["nonce"]
+        return [p.encode(Op.REGISTER, self.registration())]
+
     def _on_registered(self, body: dict[str, Any], now: float) -> list[bytes]:
+        if self._token is not None:
+            if self._nonce is None or self._challenge is None or not same_proof(body["proof"], registered_proof(
+                    self._token, self._nonce, self._challenge, body["epoch"], body["baseline_seq"])):
+                return self._unproven("a registration's answer", now)
+            self._key = session_key(self._token, self._nonce, self._challenge)
+            self._nonce = self._challenge = None  # spent: a registration again is a new handshake
         rebase = body.get("rebase", False) and body["baseline_seq"] > self.applied
         if rebase:
             # The coordinator's kept log cannot bring us up to date (the commands after
@@ -329,6 +384,9 @@ class AgentLink:
         return []
 
     def _on_command(self, body: dict[str, Any], now: float) -> list[bytes]:
+        if self._token is not None and (self._key is None or not same_proof(body["mac"],
+                                                                            command_mac(self._key, body))):
+            return self._unproven(f"command seq {body['seq']}", now)
         seq = body["seq"]
         with self._lock:
             if seq <= self.held or seq in self._received:

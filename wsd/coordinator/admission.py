@@ -5,8 +5,11 @@ Nothing a peer of the agent endpoint sends is believed until it passes here:
 - **metering**, before a frame is decoded: a connection that has not registered
   may send registrations only (small and few), a registered one a bounded rate
   of bytes; the rest is dropped unread and counted;
-- **identity**: with an agent token, a registration must prove it holds it
-  (``wsd.security.registration_proof``: an HMAC of its rank and instance);
+- **identity**: with an agent token, each side proves it holds it afresh: an
+  agent's first registration (with its nonce) is answered with a challenge (the
+  coordinator's nonce and its proof), and only a second one that proves it over
+  both nonces (``wsd.security.registration_proof``) registers, once: the
+  challenge is spent, and the two nonces key the registration's commands;
 - **claims**: sequence numbers beyond what the coordinator issued are capped;
 - **events** from a source a peer controls are rate-limited, the rest summed up;
 - **liveness** is judged only up to when every waiting frame was read (at most
@@ -17,17 +20,16 @@ Plain logic with the coordinator's clock; no I/O. Imports no torch.
 
 from __future__ import annotations
 
-import hmac
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 from wsd.coordinator.ratelimit import RateLimit
 from wsd.errors import Unauthenticated
-from wsd.security import registration_proof
+from wsd.security import challenge_proof, new_nonce, registration_proof, same_proof, session_key
 from wsd.wire import protocol as p
 
-__all__ = ["TOO_LARGE", "UNREGISTERED_FRAME", "AgentGate", "Unauthenticated"]
+__all__ = ["MAX_CHALLENGES", "TOO_LARGE", "UNREGISTERED_FRAME", "AgentGate", "Proven", "Unauthenticated"]
 
 UNREGISTERED_FRAME = p.REGISTER_BYTES
 """The largest frame a connection that has not registered may send (a registration)."""
@@ -44,6 +46,18 @@ _UNREGISTERED_RATE = (p.REGISTER_BYTES, 2 * p.REGISTER_BYTES)  # bytes a second,
 _REGISTERED_RATE = (1 << 20, 4 << 20)
 _FRAME_COST = 256  # the least a frame counts for: a flood of tiny frames is metered too
 _EVENT_RATE = (10.0, 50.0)  # events a source may add: a second, burst
+MAX_CHALLENGES = 16384
+"""Challenges outstanding at most (the oldest goes first): each is a connection's, answered
+within a heartbeat timeout or spent."""
+
+
+class Proven(NamedTuple):
+    """A registration that proved it holds the agent token: its two nonces and the key of
+    its commands."""
+
+    nonce: str
+    challenge: str
+    key: bytes
 
 
 class AgentGate:
@@ -64,6 +78,8 @@ class AgentGate:
         self.refused: Counter[str] = Counter()
         self._suppressed: Counter[str] = Counter()
         self._heard_until: float | None = None
+        # Per connection, the challenge it was sent: (agent nonce, coordinator nonce, expiry).
+        self._challenges: OrderedDict[bytes, tuple[str, str, float]] = OrderedDict()
 
     # -- frames ---------------------------------------------------------------------
 
@@ -89,17 +105,36 @@ class AgentGate:
 
     # -- registrations and claims ------------------------------------------------------
 
-    def authenticate(self, body: dict[str, Any]) -> None:
-        """Raise Unauthenticated unless the registration proves it holds the agent token."""
+    def challenge(self, peer: bytes, nonce: str) -> dict[str, str]:
+        """The CHALLENGE body for a connection's first registration (with the agent's ``nonce``):
+        the coordinator's own nonce and its proof that it holds the token."""
+        assert self.token is not None
+        while len(self._challenges) >= MAX_CHALLENGES:
+            self._challenges.popitem(last=False)
+        challenge = new_nonce()
+        self._challenges.pop(peer, None)
+        self._challenges[peer] = (nonce, challenge, self._clock() + self._timeout)
+        return {"nonce": challenge, "proof": challenge_proof(self.token, nonce, challenge)}
+
+    def authenticate(self, peer: bytes, body: dict[str, Any]) -> Proven | None:
+        """The proof of a second registration, checked against the challenge this connection
+        was sent, which is spent either way; None without a token. Unauthenticated otherwise."""
         if self.token is None:
-            return
-        expected = registration_proof(self.token, body["rank"], body["instance"] or "")
-        proof = body["proof"]
-        # As bytes: compare_digest refuses a str that is not ASCII (a TypeError, not a refusal).
-        if not isinstance(proof, str) or not hmac.compare_digest(proof.encode(), expected.encode()):
+            return None
+        sent = self._challenges.pop(peer, None)
+        fix = "give the worker the same WSD_AGENT_TOKEN or [security] agent_token_file"
+        if sent is None or sent[2] < self._clock() or (sent[0], sent[1]) != (body["nonce"], body["challenge"]):
+            raise Unauthenticated(
+                f"rank {body['rank']}: registration refused: it answers no challenge this coordinator sent "
+                f"to its connection, or one spent or expired (a registration replayed, or one that took "
+                f"longer than heartbeat_timeout: it starts again by itself)")
+        expected = registration_proof(self.token, body["rank"], body["instance"] or "", body["engine"],
+                                      sent[0], sent[1])
+        if not same_proof(body["proof"], expected):
             raise Unauthenticated(
                 f"rank {body['rank']}: registration refused: it does not prove it holds this coordinator's "
-                f"agent token (give the worker the same WSD_AGENT_TOKEN or [security] agent_token_file)")
+                f"agent token ({fix})")
+        return Proven(sent[0], sent[1], session_key(self.token, sent[0], sent[1]))
 
     def believable(self, body: dict[str, Any], what: str, issued: int) -> dict[str, Any]:
         """A heartbeat's or goodbye's seqs, never beyond ``issued`` (counted when capped)."""

@@ -198,8 +198,14 @@ class CoordinatorCore:
 
     def _register(self, peer: bytes, body: dict[str, Any], engine: Engine | None) -> list[Out]:
         name = body["engine"] or self.config.engine
+        if self.gate.token is not None and body["challenge"] is None:  # the first of two: challenge it
+            if body["nonce"] is None:
+                return refuse(self.shared, peer, body, ErrorCode.FORBIDDEN, (
+                    f"rank {body['rank']}: registration refused: this coordinator has an agent token and "
+                    f"challenges every registration, and this agent sends no nonce: upgrade its wsd"), engine=name)
+            return [(AGENT, (peer,), p.encode(Op.CHALLENGE, self.gate.challenge(peer, body["nonce"])))]
         try:
-            self.gate.authenticate(body)
+            proven = self.gate.authenticate(peer, body)
         except Unauthenticated as e:
             return refuse(self.shared, peer, body, ErrorCode.FORBIDDEN, str(e), engine=name)
         if engine is not None and engine.name != name:
@@ -213,7 +219,7 @@ class CoordinatorCore:
             except ProtocolError as e:
                 return refuse(self.shared, peer, body, e.code, str(e), engine=name)
         old = target.registry.ranks.get(body["rank"])
-        out = target.register(peer, body)
+        out = target.register(peer, body, proven)
         if target.registry.by_peer(peer) is not None:
             self._peers[peer] = target
             if old is not None and old.peer != peer:

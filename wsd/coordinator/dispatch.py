@@ -19,7 +19,8 @@ from wsd.coordinator.config import CoordinatorConfig
 from wsd.coordinator.events import EventKind
 from wsd.coordinator.metrics import CommandOutcome, CommandStats
 from wsd.coordinator.outbox import AGENT, Answer, Out
-from wsd.coordinator.registry import Registry
+from wsd.coordinator.registry import RankInfo, Registry
+from wsd.security import command_mac
 from wsd.wire import protocol as p
 from wsd.wire.protocol import ErrorCode, Op, ProtocolError
 
@@ -94,9 +95,8 @@ class Dispatch:
         while len(self._sent_at) > self.config.log_capacity:  # older ones left the log
             del self._sent_at[next(iter(self._sent_at))]
         self.event(EventKind.COMMAND, seq=command.seq, action=action, group=group, args=args)
-        frame = p.encode(Op.COMMAND, command.to_wire())
         live = self.registry.live()
-        out: list[Out] = [(AGENT, (i.peer,), frame) for i in live]  # every rank holds every seq
+        out = [self._frame(command, i) for i in live]  # every rank holds every seq
         targets = {i.rank for i in live if command.targets(i.tp_group)}
         self._pending[command.seq] = _Pending(
             command=command, answer=answer if body["wait"] else None,
@@ -122,7 +122,7 @@ class Dispatch:
             return self._finish(seq)
         return []
 
-    def resend(self, rank: int, peer: bytes, missed: list[Command], now: float, *,
+    def resend(self, rank: int, missed: list[Command], now: float, *,
                registering: bool = False) -> list[Out]:
         """Send a rank the commands it lacks: a window of them, at most once a heartbeat
         interval, and each only once it has been out for an interval (monotonic clock).
@@ -142,7 +142,16 @@ class Dispatch:
         due = [c for c in missed[:RESEND_WINDOW] if self._sent_at.get(c.seq, -math.inf) <= cutoff]
         if due:
             self._resent_at[rank] = now
-        return [(AGENT, (peer,), p.encode(Op.COMMAND, c.to_wire())) for c in due]
+        info = self.registry.ranks[rank]
+        return [self._frame(c, info) for c in due]
+
+    @staticmethod
+    def _frame(command: Command, info: RankInfo) -> Out:
+        """A command to one rank: authenticated under its registration's key, where it has one."""
+        wire = command.to_wire()
+        if info.key is not None:
+            wire["mac"] = command_mac(info.key, wire)
+        return AGENT, (info.peer,), p.encode(Op.COMMAND, wire)
 
     def rank_gone(self, rank: int, why: str | None) -> list[Out]:
         """A rank is no longer live: lost (``why`` None) or stopped (``why`` says so); what

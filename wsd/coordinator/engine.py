@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from wsd.coordinator.admission import AgentGate
+from wsd.coordinator.admission import AgentGate, Proven
 from wsd.coordinator.commandlog import CommandLog
 from wsd.coordinator.config import CoordinatorConfig
 from wsd.coordinator.dispatch import Dispatch
@@ -27,6 +27,7 @@ from wsd.coordinator.metrics import CommandStats, CoreView, core_view
 from wsd.coordinator.outbox import AGENT, Out
 from wsd.coordinator.registry import RankInfo, RankState, RankTaken, RegistrationError, Registry
 from wsd.coordinator.snapshots import Snapshots
+from wsd.security import registered_proof
 from wsd.wire import protocol as p
 from wsd.wire.protocol import ErrorCode, Op, ProtocolError
 
@@ -96,7 +97,7 @@ class Engine:
         self._inconsistent: set[int] = set()
         self.heartbeats = 0
         self.agent_ops: dict[Op, Callable[[bytes, dict[str, Any]], list[Out]]] = {
-            Op.REGISTER: self.register,
+            Op.REGISTER: self.register,  # the core's, after its challenge: never a first registration
             Op.HEARTBEAT: self._heartbeat,
             Op.ACK: self._ack,
             Op.STATS_REPLY: self._stats_reply,
@@ -144,8 +145,9 @@ class Engine:
 
     # -- registration ---------------------------------------------------------
 
-    def register(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
-        """A registration whose proof the coordinator has checked already."""
+    def register(self, peer: bytes, body: dict[str, Any], proven: Proven | None = None) -> list[Out]:
+        """A registration whose proof the coordinator has checked already (``proven``; None:
+        registrations are not authenticated)."""
         now = self.clock()
         claimed = body["applied_seq"]
         try:
@@ -161,6 +163,7 @@ class Engine:
             return refuse(self.shared, peer, body, ErrorCode.MISMATCH, str(e), engine=self.name)
         baseline, desired, rebase, missed = self._start_point(info, claimed)
         info.applied_seq = info.held_seq = baseline
+        info.key = None if proven is None else proven.key
         self.snapshots.latest.forget(info.rank)  # the agent pushes its snapshot whole once registered
         kind: EventKind | None = EventKind.JOINED
         if old is not None and old.state in (RankState.LOST, RankState.STOPPED):
@@ -180,8 +183,10 @@ class Engine:
             "stats_interval": self.config.pushed_interval,
             "desired": desired,  # only to a fresh process: a re-registration keeps what it applied
             "rebase": rebase,
+            "proof": None if proven is None or self.gate.token is None else registered_proof(
+                self.gate.token, proven.nonce, proven.challenge, self.shared.epoch, baseline),
         }))]
-        out += self.dispatch.resend(info.rank, peer, missed, now, registering=True)
+        out += self.dispatch.resend(info.rank, missed, now, registering=True)
         return out + self._replay_acks(info, body["acks"])
 
     def _start_point(self, info: RankInfo, claimed: int | None) -> tuple[
@@ -251,7 +256,7 @@ class Engine:
             out.append((AGENT, (peer,), p.encode(Op.STATS_ACK, {"version": version, "ok": False})))
         if info.held_seq >= issued:
             return out
-        return out + self.dispatch.resend(info.rank, peer, self.log.since(info.held_seq), now)
+        return out + self.dispatch.resend(info.rank, self.log.since(info.held_seq), now)
 
     def _stats_push(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
         """A changed snapshot, which is a heartbeat too; acknowledged with whether it was used."""

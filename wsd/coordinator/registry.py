@@ -86,6 +86,9 @@ class RankInfo:
     """The agent process's own value, the same across its reconnections (None: not given)."""
     model: str | None = None
     """What its engine serves, as the agent said (None: not said)."""
+    key: bytes | None = field(default=None, repr=False)
+    """The session key of its registration (``wsd.security.session_key``): its commands are
+    sent authenticated under it. None: registrations are not authenticated."""
     state: RankState = RankState.LIVE
     registered_at: float = 0.0
     """Wall-clock time (``time.time()``) of the registration."""

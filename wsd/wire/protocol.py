@@ -79,6 +79,7 @@ class Op(StrEnum):
     GOODBYE = "goodbye"
     # coordinator -> agent
     REGISTERED = "registered"
+    CHALLENGE = "challenge"
     PULSE = "pulse"
     COMMAND = "command"
     STATS_REQUEST = "stats_request"
@@ -120,7 +121,8 @@ COMMAND_OPS = frozenset(Op(name) for name in COMMANDS)
 READ_ONLY_OPS = frozenset({Op.PING, Op.ENGINES, Op.STATUS, Op.RANKS, Op.STATS, Op.EVENTS})
 CLIENT_OPS = COMMAND_OPS | READ_ONLY_OPS
 AGENT_OPS = frozenset({Op.REGISTER, Op.HEARTBEAT, Op.ACK, Op.STATS_REPLY, Op.STATS_PUSH, Op.EVENT, Op.GOODBYE})
-COORDINATOR_OPS = frozenset({Op.REGISTERED, Op.PULSE, Op.COMMAND, Op.STATS_REQUEST, Op.STATS_ACK, Op.REJECTED})
+COORDINATOR_OPS = frozenset({Op.REGISTERED, Op.CHALLENGE, Op.PULSE, Op.COMMAND, Op.STATS_REQUEST, Op.STATS_ACK,
+                             Op.REJECTED})
 
 _INT_MAX = 2**63 - 1
 # Types whose values Field.check may accept on its fast path.
@@ -269,10 +271,13 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
         _STATE,
         _opt(_map("config", 64), {}),
         # Who is registering: one value per agent process, kept across its
-        # reconnections; and, where the coordinator has an agent token, the
-        # proof that the sender holds it (wsd.security.registration_proof).
+        # reconnections. Where there is an agent token: the agent's nonce, fresh per
+        # registration; in its second REGISTER the coordinator's CHALLENGE nonce too, and
+        # the proof that the sender holds the token (wsd.security.registration_proof).
         _opt(_str("instance", 64)),
         _opt(_str("proof", 128)),
+        _opt(_str("nonce", 64)),
+        _opt(_str("challenge", 64)),
         # The engine this rank belongs to (None: the coordinator's default engine), and what
         # it serves (a model's name), shown in ``wsctl engines``.
         _ENGINE,
@@ -303,9 +308,18 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
                     # To a process the kept log cannot bring up to date (it applied less than
                     # the oldest command kept, or than a resume_seq): start again from
                     # baseline_seq with the desired state, as a fresh process does.
-                    _opt(_f("rebase", bool), False)),
+                    _opt(_f("rebase", bool), False),
+                    # Where there is an agent token: that this answer is the coordinator's own,
+                    # to this registration (wsd.security.registered_proof).
+                    _opt(_str("proof", 128))),
+    # Where there is an agent token, the answer to a first REGISTER: the coordinator's nonce,
+    # and its proof that it holds the token (wsd.security.challenge_proof).
+    Op.CHALLENGE: (_str("nonce", 64), _str("proof", 128)),
     Op.PULSE: (_f("epoch", str), _opt(_f("registered", bool), True)),
-    Op.COMMAND: (_int("seq", 1), _f("action", str), _opt(_f("args", dict), {}), _opt(_int("group", 0, 65535))),
+    # ``mac``: where there is an agent token, the command authenticated under the registration's
+    # session key (wsd.security.command_mac); an agent applies no command without it.
+    Op.COMMAND: (_int("seq", 1), _f("action", str), _opt(_f("args", dict), {}), _opt(_int("group", 0, 65535)),
+                 _opt(_str("mac", 128))),
     Op.STATS_REQUEST: (_int("request"),),
     # The push numbered ``version`` is the coordinator's now (``ok``), or it could not use
     # it (a delta on another base, or invalid): the agent pushes its whole snapshot next.

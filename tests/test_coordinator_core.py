@@ -220,7 +220,7 @@ def test_registration_accepted(h):
     assert registered == {"epoch": h.core.epoch, "baseline_seq": 0, "heartbeat_interval": 1.0,
                           "heartbeat_timeout": 5.0, "stats_interval": 1.0,
                           "desired": {"locked": None, "num_ubatches": None, "reserve_bytes": None},
-                          "rebase": False}
+                          "rebase": False, "proof": None}  # no agent token: nothing to prove
     info = h.core.engine().registry.ranks[1]
     assert info.state is RankState.LIVE and info.tp_group == 0 and info.step == 7
     joined = h.events("joined")
@@ -1194,7 +1194,7 @@ def test_command_lost_in_transit_is_resent_after_a_heartbeat_interval(h):
     assert to_agents(h.heartbeat(0, seq=0), Op.COMMAND) == {}
     h.advance(1.0)
     resent = to_agents(h.heartbeat(0, seq=0), Op.COMMAND)
-    assert resent == {peer_of(0): {"seq": 1, "action": "lock", "args": {}, "group": None}}
+    assert resent == {peer_of(0): {"seq": 1, "action": "lock", "args": {}, "group": None, "mac": None}}
     # A rank that holds it is not sent it again.
     assert to_agents(h.heartbeat(1, seq=1), Op.COMMAND) == {}
 

@@ -430,3 +430,38 @@ def test_aggregates_after_set_ubatches_drops_slots_and_a_rank_leaves_are_exact(c
         assert group["total_bytes"] == sum(m["total_bytes"] for m in members)
     assert [m["rank"] for m in doc["missing"]] == [3] and doc["missing"][0]["reason"].startswith("lost")
     assert doc["total_bytes"] == sum(r["total_bytes"] for r in doc.ranks)
+
+
+def _wide_push(core: CoordinatorCore, version: int, base: int | None, snapshot: dict[str, Any] | None,
+               delta: dict[str, Any] | None) -> bool | None:
+    """Rank 0 pushes; whether its push was taken in (None: unacknowledged)."""
+    out = core.handle_agent((b"p0",), p.encode(Op.STATS_PUSH, {
+        "rank": 0, "version": version, "base": base, "step": version, "applied_seq": 0, "held_seq": 0,
+        "state": {}, "stats": snapshot, "delta": delta}))
+    acks = [msgpack.unpackb(f)["body"]["ok"] for _, _, f in out if msgpack.unpackb(f)["op"] == "stats_ack"]
+    return acks[0] if acks else None
+
+
+@pytest.mark.parametrize("pushes_a_second, refused", [(1_000, True), (20, False)])
+def test_pushes_cost_a_rank_by_the_snapshot_they_change_not_by_their_bytes(tmp_path, pushes_a_second, refused):
+    """200-byte deltas into a 4,096-slot snapshot at 1,000 a second held the coordinator at
+    100% of a core (each is merged into the whole snapshot). A rank may cost about 1% of a core
+    a second in pushes: the flood is mostly refused, unacknowledged and counted, while a real
+    agent's most (a push every 50 ms) is all taken in."""
+    from wsd.agent.simulated import SimulatedManager
+
+    core, clock = _core(tmp_path)
+    snapshot = SimulatedManager(64, 64).snapshot()  # 4,096 slots: a manager's most
+    assert _wide_push(core, 1, None, snapshot, None) is True
+    base, taken = 1, 0
+    for version in range(2, 2 + 5 * pushes_a_second):  # five seconds of it
+        clock.now += 1.0 / pushes_a_second
+        if _wide_push(core, version, base, None, {"columns": {"requests": [[version % 4096], [version]]}}):
+            base, taken = version, taken + 1
+    count = core.gate.refused["stats push rate"]
+    assert taken + count == 5 * pushes_a_second
+    if refused:
+        assert count > 0.8 * 5 * pushes_a_second, count
+    else:
+        assert count == 0
+    assert [r["rank"] for r in table_rows(_ask(core)["ranks"])] == [0]  # its last one taken still answers

@@ -29,12 +29,13 @@ from wsd.errors import Unauthenticated
 from wsd.security import challenge_proof, new_nonce, registration_proof, same_proof, session_key
 from wsd.wire import protocol as p
 
-__all__ = ["MAX_CHALLENGES", "TOO_LARGE", "UNREGISTERED_FRAME", "AgentGate", "Proven", "Unauthenticated"]
+__all__ = ["MAX_CHALLENGES", "PUSH_RATE", "TOO_LARGE", "UNREGISTERED_FRAME", "AgentGate", "Proven", "Unauthenticated"]
 
 UNREGISTERED_FRAME = p.REGISTER_BYTES
 """The largest frame a connection that has not registered may send (a registration)."""
 TOO_LARGE = "too large before registering"
-REFUSAL_REASONS = ("rate", TOO_LARGE, "stats reply not asked for", "heartbeat beyond the issued seq",
+PUSH_RATE = "stats push rate"
+REFUSAL_REASONS = ("rate", TOO_LARGE, PUSH_RATE, "stats reply not asked for", "heartbeat beyond the issued seq",
                    "goodbye beyond the issued seq", "registration forbidden", "registration conflict",
                    "registration mismatch")
 """Every reason ``refused`` counts: the metric has a sample of each from the start (0), so that
@@ -46,6 +47,13 @@ _UNREGISTERED_RATE = (p.REGISTER_BYTES, 2 * p.REGISTER_BYTES)  # bytes a second,
 _REGISTERED_RATE = (1 << 20, 4 << 20)
 _FRAME_COST = 256  # the least a frame counts for: a flood of tiny frames is metered too
 _EVENT_RATE = (10.0, 50.0)  # events a source may add: a second, burst
+# What taking in a pushed snapshot costs the coordinator, in microseconds of its loop:
+# a delta of a few bytes is merged into the rank's whole snapshot, so its cost grows with
+# that snapshot's slots (0.5 ms at 4,096 slots), not with its own bytes. Each rank may cost
+# 1% of a core a second in pushes, in bursts of 5%: a real agent pushes at most every
+# 50 ms (20 a second, about 9 ms at 4,096 slots); one pushing faster is refused.
+_PUSH_COST = (30.0, 0.12)  # microseconds: a push, and each slot of its snapshot
+_PUSH_RATE = (10_000.0, 50_000.0)  # microseconds a second, burst
 MAX_CHALLENGES = 16384
 """Challenges outstanding at most (the oldest goes first): each is a connection's, answered
 within a heartbeat timeout or spent."""
@@ -75,6 +83,7 @@ class AgentGate:
         self._unregistered = RateLimit(*_UNREGISTERED_RATE)
         self._registered = RateLimit(*_REGISTERED_RATE)
         self._events = RateLimit(*_EVENT_RATE)
+        self._pushes = RateLimit(*_PUSH_RATE)
         self.refused: Counter[str] = Counter()
         self._suppressed: Counter[str] = Counter()
         self._heard_until: float | None = None
@@ -98,6 +107,14 @@ class AgentGate:
             reason = "rate"
         self.refused[reason] += 1
         return reason
+
+    def push_allowed(self, rank: Hashable, slots: int) -> bool:
+        """Whether a rank's pushed snapshot of ``slots`` slots (the larger of the one held and the
+        one pushed) may be taken in now; counted when refused."""
+        if self._pushes.allow(rank, self._clock(), _PUSH_COST[0] + _PUSH_COST[1] * slots):
+            return True
+        self.refused[PUSH_RATE] += 1
+        return False
 
     def allow(self, source: Hashable) -> bool:
         """Whether ``source`` may have one more answer or log line now (the event budget)."""

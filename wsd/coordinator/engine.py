@@ -89,7 +89,8 @@ class Engine:
         self.dispatch = Dispatch(config, self.registry, self.log, shared.command_stats,
                                  clock=shared.clock, wall=shared.wall, event=self._add)
         self.snapshots = Snapshots(config, self.registry, clock=shared.clock, wall=shared.wall,
-                                   allow=shared.gate.allow)
+                                   allow=shared.gate.allow, afford=lambda rank, slots: shared.gate.push_allowed(
+                                       (name, rank), slots))
         # The sequence number fresh processes of a TP group start from, so that
         # members registering a moment apart still see the same commands, with
         # the group's desired state at it (None: older than the log could tell).
@@ -265,6 +266,8 @@ class Engine:
         if info is None or info.state is not RankState.LIVE:
             return out  # the heartbeat's answer asks it to register; its snapshot waits until then
         ok = self.snapshots.push(info, body)
+        if ok is None:  # faster than an agent pushes: dropped, the heartbeat in it taken
+            return out
         return [*out, (AGENT, (peer,), p.encode(Op.STATS_ACK, {"version": body["version"], "ok": ok}))]
 
     def _check_group(self, group: int) -> None:

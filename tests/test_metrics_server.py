@@ -44,9 +44,21 @@ from wsd.agent.simulated import SimulatedRanks
 from wsd.config import load_config
 from wsd.coordinator import metrics_server
 from wsd.coordinator.loop import Coordinator
-from wsd.coordinator.metrics import CONTENT_TYPE, SLOT_FAMILIES
-from wsd.coordinator.metrics_server import HANDSHAKE_TIMEOUT, MAX_CONNECTIONS
+from wsd.coordinator.metrics import (
+    CONTENT_TYPE,
+    SLOT_FAMILIES,
+    Collector,
+    Counters,
+    EngineFigures,
+    Published,
+    RankFigures,
+    StatsView,
+    core_view,
+)
+from wsd.coordinator.metrics_server import HANDSHAKE_TIMEOUT, MAX_CONNECTIONS, WRITE_TIMEOUT, MetricsServer
+from wsd.coordinator.registry import Registry
 from wsd.errors import ConfigError
+from wsd.manager.stats import SLOT_NUMBERS
 
 HEARTBEAT = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0}
 
@@ -347,3 +359,43 @@ def test_tls_options_that_would_serve_plain_http_are_refused(env, message):
     HTTP while the operator believes otherwise: refused at load, naming the keys."""
     with pytest.raises(ConfigError, match=message):
         load_config(env=env)
+
+
+def _big_view(ranks: int, slots: int) -> Published:
+    """A published view of ``ranks`` ranks of ``slots`` slots each: a scrape of several MB."""
+    columns = {n.name: [1 << 20] * slots for n in SLOT_NUMBERS}
+    columns.update(ubatch=list(range(slots)), lane=[0] * slots)
+    stats = StatsView(time.time(), tuple(RankFigures(r, r // 8, 1 << 30, 0.5, False, columns) for r in range(ranks)),
+                      ())
+    registry = Registry(ranks, 8, 5.0)
+    return Published(counters=Counters(), engines=(EngineFigures("default", core_view(registry, seq=0,
+                                                                                     inconsistent=set()), stats),))
+
+
+def test_clients_that_never_read_their_answer_keep_no_real_scrape_out():
+    """16 connections that sent `GET /metrics` and never read held every slot for 60 s once a
+    scrape outgrew the socket buffers (3.6 MB at 1,024 ranks): 0 of 40 real scrapes got in.
+    Now one address holds at most MAX_PER_ADDRESS connections, a full server evicts the one
+    answered longest, and a write waits at most WRITE_TIMEOUT for its reader."""
+    published = _big_view(2048, 8)
+    server = MetricsServer(lambda: published, "127.0.0.1", 0)
+    stuck = []
+    try:
+        size = len(Collector(lambda: published).render())
+        assert size > 4 << 20, size  # far more than the socket buffers hold
+        for _ in range(16):  # as many as the server serves at once
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")  # and never read
+            stuck.append(sock)
+        served = 0
+        for _ in range(10):  # as Prometheus scrapes: gzip accepted
+            status, _, body = get(server.url, headers={"Accept-Encoding": "gzip"})
+            served += status == 200 and "wsd_rank_up" in gzip.decompress(body).decode()
+        assert served == 10
+        # every non-reader is gone within the write deadline, evicted or timed out
+        wait_until(lambda: len(server._server.open) <= 1, WRITE_TIMEOUT + 10, "the non-readers dropped")
+    finally:
+        for sock in stuck:
+            sock.close()
+        server.stop()

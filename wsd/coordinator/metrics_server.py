@@ -11,9 +11,13 @@ standard library's threaded WSGI server, as prometheus_client's is, with an
 the same option names, the same meaning. What it adds, so that no client can
 take its threads or its memory:
 
-- at most ``MAX_CONNECTIONS`` connections at once, each on a thread of its own;
-  one more evicts the oldest that has not yet sent its request (a scrape sends
-  it at once: an idle or trickling client is the one to go), else it is closed;
+- at most ``MAX_CONNECTIONS`` connections at once, each on a thread of its own,
+  and ``MAX_PER_ADDRESS`` from one client address; one more evicts the oldest
+  that has not yet sent its request (a scrape sends it at once: an idle or
+  trickling client is the one to go), else the one answered longest (a scrape
+  takes tens of milliseconds: a client that does not read is the one to go);
+- a deadline on every write, ``WRITE_TIMEOUT``: a client that stops reading
+  frees its connection within it, whatever the answer's size;
 - one deadline per connection, ``HANDSHAKE_TIMEOUT`` for the TLS handshake and
   the request line and headers together, then ``RESPONSE_TIMEOUT`` for the
   answer, enforced by the accepting thread, which shuts the socket down (a
@@ -44,7 +48,8 @@ from wsd.coordinator.metrics import CONTENT_TYPE, Collector, Published
 from wsd.errors import ConfigError, WsdError
 from wsd.wire.transport import BindError
 
-__all__ = ["HANDSHAKE_TIMEOUT", "MAX_CONNECTIONS", "PATH", "RESPONSE_TIMEOUT", "MetricsServer", "tls_context"]
+__all__ = ["HANDSHAKE_TIMEOUT", "MAX_CONNECTIONS", "MAX_PER_ADDRESS", "PATH", "RESPONSE_TIMEOUT", "WRITE_TIMEOUT",
+           "MetricsServer", "tls_context"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +67,13 @@ is 14 MB, under 1 MB gzipped: a slow reader has time)."""
 MAX_CONNECTIONS = 16
 """Connections served at once (a thread each): Prometheus keeps one per target, two for an
 HA pair, and a scrape takes tens of milliseconds."""
+
+MAX_PER_ADDRESS = 4
+"""Connections served at once from one client address: 16 clients of one host that send a
+request and never read its answer once held every connection (no real scrape got in)."""
+
+WRITE_TIMEOUT = 5.0
+"""Seconds each write of an answer may wait for the client to read."""
 # stop() waits this long at most for the server's loop to notice shutdown.
 _POLL_INTERVAL = 0.1
 # gzip level 1: 3.6 MB of text shrinks to 198 KiB in 7 ms; level 9 (prometheus_client's)
@@ -121,10 +133,12 @@ def tls_context(config: CoordinatorConfig) -> ssl.SSLContext | None:
 class _Connection:
     """One accepted connection, as the accepting thread watches it (under ``_Server.lock``)."""
 
-    __slots__ = ("deadline", "dropped", "requested", "sock")
+    __slots__ = ("address", "deadline", "dropped", "requested", "sock")
 
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
+    def __init__(self, sock: socket.socket, address: str, deadline: float) -> None:
         self.sock = sock
+        self.address = address
+        """The client's address (its host, not its port)."""
         """The socket to shut down: the TCP one, then the TLS one wrapped around it."""
         self.deadline = deadline
         """Monotonic time at which it is shut down, whatever it is doing."""
@@ -149,16 +163,18 @@ class _Server(ThreadingMixIn, WSGIServer):
     # -- the accepting thread ------------------------------------------------------------------
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        """A thread for the connection, within ``MAX_CONNECTIONS``: one past it evicts the oldest
-        connection still without a request, or, every one being answered, is closed at once."""
+        """A thread for the connection, within ``MAX_CONNECTIONS`` and ``MAX_PER_ADDRESS``: one past
+        either evicts, of those it competes with, the oldest still without a request, else the
+        one answered longest."""
+        address = str(client_address[0]) if isinstance(client_address, tuple) else str(client_address)
         with self.lock:
-            if len(self.open) >= MAX_CONNECTIONS:
-                idle = next((c for c in self.open if not c.requested), None)
-                if idle is None:
-                    self.shutdown_request(request)
-                    return
-                self._drop(idle)
-            connection = _Connection(request, time.monotonic() + HANDSHAKE_TIMEOUT)
+            same = [c for c in self.open if c.address == address]
+            for rivals, limit in ((same, MAX_PER_ADDRESS), (self.open, MAX_CONNECTIONS)):
+                if len(rivals) >= limit:
+                    idle = next((c for c in rivals if not c.requested), None)
+                    self._drop(idle if idle is not None else rivals[0])  # oldest first: answered longest
+                    break
+            connection = _Connection(request, address, time.monotonic() + HANDSHAKE_TIMEOUT)
             self.open.append(connection)
         threading.Thread(target=self._serve, args=(connection, request, client_address),
                          name="wsd-metrics-connection", daemon=True).start()
@@ -229,7 +245,7 @@ class _Server(ThreadingMixIn, WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    timeout = RESPONSE_TIMEOUT  # a write; a read is bounded by the connection's deadline
+    timeout = WRITE_TIMEOUT  # each write; a read is bounded by the connection's deadline too
 
     def parse_request(self) -> bool:
         if not super().parse_request():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 from wsd.config import GrowthPolicy, WorkspaceConfig, load_config, parse_size
@@ -341,3 +344,26 @@ def test_a_nul_in_a_string_is_refused_naming_the_key(tmp_path, text):
     path = write(tmp_path, text)
     with pytest.raises(ConfigError, match=r"wsd\.toml: \[\w+\] \w+ must not contain a NUL character"):
         load_config(path)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: p.write_text("a = " + "[" * 100_000 + "]" * 100_000), "nested too deeply"),
+    (lambda p: p.write_text("[workspace]\n" + "# " + "x" * (2 << 20) + "\n"), "more than 1048576 bytes"),
+    (lambda p: os.mkfifo(p), "not a regular file"),
+    (lambda p: p.mkdir(), "not a regular file"),
+])
+def test_a_configuration_file_that_would_hang_or_crash_the_reader_is_a_one_line_error(tmp_path, make, message):
+    """Arrays nested 100,000 deep gave a RecursionError traceback (wsd coordinator, wsd up,
+    wsctl's contexts); a FIFO hung the reader; /dev/zero was read for ever."""
+    path = tmp_path / "wsd.toml"
+    make(path)
+    with pytest.raises(ConfigError, match=message) as e:
+        load_config(path, env={})
+    assert str(path) in str(e.value)
+
+
+def test_dev_zero_as_a_configuration_file_is_refused_at_once():
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_config("/dev/zero", env={})
+    assert time.monotonic() - started < 5

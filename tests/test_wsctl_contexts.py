@@ -141,6 +141,7 @@ def test_a_file_without_current_gets_one_and_no_file_is_no_context(config, capsy
      "wsctl.toml: no context 'b' (contexts: a)"),
     ('[contexts.a]\nendpoint = "tcp://h:1"\n', ["config", "use-context", "b"],
      "wsctl.toml: no context 'b' (contexts: a)"),
+    ("a = " + "[" * 50_000 + "]" * 50_000 + "\n", ["ping"], "wsctl.toml: not valid TOML for wsd: nested too deeply"),
 ])
 def test_a_bad_file_is_a_usage_error_naming_the_file_and_key(config, capsys, text, argv, message):
     """Fails if a wrong contexts file is tried, raises a traceback, or is refused without

@@ -29,7 +29,6 @@ import dataclasses
 import enum
 import os
 import re
-import sys
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -42,12 +41,8 @@ from wsd.errors import ConfigError
 from wsd.manager.config import MAX_LANES, MAX_UBATCHES, GrowthPolicy, LockedGrowthPolicy, WorkspaceConfig
 from wsd.sections import parse_size
 from wsd.security import SecurityConfig
+from wsd.tomlread import parse_toml, read_toml
 from wsd.worker.config import Backend, WorkerConfig, WorkloadConfig, WorkloadDtype
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
 
 __all__ = [
     "MAX_EVENT_CAPACITY",
@@ -69,6 +64,7 @@ __all__ = [
     "is_service_link",
     "load_config",
     "parse_size",
+    "parse_toml",
     "read_toml",
 ]
 
@@ -243,22 +239,6 @@ def _build(cls: type, raw: Mapping[str, tuple[Any, str, bool]], section: str) ->
     except ValueError as e:
         where = ", ".join(sorted({w for _, w, _ in raw.values()})) or "<defaults>"
         raise ConfigError(f"{where}: [{section}] {e}") from None
-
-
-def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The TOML document at ``path``; ConfigError naming the file if it cannot be read or parsed."""
-    source = str(path)
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: configuration file not found") from None
-    except OSError as e:
-        raise ConfigError(f"{source}: cannot read configuration file: {e}") from e
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{source}: not valid TOML: {e}") from e
-    except UnicodeDecodeError as e:  # tomllib decodes the bytes itself, before parsing
-        raise ConfigError(f"{source}: not valid TOML: not UTF-8 text ({e.reason} at byte {e.start})") from e
 
 
 def load_config(

@@ -34,12 +34,13 @@ from typing import Any
 
 from wsd.errors import ConfigError
 from wsd.security import read_owned
+from wsd.tomlread import parse_toml
 from wsd_client.client import Client, endpoint_problem
 
 if sys.version_info >= (3, 11):
-    import tomllib
+    pass
 else:  # the 3.10 floor: the same parser, by its older name (a dependency there)
-    import tomli as tomllib
+    pass
 
 __all__ = ["CONFIG_ENV", "Context", "Contexts", "client", "default_path"]
 
@@ -95,10 +96,7 @@ class Contexts:
 
     @classmethod
     def _parse(cls, path: Path, raw: bytes) -> Contexts:
-        try:
-            doc = tomllib.loads(raw.decode())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path}: not valid TOML: {e}") from e
+        doc = parse_toml(raw, str(path))
         unknown = sorted(set(doc) - {"current", "contexts"})
         if unknown:
             raise ConfigError(f"{path}: {unknown[0]}: unknown key (allowed: current, contexts)")

@@ -248,8 +248,10 @@ class Client:
     # serves, or, when it serves several, every one, each answering for itself in a
     # ``PerEngine``; ``by_engine`` reads either alike).
 
-    def status(self, *, engine: str | None = None) -> Status | PerEngine[Status]:
-        return per_engine(self.call(Op.STATUS, {"engine": engine}), Status)
+    def status(self, *, engine: str | None = None, offset: int = 0, limit: int = 512) -> Status | PerEngine[Status]:
+        """The world, the desired state, and the TP groups ``offset`` to ``offset + limit`` (at most
+        4,096 a call; ``groups_total`` says how many there are)."""
+        return per_engine(self.call(Op.STATUS, {"engine": engine, "offset": offset, "limit": limit}), Status)
 
     def ranks(self, *, engine: str | None = None) -> Ranks | PerEngine[Ranks]:
         return per_engine(self.call(Op.RANKS, {"engine": engine}), Ranks)

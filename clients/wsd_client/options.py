@@ -13,7 +13,7 @@ from typing import Any
 from wsd.commands import CommandSpec
 from wsd.config import MAX_EVENT_CAPACITY, flag_number, parse_size
 from wsd.names import engine_name_problem
-from wsd.wire.protocol import SCHEMAS, Op
+from wsd.wire.protocol import MAX_STATUS_GROUPS, SCHEMAS, Op
 from wsd_client import render
 from wsd_client.client import endpoint_problem
 from wsd_client.select import STATES, number_list, state_list
@@ -90,6 +90,25 @@ def fresh(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fresh", action="store_true",
                    help="ask every rank now and wait for the slowest (default: the snapshots the ranks "
                         "pushed, each with its age)")
+
+
+def page(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--offset", metavar="N", type=_bounded("--offset", 0, 1 << 20), default=0,
+                   help="the first TP group to list (default 0)")
+    p.add_argument("--limit", metavar="N", type=_bounded("--limit", 1, MAX_STATUS_GROUPS), default=512,
+                   help=f"TP groups to list, at most {MAX_STATUS_GROUPS} (default 512)")
+
+
+def _bounded(flag: str, low: int, high: int) -> Callable[[str], int]:
+    def read(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag}: an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{flag}: must be between {low} and {high}, got {value}")
+        return value
+    return read
 
 
 def engine(p: argparse.ArgumentParser) -> None:

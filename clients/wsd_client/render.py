@@ -123,6 +123,10 @@ def status(doc: dict[str, Any], endpoint: str, width: int | None = None) -> str:
     ]
     if rows:
         lines += ["", fit(_STATUS_COLUMNS, rows, width)]
+    total, offset = doc.get("groups_total", len(rows)), doc.get("offset", 0)
+    if offset or total > offset + len(rows):
+        lines.append(f"groups {offset}..{offset + len(rows) - 1} of {total} shown: the next with "
+                     f"--offset {offset + len(rows)}")
     return "\n".join(lines)
 
 

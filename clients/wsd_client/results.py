@@ -280,8 +280,14 @@ class Status(Sequenced):
 
     @property
     def groups(self) -> list[GroupStatus]:
-        """Per TP group, typed and readable as a map (docs/wsctl.md)."""
+        """Per TP group of this page (``offset``, at most the ``limit`` asked for), typed and
+        readable as a map (docs/wsctl.md)."""
         return [GroupStatus(g) for g in self.doc["groups"]]
+
+    @property
+    def groups_total(self) -> int:
+        """The TP groups there are, listed or not (an older coordinator lists them all)."""
+        return int(self.doc.get("groups_total", len(self.doc["groups"])))
 
 
 class RankEntry(Answer):

@@ -185,7 +185,7 @@ def _engines(client: Client, args: argparse.Namespace, out: Output) -> Exit:
 
 
 def _status(client: Client, args: argparse.Namespace, out: Output) -> Exit:
-    answers = by_engine(client.status(engine=args.engine))
+    answers = by_engine(client.status(engine=args.engine, offset=args.offset, limit=args.limit))
     codes = []
     for name, status in answers.items():
         out.emit(status.doc, functools.partial(_titled, name, len(answers) > 1, render.status, status.doc,
@@ -455,7 +455,7 @@ class Spec:
 COMMANDS: dict[str, Spec] = {
     "ping": Spec("round trip to the coordinator", _ping),
     "engines": Spec("every engine: name, model, ranks, lock, slots, scratch, violations", _engines),
-    "status": Spec("world, desired state and every TP group", _status),
+    "status": Spec("world, desired state and every TP group", _status, (opt.page,)),
     "ranks": Spec("every rank: state, host, pid, step, lock and slot count", _ranks),
     "stats": Spec("per rank, slot and TP group: capacity, peak, skew", _stats, (opt.selection, opt.fresh)),
     "events": Spec("the coordinator's event log", _events,

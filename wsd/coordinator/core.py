@@ -366,5 +366,6 @@ class CoordinatorCore:
                             lambda e, answer: answer(e.ranks()))
 
     def _status(self, route: Route, message: p.Message) -> list[Out]:
-        return self._answer(route, message, self._addressed(message.body["engine"]),
-                            lambda e, answer: answer(e.status()))
+        body = message.body
+        return self._answer(route, message, self._addressed(body["engine"]),
+                            lambda e, answer: answer(e.status(body["offset"], body["limit"])))

@@ -362,10 +362,12 @@ class Engine:
             row["engine"] = self.name
         return result
 
-    def status(self) -> dict[str, Any]:
+    def status(self, offset: int = 0, limit: int = 512) -> dict[str, Any]:
+        """The world, the desired state, and the TP groups ``offset`` to ``offset + limit``."""
+        every = self.registry.groups()
         groups = [{**self.registry.group_status(g), "desired": self.log.desired(g),
                    "consistent": g not in self._inconsistent, "drift": self._drift(g)}
-                  for g in self.registry.groups()]
+                  for g in every[offset:offset + limit]]
         return {
             "engine": self.name,
             "epoch": self.shared.epoch,
@@ -378,6 +380,8 @@ class Engine:
             "ranks": self.registry.counts(),
             "pending_commands": self.dispatch.pending,
             "groups": groups,
+            "groups_total": len(every),
+            "offset": offset,
             # Agent frames and registrations refused, by reason: an impostor or a
             # flood shows here (see the threat model in docs/security.md).
             "agents_refused": dict(sorted(self.gate.refused.items())),

@@ -125,6 +125,8 @@ COORDINATOR_OPS = frozenset({Op.REGISTERED, Op.CHALLENGE, Op.PULSE, Op.COMMAND, 
                              Op.REJECTED})
 
 _INT_MAX = 2**63 - 1
+MAX_STATUS_GROUPS = 4096
+"""The most TP groups one ``status`` answer lists (``limit``); the rest are further pages."""
 # Types whose values Field.check may accept on its fast path.
 _PLAIN = frozenset({int, str, bool, dict, list, bytes})
 _SIZED = frozenset({str, bytes, dict, list})
@@ -248,7 +250,9 @@ of up to 4 bytes each (about 52 KB), its state and config, with room to spare.""
 SCHEMAS: dict[Op, tuple[Field, ...]] = {
     Op.PING: (),
     Op.ENGINES: (),
-    Op.STATUS: (_ENGINE,),
+    # ``offset``, ``limit``: the page of TP groups the answer lists (a world of 2**20 ranks of
+    # TP size 1 once made a 185 MB answer); ``groups_total`` says how many there are.
+    Op.STATUS: (_ENGINE, _opt(_int("offset", 0, 1 << 20), 0), _opt(_int("limit", 1, MAX_STATUS_GROUPS), 512)),
     Op.RANKS: (_ENGINE,),
     # Answered from the snapshots the ranks pushed; ``fresh``: ask every rank now instead.
     Op.STATS: (_ENGINE, _opt(_int("group", 0, 65535)), _opt(Field("timeout", (float,), low=0.0, high=3600.0)),

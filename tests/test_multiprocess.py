@@ -463,6 +463,10 @@ def test_restarted_coordinator_is_rejoined_and_no_command_is_lost_or_repeated(cl
 def _fail_on_rank_1(me: Rank) -> None:
     me.report("ready")
     if me.rank == 1:
+        # Only when told: failing at once raced rank 0's "ready" on a busy machine, and the
+        # test then met the error while waiting for that instead.
+        while me.poll() != ("fail",):
+            time.sleep(STEP_PAUSE)
         raise ValueError("rank 1 gives up")
     while me.poll() != ("stop",):
         time.sleep(STEP_PAUSE)
@@ -476,6 +480,8 @@ def test_worker_traceback_fails_the_test_and_no_process_is_left(tmp_path):
     workers = Workers(tmp_path, 2, _fail_on_rank_1).start()
     try:
         workers.expect(0, "ready", 60)
+        workers.expect(1, "ready", 60)
+        workers.send(1, "fail")
         with pytest.raises(WorkerFailed, match=r"(?s)rank 1 failed:.*ValueError: rank 1 gives up"):
             workers.expect(1, "never sent", 30)
     finally:

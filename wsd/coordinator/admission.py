@@ -29,7 +29,8 @@ from wsd.errors import Unauthenticated
 from wsd.security import challenge_proof, new_nonce, registration_proof, same_proof, session_key
 from wsd.wire import protocol as p
 
-__all__ = ["MAX_CHALLENGES", "PUSH_RATE", "TOO_LARGE", "UNREGISTERED_FRAME", "AgentGate", "Proven", "Unauthenticated"]
+__all__ = ["FRAMES_PER_SECOND", "MAX_CHALLENGES", "PUSH_RATE", "TOO_LARGE", "UNREGISTERED_FRAME",
+           "AgentGate", "Proven", "Unauthenticated"]
 
 UNREGISTERED_FRAME = p.REGISTER_BYTES
 """The largest frame a connection that has not registered may send (a registration)."""
@@ -45,7 +46,12 @@ _UNREGISTERED_RATE = (p.REGISTER_BYTES, 2 * p.REGISTER_BYTES)  # bytes a second,
 # A registered agent: heartbeats, acknowledgements and events of a few hundred
 # bytes, and stats replies when asked (up to max_agent_message_bytes).
 _REGISTERED_RATE = (1 << 20, 4 << 20)
-_FRAME_COST = 256  # the least a frame counts for: a flood of tiny frames is metered too
+# The least a frame counts for, so that a flood of tiny frames is metered too: before
+# registering (its registrations, and garbage), and once registered.
+_FRAME_COST, _REGISTERED_FRAME_COST = 256, 4096
+FRAMES_PER_SECOND = _REGISTERED_RATE[0] / _REGISTERED_FRAME_COST
+"""The most frames a registered connection may have read a second, however small (256): an
+agent sends a heartbeat a second, pushes at most every 50 ms, an ack per command."""
 _EVENT_RATE = (10.0, 50.0)  # events a source may add: a second, burst
 # What taking in a pushed snapshot costs the coordinator, in microseconds of its loop:
 # a delta of a few bytes is merged into the rank's whole snapshot, so its cost grows with
@@ -101,7 +107,7 @@ class AgentGate:
                 return None
             else:
                 reason = "rate"
-        elif self._registered.allow(peer, self._clock(), max(size, _FRAME_COST)):
+        elif self._registered.allow(peer, self._clock(), max(size, _REGISTERED_FRAME_COST)):
             return None
         else:
             reason = "rate"

@@ -172,6 +172,8 @@ class CoordinatorCore:
             message = p.decode(frame, p.AGENT_OPS)
             if message.op is Op.REGISTER:
                 return self._register(peer, message.body, engine)
+            if message.op is Op.STATS_PUSH and engine is not None and not engine.push_affordable(peer, len(frame)):
+                return []  # faster than any agent pushes: dropped, unacknowledged (its liveness noted)
             # An unregistered connection's frame goes to the default engine, which knows it
             # not and answers as it always did (a heartbeat: register again).
             return (engine or self.engine()).agent_ops[message.op](peer, message.body)

@@ -89,8 +89,7 @@ class Engine:
         self.dispatch = Dispatch(config, self.registry, self.log, shared.command_stats,
                                  clock=shared.clock, wall=shared.wall, event=self._add)
         self.snapshots = Snapshots(config, self.registry, clock=shared.clock, wall=shared.wall,
-                                   allow=shared.gate.allow, afford=lambda rank, slots: shared.gate.push_allowed(
-                                       (name, rank), slots))
+                                   allow=shared.gate.allow)
         # The sequence number fresh processes of a TP group start from, so that
         # members registering a moment apart still see the same commands, with
         # the group's desired state at it (None: older than the log could tell).
@@ -138,6 +137,18 @@ class Engine:
 
     def next_deadline(self) -> float:
         return min(self.registry.next_expiry(), self.dispatch.next_deadline(), self.snapshots.next_deadline())
+
+    def push_affordable(self, peer: bytes, size: int) -> bool:
+        """Whether a ``stats_push`` frame of ``size`` bytes from this registered connection may be
+        taken in now: each costs its rank by the slots of the snapshot it changes (the one held,
+        or for a whole one about a slot per 32 bytes), not by its bytes. One refused is dropped
+        before any of that, its connection's liveness noted: a rank pushing faster than any
+        agent does."""
+        info = self.registry.touch(peer, self.clock())
+        if info is None:
+            return True  # not ours to meter: read, and answered as any stray frame
+        slots = max(self.snapshots.slots(info.rank), size // 32)
+        return self.gate.push_allowed((self.name, info.rank), slots)
 
     def asked(self, peer: bytes) -> bool:
         """Whether a stats round waits for this connection's rank."""
@@ -266,8 +277,6 @@ class Engine:
         if info is None or info.state is not RankState.LIVE:
             return out  # the heartbeat's answer asks it to register; its snapshot waits until then
         ok = self.snapshots.push(info, body)
-        if ok is None:  # faster than an agent pushes: dropped, the heartbeat in it taken
-            return out
         return [*out, (AGENT, (peer,), p.encode(Op.STATS_ACK, {"version": body["version"], "ok": ok}))]
 
     def _check_group(self, group: int) -> None:

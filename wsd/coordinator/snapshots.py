@@ -54,17 +54,13 @@ class Snapshots:
     """An engine's ranks' pushed snapshots and its fresh stats rounds."""
 
     def __init__(self, config: CoordinatorConfig, registry: Registry, *, clock: Callable[[], float],
-                 wall: Callable[[], float], allow: Callable[[Any], bool],
-                 afford: Callable[[Any, int], bool]) -> None:
-        """``allow(source)``: whether a log line about that source may be written now (bounded);
-        ``afford(rank, slots)``: whether a push touching a snapshot of that many slots may be
-        taken in now (a delta costs by the snapshot it changes, not by its bytes)."""
+                 wall: Callable[[], float], allow: Callable[[Any], bool]) -> None:
+        """``allow(source)``: whether a log line about that source may be written now (bounded)."""
         self.config = config
         self.registry = registry
         self.clock = clock
         self.wall = wall
         self.allow = allow
-        self.afford = afford
         # Each rank's latest snapshot as its agent pushed it: what stats answers come from.
         self.latest = LatestStats()
         self.invalid = 0
@@ -77,17 +73,13 @@ class Snapshots:
 
     # -- pushed ------------------------------------------------------------------
 
-    def push(self, info: RankInfo, body: dict[str, Any]) -> bool | None:
-        """A ``stats_push`` of a live rank: whether it is the rank's snapshot now; None: not
-        taken in, the rank pushing faster than any agent does (left unacknowledged)."""
-        held = self.latest.ranks.get(info.rank)
-        slots = 0 if held is None else len(held.snapshot.columns["ubatch"])
-        whole = body["stats"]
-        if isinstance(whole, dict) and isinstance(whole.get("slots"), dict):
-            pushed = whole["slots"].get("ubatch")
-            slots = max(slots, len(pushed) if isinstance(pushed, list) else 0)
-        if not self.afford(info.rank, slots):
-            return None
+    def slots(self, rank: int) -> int:
+        """Slots of the snapshot held for ``rank`` (0: none): what merging a delta into it costs."""
+        held = self.latest.ranks.get(rank)
+        return 0 if held is None else len(held.snapshot.columns["ubatch"])
+
+    def push(self, info: RankInfo, body: dict[str, Any]) -> bool:
+        """A ``stats_push`` of a live rank: whether it is the rank's snapshot now."""
         try:
             return self.latest.push(info.rank, info.tp_group, body, self.clock())
         except ValueError as e:  # a buggy or newer agent: its rank shows missing, saying why

@@ -95,6 +95,10 @@ class Engine:
         # the group's desired state at it (None: older than the log could tell).
         self._baselines: dict[int, tuple[int, dict[str, Any] | None]] = {}
         self._inconsistent: set[int] = set()
+        # When a group's live ranks began to disagree (or, flagged, to agree again): a flip is
+        # flagged only once it has held for a heartbeat interval, so that a rank flipping its
+        # report at every heartbeat flips nothing (debounced per group).
+        self._flip_since: dict[int, float] = {}
         self.heartbeats = 0
         self.agent_ops: dict[Op, Callable[[bytes, dict[str, Any]], list[Out]]] = {
             Op.REGISTER: self.register,  # the core's, after its challenge: never a first registration
@@ -260,7 +264,7 @@ class Engine:
         info = self.registry.heartbeat(peer, body, now)
         if info is None:  # e.g. we restarted: ask the agent to register again
             return [(AGENT, (peer,), p.encode(Op.PULSE, {"epoch": self.shared.epoch, "registered": False}))]
-        self._check_group(info.tp_group)
+        self._check_group(info.tp_group, now)
         out: list[Out] = []
         version = body.get("stats_version")
         if version is not None and not self.snapshots.latest.confirm(info.rank, version, now):
@@ -279,17 +283,28 @@ class Engine:
         ok = self.snapshots.push(info, body)
         return [*out, (AGENT, (peer,), p.encode(Op.STATS_ACK, {"version": body["version"], "ok": ok}))]
 
-    def _check_group(self, group: int) -> None:
+    def _check_group(self, group: int, now: float) -> None:
+        """Flag a TP group whose settled live ranks disagree on lock state or slot count (and
+        clear the flag once they agree), each flip once it has held a heartbeat interval."""
         members = self.registry.live(group)
         settled = len({i.applied_seq for i in members}) == 1
         states = {(i.manager_state.get("locked"), i.manager_state.get("num_ubatches")) for i in members}
-        if settled and len(states) > 1 and group not in self._inconsistent:
+        flagged = group in self._inconsistent
+        flips = (settled and len(states) > 1) if not flagged else len(states) <= 1
+        if not flips:
+            self._flip_since.pop(group, None)
+            return
+        since = self._flip_since.setdefault(group, now)
+        if now - since < self.config.heartbeat_interval:
+            return  # not for long enough yet: a report flipping at every heartbeat never gets here
+        del self._flip_since[group]
+        # Its members' reports drive the flips: within the group's budget too.
+        if not flagged:
             self._inconsistent.add(group)
-            # Its members' reports drive the flips: within the group's budget.
             self._event(("group", group), EventKind.GROUP_INCONSISTENT, tp_group=group, ranks={
                 str(i.rank): {"locked": i.manager_state.get("locked"),
                               "num_ubatches": i.manager_state.get("num_ubatches")} for i in members})
-        elif len(states) <= 1 and group in self._inconsistent:
+        else:
             self._inconsistent.discard(group)
             self._event(("group", group), EventKind.GROUP_CONSISTENT, tp_group=group)
 

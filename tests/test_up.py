@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import wait_until
@@ -507,3 +508,33 @@ def test_wsd_up_run_from_a_folder_holding_a_wsd_package_runs_the_installed_one(t
     up.send(signal.SIGTERM)
     assert up.wait(60) == 0, up.output()
     assert not marker.exists(), "a process of wsd up imported the planted package"
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_at_any_point_of_the_start_stops_wsd_up_within_10_s(tmp_path, spawn):  # noqa: F811
+    """Ctrl-C while torchrun was still starting its workers once left them running until wsd up
+    gave up on them and killed torchrun, 15 s later (35 s with the coordinator): the workers
+    were signalled once, before some of them existed. Each cycle stops at another point of the
+    start, from torchrun's launch to after the warm-up; every one ends within 10 s, exit 0,
+    nothing left behind."""
+    config = write_config(tmp_path / "wsd.toml", {
+        "coordinator": coordinator_section(tmp_path),
+        "workload": {"hidden_size": 32, "ffn_size": 64, "max_tokens": 32, "warmup_steps": 4, "pace": 0.05},
+    })
+    for cycle, after in enumerate((0.0, 0.3, 0.8, 1.5, None)):  # None: once both ranks are warm
+        up = spawn(["wsd", "up", "--nproc", "2", "--config", config, "--fresh"], env=worker_env(),
+                   name=f"wsd up {cycle}")
+        up.wait_for(r"wsd up: Ctrl-C stops everything", 60)
+        if after is None:
+            up.wait_for(r"warm-up done", 60)
+            up.wait_for(r"warm-up done", 30)
+        else:
+            time.sleep(after)  # the point of the start at which Ctrl-C comes
+        pids = up.tree()
+        sent = time.monotonic()
+        up.send(signal.SIGINT, group=True)
+        assert up.wait(60) == 0, up.output()
+        took = time.monotonic() - sent
+        assert took < 10.0, f"cycle {cycle} (Ctrl-C {after} s into the start) took {took:.1f} s:\n{up.output()}"
+        wait_gone(pids, 10, "processes started by wsd up")
+        assert up.count("did not stop within") == 0 and up.count("Traceback") == 0, up.output()

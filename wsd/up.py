@@ -60,14 +60,16 @@ __all__ = ["ENGINE_ENV", "STATE_FILE_ENV", "check_backend", "cluster_engine", "d
 logger = logging.getLogger(__name__)
 
 STATE_FILE_ENV = "WSD_COORDINATOR_STATE_FILE"
-ENGINE_ENV = "WSD_COORDINATOR_ENGINE"
 """The variable through which ``wsd up`` hands its coordinator the state file it chose."""
+ENGINE_ENV = "WSD_COORDINATOR_ENGINE"
+"""The variable through which ``wsd up`` names its coordinator's default engine after its cluster."""
 # torchrun gives its workers 30 s between SIGTERM and SIGKILL; wsd up waits a
 # little longer, so that torchrun finishes its own shutdown before we kill it.
 _TORCHRUN_GRACE = 35.0
 # Workers stop at the next step boundary after SIGTERM: seconds, not more.
 _WORKER_GRACE = 15.0
 _KILL_WAIT = 5.0
+_RESIGNAL_EVERY = 0.2  # seconds between looks for workers torchrun started after the stop
 
 
 def _say(line: str) -> None:
@@ -282,10 +284,14 @@ def up(nproc: int, config_path: str | None, *, fresh: bool = False,
                 _serve(stop, coordinator, torchrun, f"{nproc} workers under torchrun, pid {torchrun.pid}, "
                        f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}", out)
         finally:
+            # Whether the workers had ended by themselves before the stop: only then does
+            # their exit code say what became of them (a rank lost); stopped by us during
+            # their start-up, one may die of the SIGTERM before it could catch it.
+            ended = torchrun is not None and torchrun.poll() is not None
             workers_code = _stop_workers(torchrun, spare, adopting) if torchrun is not None else None
             coordinator_lived = coordinator.alive()
             coordinator.stop()
-    return _outcome(got, coordinator_lived, workers_code, out)
+    return _outcome(got, coordinator_lived, workers_code if ended or not got else ExitCode.OK, out)
 
 
 def _serve(stop: threading.Event, coordinator: CoordinatorProcess, torchrun: subprocess.Popen, workers: str,
@@ -402,18 +408,28 @@ def _stop_workers(torchrun: subprocess.Popen, spare: Collection[int], adopting: 
     # itself, quietly; signalling torchrun instead works too, noisily.
     adopted = [p for c in children(os.getpid()) if c != torchrun.pid and c not in spare
                for p in (c, *descendants(c))]
-    workers = descendants(torchrun.pid) + adopted
-    for pid in workers:
-        _signal_group(pid, signal.SIGTERM)
+    signalled: set[int] = set()
     deadline = time.monotonic() + _WORKER_GRACE
     code: int | None
-    try:
-        code = torchrun.wait(_WORKER_GRACE)  # torchrun waits for its workers
-        killed = False
-    except subprocess.TimeoutExpired:
+    while True:
+        # Again and again: torchrun may still be starting workers (a stop during start-up),
+        # and one started after the first look would run on until torchrun was killed.
+        for pid in [*descendants(torchrun.pid), *adopted]:
+            if pid not in signalled:
+                signalled.add(pid)
+                _signal_group(pid, signal.SIGTERM)
+        try:
+            code = torchrun.wait(max(0.0, min(_RESIGNAL_EVERY, deadline - time.monotonic())))
+            killed = False  # torchrun waited for its workers
+            break
+        except subprocess.TimeoutExpired:
+            if time.monotonic() < deadline:
+                continue
         logger.warning("the workers did not stop within %.0f s; stopping torchrun", _WORKER_GRACE)
         code = stop_process_group(torchrun, _TORCHRUN_GRACE)
         killed = True
+        break
+    workers = list(signalled)
     if adopting:
         # Any worker left is now ours, running or not yet reaped, so its pid
         # (and group) cannot have been reused: wait for it, then kill its group.

@@ -184,3 +184,20 @@ def test_simulated_ranks_register_and_apply_with_or_without_a_token(start_coordi
         with Client(coordinator.client_endpoint, timeout=5) as client:
             assert client.lock().complete
         assert all(m.locked for m in sim.managers)
+
+
+def test_challenges_asked_for_by_many_connections_cost_bounded_memory(tmp_path):
+    """Every first registration is answered with a challenge the coordinator remembers until
+    it is answered: connections that ask and never answer keep at most MAX_CHALLENGES, the
+    oldest forgotten first (its connection asks again, as an agent does each interval)."""
+    from wsd.coordinator.admission import MAX_CHALLENGES
+
+    h = with_token(tmp_path)
+    for i in range(MAX_CHALLENGES + 500):
+        h.core.gate.challenge(f"peer-{i}".encode(), "n")
+    assert len(h.core.gate._challenges) == MAX_CHALLENGES
+    # the newest still answer; the oldest were forgotten and are refused
+    assert ops(h.agent(b"peer-0", Op.REGISTER, body(0, "i0", nonce="n", challenge="x", proof="0" * 64))) == [
+        Op.REJECTED]
+    _, sent = handshake(h, b"late", 0)
+    assert ops(sent) == [Op.REGISTERED]

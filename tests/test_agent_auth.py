@@ -76,10 +76,11 @@ def test_a_registration_replayed_on_another_connection_or_later_is_refused(tmp_p
     assert len(refused) == 3 and all(e["code"] == "forbidden" for e in refused)
 
 
-def test_an_agent_too_old_to_be_challenged_is_told_so(tmp_path):
+def test_an_agent_without_the_token_or_too_old_to_be_challenged_is_told_what_to_do(tmp_path):
     h = with_token(tmp_path)
     sent = h.agent(b"old", Op.REGISTER, body(0, "i0", proof="0" * 64))
-    assert "sends no nonce: upgrade its wsd" in to_agents(sent, Op.REJECTED)[b"old"]["message"]
+    message = to_agents(sent, Op.REJECTED)[b"old"]["message"]
+    assert "sends no nonce" in message and "WSD_AGENT_TOKEN" in message and "upgrade it" in message
 
 
 def test_every_command_is_authenticated_under_its_ranks_own_registration(tmp_path):

@@ -204,7 +204,9 @@ class CoordinatorCore:
             if body["nonce"] is None:
                 return refuse(self.shared, peer, body, ErrorCode.FORBIDDEN, (
                     f"rank {body['rank']}: registration refused: this coordinator has an agent token and "
-                    f"challenges every registration, and this agent sends no nonce: upgrade its wsd"), engine=name)
+                    f"challenges every registration, and this agent sends no nonce: it has no token (give the "
+                    f"worker the same WSD_AGENT_TOKEN or [security] agent_token_file), or its wsd predates "
+                    f"the challenge (upgrade it)"), engine=name)
             return [(AGENT, (peer,), p.encode(Op.CHALLENGE, self.gate.challenge(peer, body["nonce"])))]
         try:
             proven = self.gate.authenticate(peer, body)

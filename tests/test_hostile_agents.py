@@ -39,7 +39,7 @@ from conftest import coordinator_config, wait_until
 from hostile_kit import hostile_inputs_counted, rng, tried  # noqa: F401 (a fixture)
 from zmqkit import Sockets
 
-from wsd.agent.simulated import SimulatedRanks
+from wsd.agent.simulated import SimulatedManager, SimulatedRanks
 from wsd.coordinator.loop import Coordinator
 from wsd.security import registration_proof
 from wsd.wire import protocol as p
@@ -60,7 +60,13 @@ CONNECTIONS = 48
 TOKEN = b"hostile-agents-token-0123456789ab"
 INT64 = 2**63 - 1
 # A refused registration is all a valid message can earn: never a protocol refusal.
-REGISTRATION_REFUSALS = {str(ErrorCode.FORBIDDEN), str(ErrorCode.CONFLICT), str(ErrorCode.MISMATCH)}
+REGISTRATION_REFUSALS = {str(ErrorCode.FORBIDDEN), str(ErrorCode.CONFLICT), str(ErrorCode.MISMATCH),
+                         # a rank's whole snapshot from a connection that no longer holds it
+                         str(ErrorCode.TOO_LARGE)}
+# The one engine the real ranks and the test's own requests use: attackers may open others.
+REAL_ENGINE = "default"
+# A manager's most slots: a push of it, then deltas on it, cost by the snapshot they change.
+WIDE = SimulatedManager(64, 64).snapshot()
 _ASCII = "abcxyz019 _-./:\"'\\{}[]\x00\x7f"
 _ALPHABET = _ASCII + "éß☃\u202e\U0001f600"
 # Names that may hold no control character (the wire refuses them there: tests/test_protocol.py).
@@ -74,6 +80,7 @@ _PRINTABLE = "".join(c for c in _ALPHABET if not (ord(c) < 0x20 or 0x7f <= ord(c
 class Attacker:
     sock: zmq.Socket
     rank: int | None = None  # the spare rank it claimed (held by it, or by the other claimer)
+    holds: bool = False  # it registered as that rank
 
 
 class Malice:
@@ -163,6 +170,9 @@ class Malice:
             "applied_seq": r.choice([None, None, self.seq()]), "acks": acks, "step": self.number(),
             "idle": r.random() < 0.5, "state": self.state(), "config": self.junk_map(64, 0),
             "instance": instance, "proof": proof, "nonce": nonce, "challenge": challenge,
+            # engines of their own, up to and past max_engines (names the wire refuses are
+            # test_hostile.py's and tests/test_protocol.py's)
+            "engine": r.choice([None] * 6 + ["evil", f"evil-{r.randrange(200)}"]),
         }
 
     def _heartbeat(self, a: Attacker) -> dict[str, Any]:
@@ -192,8 +202,14 @@ class Malice:
         r = self.r
         body = {"rank": self.rank(a.rank), "version": r.choice([1, 2, r.randint(1, 64), INT64]), "step": self.number(),
                 "applied_seq": self.seq(), "held_seq": self.seq(), "state": self.state()}
-        kind = r.randrange(4)
-        if kind == 0:
+        kind = r.randrange(5)
+        if kind == 4:  # a manager's most slots, whole or a one-slot delta on the version before
+            version = body["version"]
+            if a.holds and r.random() < 0.2:  # a rank's holder: past the unregistered bound
+                body.update(base=None, stats=WIDE)
+            else:
+                body.update(base=max(1, version - 1), delta={"columns": {"requests": [[version % 4096], [version]]}})
+        elif kind == 0:
             body.update(base=None, stats=r.choice([{}, self.junk_map(64), {
                 "device": self.junk(), "slots": self.junk(), "num_ubatches": self.junk(), "locked": self.junk()}]))
         elif kind == 1:
@@ -257,7 +273,7 @@ class Barrage:
         self.sockets = Sockets()
         self.attackers = [Attacker(self._socket(coordinator.agent_endpoint)) for _ in range(CONNECTIONS)]
         self.own = self._socket(coordinator.client_endpoint)  # the test's own commands, not waited for
-        self.seq = client.status()["seq"]
+        self.seq = client.status(engine=REAL_ENGINE)["seq"]
         self.issued = 0  # commands the test issued during the barrage
         self.asked = 0  # requests on ``own`` not yet answered
         self.answers: Counter[str] = Counter()
@@ -297,6 +313,7 @@ class Barrage:
                     if message.op is Op.REGISTERED:
                         assert a.rank is not None
                         registered[a.rank] = a
+                        a.holds = True
                         answered.add(i)
                     elif message.op is Op.REJECTED:
                         assert message.body["code"] == str(expected), message.body
@@ -333,6 +350,7 @@ class Barrage:
         """A command (not waited for) or a stats round of the test's own, amid the barrage."""
         kind = self.r.choice(["lock", "unlock", "stats"])
         body: dict[str, Any] = {"timeout": 0.5} if kind == "stats" else {"wait": False}
+        body["engine"] = REAL_ENGINE
         self.own.send(p.encode(Op(kind), body, 1_000 + self.asked + self.answers["own"]))
         self.asked += 1
         if kind != "stats":
@@ -400,7 +418,7 @@ def test_malicious_agent_messages_leave_the_real_ranks_and_the_state_untouched(t
         with LogCapture() as log:
             sim.start()
             assert sim.wait_registered(20), "the real ranks did not register"
-            first = client.lock(timeout=5)
+            first = client.lock(timeout=5, engine=REAL_ENGINE)
             assert sorted(first.steps()) == list(REAL), first
             barrage = Barrage(coordinator, client, seed_rand, token=token)
             barrage.claim_spare_ranks()
@@ -410,19 +428,19 @@ def test_malicious_agent_messages_leave_the_real_ranks_and_the_state_untouched(t
             took = time.monotonic() - started
 
             # the coordinator's state: moved only by the test's own commands
-            status, answered = _timed(client.status)
+            status, answered = _timed(lambda: client.status(engine=REAL_ENGINE))
             assert answered < 2.0, f"status took {answered:.2f} s after the barrage"
             assert len(msgpack.packb(status.doc)) < 32 << 10, "status grew with what peers claimed"
             assert status["seq"] == first.seq + barrage.issued == barrage.seq, (status["seq"], barrage.issued)
             assert status["world_size"] == WORLD and status["tp_size"] == TP
 
             # the real ranks: live, theirs, never lost or taken over
-            ranks = {r["rank"]: r for r in client.ranks()["ranks"]}
+            ranks = {r["rank"]: r for r in client.ranks(engine=REAL_ENGINE)["ranks"]}
             for rank in REAL:
                 assert ranks[rank]["state"] == "live" and ranks[rank]["pid"] == os.getpid(), ranks[rank]
             if token is not None:
                 assert sorted(ranks) == list(REAL), "a rank without the proof got in"
-            events, answered = _timed(lambda: client.events(limit=10_000)["events"])
+            events, answered = _timed(lambda: client.events(limit=10_000, engine=REAL_ENGINE)["events"])
             by_rank = {rank: Counter(e["kind"] for e in events if e.get("rank") == rank) for rank in REAL}
             for rank, kinds in by_rank.items():
                 assert kinds["joined"] == 1, (rank, kinds)
@@ -444,12 +462,17 @@ def test_malicious_agent_messages_leave_the_real_ranks_and_the_state_untouched(t
 
             # a command afterwards: applied and acknowledged by every real rank
             barrage.goodbye()
-            wait_until(lambda: client.status()["ranks"]["live"] == len(REAL), 2 * HEARTBEAT_TIMEOUT + 5,
-                       "the attackers' ranks gone")
-            after = client.lock(timeout=10)
+            wait_until(lambda: client.status(engine=REAL_ENGINE)["ranks"]["live"] == len(REAL),
+                       2 * HEARTBEAT_TIMEOUT + 5, "the attackers' ranks gone")
+            after = client.lock(timeout=10, engine=REAL_ENGINE)
             assert sorted(after.steps()) == list(REAL) and not after.failed and not after.lost \
                 and not after.pending and after.seq == barrage.seq + 1, after
             assert coordinator.serving
+            # engines the attackers opened: never more than the coordinator serves at most
+            engines = client.engines().engines
+            assert len(coordinator.core.engines) <= coordinator.config.max_engines
+            if token is not None:
+                assert [e.name for e in engines] == [REAL_ENGINE], "an engine opened without the token"
             assert log.internal_errors() == [], log.internal_errors()[:5]
             print(f"\n{'token' if token else 'no token'}: {FRAMES} malicious frames in {took:.1f} s; "
                   f"({barrage.redrawn} too large, drawn again); answers {dict(barrage.answers)}; refused {refused}; "

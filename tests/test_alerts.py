@@ -529,3 +529,67 @@ def test_one_coordinator_stopping_raises_coordinator_down_for_it_alone(prometheu
                30, f"WsdCoordinatorDown for {victim.target} alone")
     up = {s["metric"]["instance"]: s["value"][1] for s in _query(prometheus, 'up{job="wsd-coordinator"}')}
     assert up == {c.target: ("0" if c is victim else "1") for c in prometheus.clusters.values()}
+
+
+@needs_prometheus
+def test_a_real_prometheus_keeps_scraping_while_16_clients_never_read_their_answer(tmp_path):
+    """16 connections that sent `GET /metrics` and never read held every slot of the endpoint
+    once a scrape outgrew the socket buffers: 0 of 40 real scrapes got in. A real Prometheus
+    scrapes an 8 MB view every second while 16 such clients are kept connected (each one the
+    endpoint drops is opened again at once); every scrape of it succeeds."""
+    import threading
+
+    from test_metrics_server import _big_view
+
+    from wsd.coordinator.metrics_server import MetricsServer
+
+    published = _big_view(2048, 8)
+    server = MetricsServer(lambda: published, "127.0.0.1", 0)
+    stop = threading.Event()
+    opened = [0]
+
+    def hold() -> None:
+        socks: list[socket.socket] = []
+        while not stop.is_set():
+            kept = []
+            for sock in socks:
+                try:
+                    gone = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+                except BlockingIOError:
+                    gone = False  # nothing to read, still open: it is not reading anyway
+                except OSError:
+                    gone = True
+                if gone:
+                    sock.close()
+                else:
+                    kept.append(sock)
+            while len(kept) < 16:
+                sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                kept.append(sock)
+                opened[0] += 1
+            socks = kept
+            stop.wait(0.1)
+        for sock in socks:
+            sock.close()
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    target = f"127.0.0.1:{server.port}"
+    try:
+        with processes() as start:
+            prometheus = Prometheus(_start_prometheus(start, tmp_path, [target]), {})
+            wait_until(lambda: _query(prometheus, f'up{{instance="{target}"}} == 1'), 30, "a first scrape")
+            window = f'[8s] @ {time.time() + 8:.3f}'
+            wait_until(lambda: time.time() > float(window.split("@ ")[1]) + 1, 15, "eight seconds of scrapes",
+                       interval=0.5)
+            samples = _query(prometheus, f'count_over_time(up{{instance="{target}"}}{window})')
+            lowest = _query(prometheus, f'min_over_time(up{{instance="{target}"}}{window})')
+            assert samples and int(samples[0]["value"][1]) >= 6, samples
+            assert lowest and float(lowest[0]["value"][1]) == 1, lowest  # no scrape of the eight failed
+            assert opened[0] > 16  # the non-readers were dropped, and came back, all along
+    finally:
+        stop.set()
+        holder.join(10)
+        server.stop()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,6 +28,7 @@ from wsd.agent.core import AgentLink
 from wsd.agent.simulated import SimulatedRanks
 from wsd.coordinator.core import CoordinatorCore
 from wsd.coordinator.loop import Coordinator
+from wsd.errors import BindError
 from wsd.security import challenge_proof, command_mac, registration_proof, session_key
 from wsd.wire import protocol as p
 from wsd.wire.protocol import Op
@@ -134,9 +136,21 @@ def test_a_process_standing_in_for_the_coordinator_during_a_restart_gets_nothing
         port = s.getsockname()[1]
     endpoint = f"tcp://127.0.0.1:{port}"
 
+    def again(bind: Callable[[], Any]) -> Any:
+        """``bind()`` until the port is free: ZeroMQ closes a socket's listener on its own
+        thread, a moment after close() returns."""
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                return bind()
+            except (BindError, zmq.ZMQError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)  # the pace of retries, not a wait for a condition
+
     def real() -> Coordinator:
         config = coordinator_config(tmp_path, agent_endpoint=endpoint, world_size=4, tp_size=2)
-        return Coordinator(config, agent_token=TOKEN).start()
+        return again(lambda: Coordinator(config, agent_token=TOKEN).start())
 
     coordinator = real()
     with SimulatedRanks(endpoint, range(4), world_size=4, tp_size=2, num_ubatches=2, heartbeat_interval=0.2,
@@ -144,9 +158,11 @@ def test_a_process_standing_in_for_the_coordinator_during_a_restart_gets_nothing
         assert sim.wait_registered(20)
         coordinator.stop()
         squatter = zmq_socket(zmq.ROUTER)
-        squatter.bind(endpoint)
-        proofs, deadline = 0, time.monotonic() + 4.0  # a few of the agents' registration attempts
-        while time.monotonic() < deadline:
+        again(lambda: squatter.bind(endpoint))
+        # Until every agent has tried it (each re-registers once it misses the coordinator)
+        proofs, deadline = 0, time.monotonic() + 30.0
+        while not all(link.unauthenticated > 0 for link in sim.links):
+            assert time.monotonic() < deadline, [link.unauthenticated for link in sim.links]
             if not squatter.poll(100):
                 continue
             peer, frame = squatter.recv_multipart()

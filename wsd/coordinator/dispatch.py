@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wsd.commands import COMMANDS, CommandResult
+from wsd.coordinator.awaited import Awaited, expired, rank_gone
 from wsd.coordinator.commandlog import Command, CommandLog
 from wsd.coordinator.config import CoordinatorConfig
 from wsd.coordinator.events import EventKind
@@ -31,21 +32,15 @@ __all__ = ["RESEND_WINDOW", "Dispatch"]
 RESEND_WINDOW = 64
 
 
-@dataclass
-class _Pending:
+@dataclass(kw_only=True)
+class _Pending(Awaited):
+    """A numbered command waiting for its targets' acknowledgements (``why``: the ranks of its
+    target missing, never registered or stopped, and why)."""
+
     command: Command
     answer: Answer | None  # None: the client did not wait
-    targets: set[int]
-    deadline: float
-    missing: dict[int, str]
     numbered: float = 0.0  # monotonic time it got its seq: the start of its latency
     acks: dict[int, dict[str, Any]] = field(default_factory=dict)
-    lost: set[int] = field(default_factory=set)
-    # Targets neither acknowledged nor lost: done when empty, checked in O(1) per ack.
-    owed: set[int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.owed = set(self.targets)
 
 
 class Dispatch:
@@ -101,7 +96,7 @@ class Dispatch:
         self._pending[command.seq] = _Pending(
             command=command, answer=answer if body["wait"] else None,
             targets=targets, deadline=now + (body["timeout"] or self.config.command_timeout),
-            missing=self.registry.missing(group), numbered=now,
+            why=self.registry.missing(group), numbered=now,
         )
         if not body["wait"]:
             out += answer(CommandResult(command.seq, action, group, waited=False).to_dict())
@@ -156,25 +151,11 @@ class Dispatch:
     def rank_gone(self, rank: int, why: str | None) -> list[Out]:
         """A rank is no longer live: lost (``why`` None) or stopped (``why`` says so); what
         waits for it is answered without it."""
-        out: list[Out] = []
-        for seq, pending in list(self._pending.items()):
-            if rank in pending.owed:
-                if why is None:
-                    pending.lost.add(rank)
-                else:
-                    pending.missing[rank] = why
-                pending.owed.discard(rank)
-                if not pending.owed:
-                    out += self._finish(seq)
-        return out
+        return rank_gone(self._pending, rank, why, self._finish)
 
     def tick(self, now: float) -> list[Out]:
         """Answer the commands whose timeout passed, with the ranks still pending."""
-        out: list[Out] = []
-        for seq, pending in list(self._pending.items()):
-            if now >= pending.deadline:
-                out += self._finish(seq)
-        return out
+        return expired(self._pending, now, self._finish)
 
     def _finish(self, seq: int) -> list[Out]:
         pending = self._pending.pop(seq)
@@ -186,11 +167,11 @@ class Dispatch:
         waiting = tuple(sorted(pending.owed))
         result = CommandResult(
             seq=seq, action=command.action, group=command.group, waited=pending.answer is not None,
-            complete=not waiting and not pending.lost and not pending.missing,
+            complete=not waiting and not pending.lost and not pending.why,
             acked=tuple(acks), failed=tuple(a["rank"] for a in acks if not a["ok"]),
             same_step={g: len(s) == 1 for g, s in sorted(steps_by_group.items())},
             pending=waiting, lost=tuple(sorted(pending.lost)),
-            missing=tuple({"rank": r, "reason": why} for r, why in sorted(pending.missing.items())),
+            missing=tuple({"rank": r, "reason": why} for r, why in sorted(pending.why.items())),
         )
         self.event(EventKind.COMMAND_APPLIED, seq=seq, action=command.action, group=command.group,
                    steps={str(a["rank"]): a["step"] for a in acks}, pending=list(waiting),

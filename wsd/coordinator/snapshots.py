@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from wsd.coordinator.aggregate import StatsRound, read_snapshot
+from wsd.coordinator.awaited import Awaited, expired, rank_gone
 from wsd.coordinator.config import CoordinatorConfig
 from wsd.coordinator.latest import LatestStats
 from wsd.coordinator.metrics import StatsView
@@ -29,25 +30,14 @@ logger = logging.getLogger(__name__)
 _SCOPES_KEPT = 64  # the scopes of answers from memory kept, each for one group asked for (or all)
 
 
-@dataclass
-class _Round:
-    """A fresh stats round: every live rank asked, the answer waiting."""
+@dataclass(kw_only=True)
+class _Round(Awaited):
+    """A fresh stats round: every live rank asked, the answer waiting (``why``: targets out of
+    it for a reason of their own, an invalid snapshot or a goodbye)."""
 
     answer: Answer
     group: int | None
-    targets: set[int]
-    deadline: float
     gathered: StatsRound  # the replies so far, aggregated as they arrive
-    lost: set[int] = field(default_factory=set)
-    # Targets that will not be in the answer for a reason of their own (an invalid
-    # snapshot, a goodbye), and that reason.
-    reasons: dict[int, str] = field(default_factory=dict)
-    # Targets that have neither answered nor been lost: done when empty, checked
-    # in O(1) per reply.
-    owed: set[int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.owed = set(self.targets)
 
 
 class Snapshots:
@@ -150,7 +140,7 @@ class Snapshots:
         except ValueError as e:  # a buggy or newer agent: the others' answer must not suffer
             self.invalid += 1
             logger.warning("rank %d sent an invalid stats snapshot: %s", info.rank, e)
-            pending.reasons[info.rank] = f"sent an invalid stats snapshot ({e})"
+            pending.why[info.rank] = f"sent an invalid stats snapshot ({e})"
         if not pending.owed:
             return self._finish(body["request"])
         return []
@@ -158,31 +148,17 @@ class Snapshots:
     def rank_gone(self, rank: int, why: str | None) -> list[Out]:
         """A rank is no longer live: lost (``why`` None) or stopped (``why`` says so); a round
         that waits for it is answered without it."""
-        out: list[Out] = []
-        for request, pending in list(self._rounds.items()):
-            if rank in pending.owed:
-                if why is None:
-                    pending.lost.add(rank)
-                else:
-                    pending.reasons[rank] = why
-                pending.owed.discard(rank)
-                if not pending.owed:
-                    out += self._finish(request)
-        return out
+        return rank_gone(self._rounds, rank, why, self._finish)
 
     def tick(self, now: float) -> list[Out]:
         """Answer the rounds whose timeout passed, without the ranks that did not reply."""
-        out: list[Out] = []
-        for request, pending in list(self._rounds.items()):
-            if now >= pending.deadline:
-                out += self._finish(request)
-        return out
+        return expired(self._rounds, now, self._finish)
 
     def _finish(self, request: int) -> list[Out]:
         pending = self._rounds.pop(request)
         missing = self.registry.missing(pending.group)
         for rank in pending.targets - set(pending.gathered.replies):
-            missing[rank] = pending.reasons.get(rank) or (
+            missing[rank] = pending.why.get(rank) or (
                 "lost while asked" if rank in pending.lost else "no reply within the stats timeout")
         # Encoded already: the parts as the replies came, spliced.
         return pending.answer(pending.gathered.finish(self._expected(pending.group), missing, round(self.wall(), 3)))

@@ -31,19 +31,18 @@ def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     such as ``/dev/zero`` would never end), nested no deeper than the parser's stack allows.
     """
     source = str(path)
+    not_regular = f"{source}: not a regular file (a folder, a FIFO or a device): give a configuration file"
     try:
         # Non-blocking, then checked on the open file: a FIFO neither hangs the open nor is read.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         with os.fdopen(fd, "rb") as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise ConfigError(f"{source}: not a regular file (a folder, a FIFO or a device): "
-                                  f"give a configuration file")
+                raise ConfigError(not_regular)
             data = f.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"{source}: configuration file not found") from None
     except IsADirectoryError:
-        raise ConfigError(f"{source}: not a regular file (a folder, a FIFO or a device): "
-                          f"give a configuration file") from None
+        raise ConfigError(not_regular) from None  # a folder: refused by the read, not the open
     except OSError as e:
         raise ConfigError(f"{source}: cannot read configuration file: {e}") from e
     if len(data) > MAX_CONFIG_BYTES:

@@ -27,10 +27,12 @@ from wsd.manager.stats import (
     PERSISTENT_COLUMNS,
     SLOT_KEY,
     SLOT_NUMBERS,
+    SPARSE,
     VIOLATION_COLUMNS,
     LockViolation,
     ManagerStats,
     PersistentStats,
+    RetainedStats,
     SlotStats,
 )
 from wsd.wire import protocol as p
@@ -785,7 +787,8 @@ _NEVER = {
 }
 _SLOT_KINDS = {**{f"slots.{c}": int for c in SLOT_KEY}, **{f"slots.{n.name}": n.kind for n in SLOT_NUMBERS},
                **{f"slots.last_violation.{c}": k for c, k in zip(VIOLATION_COLUMNS, (int, str, int, int, float))},
-               **{f"slots.persistent.{c}": k for c, k in zip(PERSISTENT_COLUMNS, (int, str, str, int))}}
+               **{f"slots.persistent.{c}": k for c, k in zip(PERSISTENT_COLUMNS, (int, str, str, int))},
+               **{f"slots.retained.{c}": k for c, k in zip(SPARSE["retained"].columns, (int, str, int))}}
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
@@ -801,7 +804,7 @@ def test_any_wrong_entry_in_any_snapshot_column_is_named(tmp_path_factory, data)
     bad_value = data.draw(st.sampled_from(_NEVER[_SLOT_KINDS[where]]), "value")
     stats = ManagerStats("cpu", 3, 1, False, tuple(
         SlotStats(i, 0, 64 * i, 64 * i, i, 1, 1, LockViolation("m.py:1:f", 128, 64 * i, 2.5),
-                  (PersistentStats("k", "tensor", 8),)) for i in range(3))).to_wire()
+                  (PersistentStats("k", "tensor", 8),), RetainedStats("kv", 16 * i)) for i in range(3))).to_wire()
     *path, name = where.split(".")[1:]
     column = stats["slots"][path[0]][name] if path else stats["slots"][name]
     column[data.draw(st.integers(0, len(column) - 1), "entry")] = bad_value

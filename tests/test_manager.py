@@ -17,6 +17,7 @@ from wsd import (
     use_lane,
     use_ubatch,
 )
+from wsd.manager.stats import RetainedStats
 
 F32 = torch.float32
 
@@ -370,8 +371,22 @@ def test_anything_that_reaches_or_moves_the_span_forgets_it(reach):
     manager.get_simultaneous(((4096,), torch.uint8))
     _retained(manager)
     assert _retained(manager)[1]
+    assert manager.stats().slots[0].retained == RetainedStats(key="kv", nbytes=64)
     reach(manager)
+    assert manager.stats().slots[0].retained is None, "stats show a span that is gone"
     assert not _retained(manager)[1]
+
+
+def test_stats_show_the_latest_retained_span_per_slot_by_its_key_as_text():
+    manager = WorkspaceManager("cpu", 2)
+    assert [s.retained for s in manager.stats().slots] == [None, None]
+    with use_ubatch(1):
+        manager.get_retained(("layer", 3), (8, 4), torch.float16)
+    _retained(manager, key="kv", n=100)
+    _retained(manager, key="chunk", n=10)
+    assert [s.retained for s in manager.stats().slots] == [RetainedStats("chunk", 40),
+                                                           RetainedStats("('layer', 3)", 64)]
+    assert manager.stats().total_bytes == 400 + 64, "a span inside the buffer is not counted twice"
 
 
 def test_equalize_forgets_the_span_of_each_slot_it_reallocates():

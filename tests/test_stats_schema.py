@@ -6,25 +6,30 @@ functions of plain data, checked here against the one declaration.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import fields
 
 import msgpack
 import pytest
 
-from wsd.coordinator.aggregate import StatsRound, _group_slots, read_snapshot
+from wsd.coordinator.aggregate import StatsRound, _group_slots, read_changes, read_snapshot
 from wsd.coordinator.metrics import _HELP, FAMILIES
 from wsd.manager.stats import (
     GROUP_COLUMNS,
     SLOT_COLUMNS,
     SLOT_KEY,
     SLOT_NUMBERS,
+    SPARSE_TABLES,
     Combine,
     GroupColumn,
     ManagerStats,
     PersistentStats,
+    RetainedStats,
     SlotNumber,
     SlotStats,
+    apply_snapshot_delta,
+    snapshot_delta,
 )
 from wsd_client import render
 from wsd_client.results import Stats
@@ -45,7 +50,8 @@ def _answer(snapshots: dict[int, ManagerStats], tp_group: int = 0) -> dict:
 
 
 def test_slot_stats_carries_exactly_the_schemas_columns():
-    assert [f.name for f in fields(SlotStats)] == [*SLOT_COLUMNS, "last_violation", "persistent"]
+    assert [f.name for f in fields(SlotStats)] == [*SLOT_COLUMNS, "last_violation", "persistent", "retained"]
+    assert [t.name for t in SPARSE_TABLES] == ["last_violation", "persistent", "retained"]
     assert SLOT_COLUMNS == (*SLOT_KEY, *(n.name for n in SLOT_NUMBERS))
     assert GROUP_COLUMNS == (*SLOT_KEY, *(c.name for n in SLOT_NUMBERS for c in n.group))
     assert len(set(GROUP_COLUMNS)) == len(GROUP_COLUMNS)
@@ -174,6 +180,70 @@ def test_an_older_coordinators_answer_reads_as_todays():
     assert none.group_columns() == {} and none.rows()["ranks"] == [] and none.rows()["groups"] == []
 
 
+def _record(table, rng: random.Random, names: list[str]):
+    """A record of ``table`` with a value of its declared type in every field."""
+    kinds = table.types
+    make = {int: lambda: rng.randrange(1 << 30), float: lambda: rng.randrange(1 << 20) / 8,
+            str: lambda: rng.choice(names)}
+    return table.record(**{name: make[kinds[name]]() for name in table.fields})
+
+
+def _sparse_snapshot(rng: random.Random, slots: int, names: list[str]) -> ManagerStats:
+    """Random numbers, and in every sparse table a random number of records per slot (at
+    most one where the table holds one per slot)."""
+    def sparse(table):
+        records = tuple(_record(table, rng, names) for _ in range(rng.randrange(3 if table.many else 2)))
+        return records if table.many else (records[0] if records else None)
+
+    return ManagerStats("cpu", slots, 1, False, tuple(
+        SlotStats(**{c: rng.randrange(1 << 20) for c in SLOT_COLUMNS} | {"ubatch": i, "lane": 0},
+                  **{t.name: sparse(t) for t in SPARSE_TABLES}) for i in range(slots)))
+
+
+def _plain(rows):
+    """``to_dict``'s rows as JSON gives them back: tuples as lists."""
+    return [{k: list(v) if isinstance(v, tuple) else v for k, v in row.items()} for row in rows]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_sparse_table_travels_from_a_snapshot_to_the_rows_wsctl_prints(seed):
+    """Whatever a sparse table declares, each record reaches a client's rows as the manager
+    made it: through the wire form, the coordinator's checks and its answer (coded columns
+    as indices into strings), and back; and each of the plain forms reads back whole."""
+    rng = random.Random(seed)
+    names = ["kv", "moe", "tensor", "resource", "x" * 200]
+    snapshots = {rank: _sparse_snapshot(rng, 5, names) for rank in range(3)}
+    assert any(getattr(s, t.name) for snap in snapshots.values() for s in snap.slots for t in SPARSE_TABLES)
+    answer = _answer(snapshots)
+    for rank, snapshot in snapshots.items():
+        assert ManagerStats.from_wire(snapshot.to_wire()) == snapshot
+        assert ManagerStats.from_dict(snapshot.to_dict()) == snapshot
+        assert rank_slots(answer, rank) == _plain(snapshot.to_dict()["slots"])
+
+
+def test_a_change_to_one_sparse_table_alone_reaches_the_answer():
+    """An agent pushes only what changed (a delta); the coordinator re-reads only that. A
+    change to one table, coded or not, shows; the others keep their rows."""
+    rng = random.Random(11)
+    names = ["a", "b", "c"]
+    before = _sparse_snapshot(rng, 4, names)
+    for table in SPARSE_TABLES:
+        slots = list(before.slots)
+        new = _record(table, rng, ["fresh"])
+        slots[2] = dataclasses.replace(slots[2], **{table.name: (new,) if table.many else new})
+        after = dataclasses.replace(before, slots=tuple(slots))
+        old_wire, new_wire = before.to_wire(), after.to_wire()
+        delta = snapshot_delta(old_wire, new_wire)
+        assert delta is not None and set(delta["tables"]) == {table.name}
+        previous = read_snapshot(0, 0, 1, old_wire)
+        changed = frozenset(delta["tables"])
+        current = read_changes(previous, 2, apply_snapshot_delta(old_wire, delta), changed)
+        rnd = StatsRound({0: [0]})
+        rnd.add(current)
+        answer = msgpack.unpackb(rnd.finish({0: [0]}, {}, as_of=1.0))
+        assert rank_slots(answer, 0) == _plain(after.to_dict()["slots"]), table.name
+
+
 def test_every_slot_number_has_its_metric_family_and_help():
     for number in SLOT_NUMBERS:
         assert FAMILIES[number.metric] == ("counter" if number.counter else "gauge",
@@ -195,6 +265,17 @@ def test_wsctl_shows_every_slot_number_and_every_headed_group_column():
     capacity = snapshots[0].slots[1].capacity_bytes
     row = next(line for line in text.splitlines() if line.split()[:3] == ["0", "1", "0"])
     assert str(requests) in row.split() and str(capacity) not in row.split()
+
+
+def test_wsctl_shows_each_slots_retained_span_by_size_and_key():
+    rng = random.Random(4)
+    snapshot = _snapshot(rng, 2)
+    slots = (dataclasses.replace(snapshot.slots[0], retained=RetainedStats("kv_chunk", 3 << 20)), snapshot.slots[1])
+    text = render.stats(stats_rows(_answer({0: dataclasses.replace(snapshot, slots=slots)})), width=200)
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if "RETAINED" in line)
+    rows = {tuple(line.split()[:3]): line for line in lines[header + 1:header + 3]}
+    assert "3.0 MiB kv_chunk" in rows[("0", "0", "0")] and "kv_chunk" not in rows[("0", "1", "0")]
 
 
 def test_a_slot_number_is_refused_when_its_declaration_contradicts_itself():

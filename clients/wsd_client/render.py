@@ -167,6 +167,12 @@ def ranks(doc: dict[str, Any], width: int | None = None) -> str:
     return fit(_RANKS_COLUMNS, rows, width)
 
 
+def _retained(slot: dict[str, Any]) -> str:
+    """The slot's retained span (vLLM 0.34's ``get_retained``): its size and key."""
+    span = slot.get("retained")
+    return "-" if not span else f"{format_bytes(span['nbytes'])} {span['key']}"
+
+
 def _violation(slot: dict[str, Any]) -> str:
     last = slot.get("last_violation")
     if not last:
@@ -235,7 +241,8 @@ _RANK_COLUMNS = (Column("RANK"), Column("GROUP"), Column("STEP", drop=3), Column
                  Column("TOTAL", drop=1), Column("VIOLATIONS"))
 _SLOT_COLUMNS = (Column("RANK"), Column("UBATCH"), Column("LANE", drop=4),
                  *_numbers((n.name, n.header) for n in SLOT_NUMBERS),
-                 Column("PERSISTENT", drop=6), Column("LAST VIOLATION", drop=3, cut_to=24))
+                 Column("PERSISTENT", drop=6), Column("RETAINED", drop=6, cut_to=24),
+                 Column("LAST VIOLATION", drop=3, cut_to=24))
 _GROUP_COLUMNS = (Column("GROUP"), Column("RANKS", drop=2, cut_to=8), Column("REPORTING", drop=3, cut_to=8),
                   Column("TOTAL"), Column("MIN RANK", drop=1), Column("MAX RANK", drop=1), Column("SKEW"),
                   Column("LOCKED SAME", drop=4), Column("UBATCHES SAME", drop=4))
@@ -275,7 +282,7 @@ def _stats_tables(doc: dict[str, Any], width: int | None) -> list[str]:
              r["lock_violations"]] for r in doc["ranks"]], width)]
         lines += ["", fit(_SLOT_COLUMNS, [
             [r["rank"], s["ubatch"], s["lane"], *(_number(n.name, s[n.name]) for n in SLOT_NUMBERS),
-             format_bytes(sum(p["nbytes"] for p in s["persistent"])), _violation(s)]
+             format_bytes(sum(p["nbytes"] for p in s["persistent"])), _retained(s), _violation(s)]
             for r in doc["ranks"] for s in r["slots"]], width)]
     if doc["groups"]:
         lines += ["", fit(_GROUP_COLUMNS, [

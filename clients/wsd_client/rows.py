@@ -7,8 +7,9 @@ last known current, Unix seconds; ``as_of - confirmed_at`` is its age, as
 ``ages`` gives). Every rank's slots are rows of one table, ``slots``, whose
 ``rank`` column says whose each row is (``{"rank": [0, 0, 1, 1], "ubatch":
 [0, 1, 0, 1], "capacity_bytes": [4096, 0, ...], ...}``); the last violations
-and persistent buffers likewise (``last_violation`` and ``persistent``, whose
-``slot`` is the index of the slot among its rank's; a persistent buffer's
+persistent buffers and retained spans likewise (``last_violation``,
+``persistent`` and ``retained``, whose ``slot`` is the index of the slot among
+its rank's; a persistent buffer's
 ``key`` and ``kind`` are indices into the answer's ``strings``, a few names
 that would otherwise repeat for every slot). ``groups`` has a row per
 TP group, and every group's per-slot summary rows are one table too,
@@ -27,12 +28,12 @@ from itertools import groupby
 from typing import Any
 
 from wsd.manager.stats import (
-    CODED,
     GROUP_COLUMNS,
     GROUP_TABLE,
     RANK_TABLE,
     SLOT_COLUMNS,
     SLOT_KEY,
+    SPARSE_TABLES,
     one_rank_summary,
     slot_rows,
 )
@@ -40,7 +41,7 @@ from wsd.manager.stats import (
 __all__ = ["ages", "from_older", "group_columns", "group_slots", "rank_columns", "rank_slots", "stats_rows",
            "table_rows"]
 
-_TABLES = ("slots", "last_violation", "persistent", "group_slots", "strings")
+_TABLES = ("slots", *(table.name for table in SPARSE_TABLES), "group_slots", "strings")
 
 
 def from_older(doc: dict[str, Any]) -> dict[str, Any]:
@@ -77,27 +78,29 @@ def _split(table: dict[str, list[Any]], owner: str = "rank") -> dict[int, dict[s
     return out
 
 
-def _decoded(table: dict[str, list[Any]], strings: list[str] | None) -> dict[str, list[Any]]:
-    """The persistent-buffer table with its ``key`` and ``kind`` as strings: the answer sends
-    them as indices into its ``strings`` (an older coordinator, without ``strings``, in full)."""
-    if strings is None:
+def _decoded(table: dict[str, list[Any]], coded: tuple[str, ...], strings: list[str] | None,
+             ) -> dict[str, list[Any]]:
+    """A sparse table with its ``coded`` columns as strings: the answer sends them as indices
+    into its ``strings`` (an older coordinator, without ``strings``, in full)."""
+    if strings is None or not coded:
         return table
-    return {name: [strings[i] for i in column] if name in CODED else column for name, column in table.items()}
+    return {name: [strings[i] for i in column] if name in coded else column for name, column in table.items()}
 
 
 def rank_columns(doc: dict[str, Any]) -> dict[int, dict[str, Any]]:
     """Each rank's slots as one rank's snapshot holds them (``ManagerStats.to_wire()["slots"]``:
-    columns, with its last violations and persistent buffers as tables keyed by slot index)."""
-    slots, violations = (_split(doc.get(name) or {}) for name in _TABLES[:2])
-    persistent = _split(_decoded(doc.get("persistent") or {}, doc.get("strings")))
+    columns, with each sparse table's entries as a table keyed by slot index)."""
+    slots = _split(doc.get("slots") or {})
+    sparse = {table.name: _split(_decoded(doc.get(table.name) or {}, table.coded, doc.get("strings")))
+              for table in SPARSE_TABLES}
     empty: dict[str, list[Any]] = {c: [] for c in SLOT_COLUMNS}
-    return {r: {**slots.get(r, empty), "last_violation": violations.get(r, {}), "persistent": persistent.get(r, {})}
+    return {r: {**slots.get(r, empty), **{name: tables.get(r, {}) for name, tables in sparse.items()}}
             for r in doc["ranks"]["rank"]}
 
 
 def rank_slots(doc: dict[str, Any], rank: int) -> list[dict[str, Any]]:
     """One rank's slots as ``[{ubatch, lane, capacity_bytes, peak_requested_bytes, requests,
-    resizes, lock_violations, last_violation, persistent}]``."""
+    resizes, lock_violations, last_violation, persistent, retained}]``."""
     return slot_rows(rank_columns(doc)[rank])
 
 

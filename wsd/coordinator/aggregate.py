@@ -27,24 +27,23 @@ import msgpack
 
 from wsd.manager.config import MAX_LANES, MAX_UBATCHES
 from wsd.manager.stats import (
-    CODED,
     GROUP_COLUMNS,
     GROUP_TABLE,
-    PERSISTENT_COLUMNS,
     RANK_TABLE,
     SLOT_COLUMNS,
     SLOT_KEY,
     SLOT_NUMBERS,
-    VIOLATION_COLUMNS,
+    SPARSE,
+    SPARSE_TABLES,
 )
 
 __all__ = ["AnswerBody", "GroupPart", "Snapshot", "StatsRound", "answer_body",
            "group_part", "packed_answer", "read_changes", "read_snapshot"]
 
 _RANK_FIELDS = {"device": str, "num_ubatches": int, "num_lanes": int, "locked": bool, "slots": dict}
-# The sparse tables' columns and the type of each.
-_VIOLATION_TYPES = dict(zip(VIOLATION_COLUMNS, (int, str, int, int, float)))
-_PERSISTENT_TYPES = dict(zip(PERSISTENT_COLUMNS, (int, str, str, int)))
+# Each sparse table's columns and the type of each.
+_SPARSE_TYPES = {table.name: table.types for table in SPARSE_TABLES}
+_CODED_TABLES = tuple(table for table in SPARSE_TABLES if table.coded)
 # The type of each slot column: the key's are ints, each number's its declared kind.
 _SLOT_KINDS: dict[str, type] = {**dict.fromkeys(SLOT_KEY, int), **{n.name: n.kind for n in SLOT_NUMBERS}}
 # The types msgpack decodes each kind of column into (a whole number is a float's too).
@@ -115,15 +114,15 @@ class Snapshot:
 
     ``columns`` maps each of ``SLOT_COLUMNS`` to its column. ``entry`` is the
     rank's row of the answer's ``ranks`` table (but for ``confirmed_at``), and
-    ``tables`` its rows of the answer's slot, violation and persistent tables,
-    encoded now: an answer splices them behind headers (``packed_answer``),
-    whatever the number of ranks, instead of encoding them again. The
-    persistent rows' ``CODED`` columns are indices into ``strings``, the rank's
-    own names; ``persistent`` keeps those rows, for an answer whose table of
-    names numbers them otherwise.
+    ``tables`` its rows of the answer's slot table and of each sparse table
+    (``SPARSE_TABLES``), encoded now: an answer splices them behind headers
+    (``packed_answer``), whatever the number of ranks, instead of encoding them
+    again. The sparse tables' ``coded`` columns are indices into ``strings``, the
+    rank's own names; ``coded`` keeps those tables' columns, for an answer whose
+    table of names numbers them otherwise.
     """
 
-    __slots__ = ("columns", "entry", "locked", "num_ubatches", "persistent", "rank", "strings", "tables",
+    __slots__ = ("coded", "columns", "entry", "locked", "num_ubatches", "rank", "strings", "tables",
                  "total_bytes", "tp_group")
 
     def __init__(self, rank: int, tp_group: int, step: int, stats: dict[str, Any],
@@ -149,33 +148,38 @@ class Snapshot:
             count, parts = previous.tables[0]
             slot_rows = (count, (parts[0], *(_items(columns[c]) if c in changed else part
                                              for c, part in zip(SLOT_COLUMNS, parts[1:]))))
-        if previous is None or "last_violation" in changed:
-            violations = _rows(rank, [(slots.get("last_violation") or {}).get(c, []) for c in VIOLATION_COLUMNS])
+        if previous is None or any(table.name in changed for table in _CODED_TABLES):
+            recode = True  # one table of names for all the coded tables: each is coded again
+            self.strings, self.coded = _coded(slots)
         else:
-            violations = previous.tables[1]
-        if previous is None or "persistent" in changed:
-            self.strings, self.persistent = _coded(slots.get("persistent") or {})
-            persistent = _rows(rank, self.persistent)
-        else:
-            self.strings, self.persistent = previous.strings, previous.persistent
-            persistent = previous.tables[2]
-        self.tables: tuple[tuple[int, tuple[bytes, ...]], ...] = (slot_rows, violations, persistent)
+            recode = False
+            self.strings, self.coded = previous.strings, previous.coded
+        tables = [slot_rows]
+        for i, table in enumerate(SPARSE_TABLES, 1):
+            if previous is not None and table.name not in changed and not (recode and table.coded):
+                tables.append(previous.tables[i])
+            elif table.coded:
+                tables.append(_rows(rank, self.coded[table.name]))
+            else:
+                entries = slots.get(table.name) or {}
+                tables.append(_rows(rank, [entries.get(c, []) for c in table.columns]))
+        self.tables: tuple[tuple[int, tuple[bytes, ...]], ...] = tuple(tables)
 
 
-def _coded(table: dict[str, list[Any]]) -> tuple[tuple[str, ...], list[list[Any]]]:
-    """A rank's persistent-buffer table (checked) as ``PERSISTENT_COLUMNS``, its ``CODED``
-    columns as indices into the rank's own strings, which it returns too, in order of use."""
+def _coded(slots: dict[str, Any]) -> tuple[tuple[str, ...], dict[str, list[list[Any]]]]:
+    """A rank's coded sparse tables (checked), each as its columns, their ``coded`` columns as
+    indices into the rank's own strings, which it returns too, in order of use."""
     strings: dict[str, int] = {}
-    columns = [table.get(c, []) for c in PERSISTENT_COLUMNS]
-    for i, name in enumerate(PERSISTENT_COLUMNS):
-        if name in CODED:
-            columns[i] = [strings.setdefault(value, len(strings)) for value in columns[i]]
-    return tuple(strings), columns
+    out = {}
+    for table in _CODED_TABLES:
+        entries = slots.get(table.name) or {}
+        out[table.name] = [[strings.setdefault(value, len(strings)) for value in entries.get(c, [])]
+                           if c in table.coded else entries.get(c, []) for c in table.columns]
+    return tuple(strings), out
 
 
-_SPARSE = (("last_violation", VIOLATION_COLUMNS), ("persistent", PERSISTENT_COLUMNS))
 # The answer's tables: every rank's rows of each, one after the other, ``rank`` first.
-_TABLES = (("slots", ("rank", *SLOT_COLUMNS)), *((name, ("rank", *names)) for name, names in _SPARSE))
+_TABLES = (("slots", ("rank", *SLOT_COLUMNS)), *((t.name, ("rank", *t.columns)) for t in SPARSE_TABLES))
 _GROUP_SLOTS_TABLE = ("tp_group", *GROUP_COLUMNS)
 
 
@@ -237,7 +241,7 @@ class AnswerBody(NamedTuple):
     """Some expected rank is missing from it."""
 
 
-_BODY_KEYS = 9  # the map entries of an AnswerBody
+_BODY_KEYS = 2 + len(_TABLES) + 4  # the map entries of an AnswerBody: see answer_body
 
 
 def answer_body(members: list[Snapshot], groups: list[GroupPart], missing: dict[int, str]) -> AnswerBody:
@@ -246,8 +250,9 @@ def answer_body(members: list[Snapshot], groups: list[GroupPart], missing: dict[
 
     Every answer part is a table (a map of equal-length columns): each rank
     is a row of ``ranks`` (``RANK_TABLE``); every rank's slots are rows of
-    ``slots`` (``rank`` first), and so are the last violations and persistent
-    buffers (``slot`` is the index of the slot among its rank's; a persistent
+    ``slots`` (``rank`` first), and so are the entries of each sparse table
+    (``SPARSE_TABLES``: the last violations, persistent buffers and retained
+    spans; ``slot`` is the index of the slot among its rank's; a persistent
     buffer's ``key`` and ``kind`` are indices into ``strings``). Each TP
     group is a row of ``groups`` (``GROUP_TABLE``), and every group's per-slot
     summary rows of ``group_slots`` (``tp_group`` first), but for a group of
@@ -267,20 +272,21 @@ def answer_body(members: list[Snapshot], groups: list[GroupPart], missing: dict[
         *_spliced_table("ranks", RANK_TABLE[:-1], [(1, s.entry) for s in members], of=len(RANK_TABLE)),
         pack(RANK_TABLE[-1]),
     ]
-    tail = []
-    for i, (name, columns) in enumerate(_TABLES[:2]):
-        tail += _spliced_table(name, columns, [s.tables[i] for s in members])
     strings: dict[str, int] = {}
-    persistent = []
+    recoded: list[list[int] | None] = []  # each rank's codes in the answer's strings; None: its own
     for s in members:  # one table of strings for all: each rank's codes kept where they agree
         codes = [strings.setdefault(value, len(strings)) for value in s.strings]
-        if codes == list(range(len(codes))):
-            persistent.append(s.tables[2])
-        else:
-            persistent.append(_rows(s.rank, [[codes[c] for c in column] if name in CODED else column
-                                             for name, column in zip(PERSISTENT_COLUMNS, s.persistent)]))
+        recoded.append(None if codes == list(range(len(codes))) else codes)
+    tail = []
+    for i, (name, columns) in enumerate(_TABLES):
+        table = SPARSE.get(name)  # None: the slots
+        coded = () if table is None else table.coded
+        parts = [s.tables[i] if not coded or codes is None else
+                 _rows(s.rank, [[codes[c] for c in column] if column_name in coded else column
+                                for column_name, column in zip(columns[1:], s.coded[name])])
+                 for s, codes in zip(members, recoded)]
+        tail += _spliced_table(name, columns, parts)
     tail += [
-        *_spliced_table(*_TABLES[2], persistent),
         pack("strings"), pack(list(strings)),
         *_spliced_table("groups", GROUP_TABLE, [g.entry for g in groups]),
         *_spliced_table("group_slots", _GROUP_SLOTS_TABLE, [g.rows for g in groups]),
@@ -343,7 +349,7 @@ def _plain(stats: dict[str, Any]) -> dict[str, list[Any]] | None:
             if not (0 <= min(map(min, (columns[c] for c in ints)))
                     and max(map(max, (columns[c] for c in ints))) <= MAX_NUMBER):
                 return None
-        for name, kinds in (("last_violation", _VIOLATION_TYPES), ("persistent", _PERSISTENT_TYPES)):
+        for name, kinds in _SPARSE_TYPES.items():
             table = slots.get(name)
             if table is not None and not _plain_table(table, kinds, n):
                 return None
@@ -394,8 +400,6 @@ def read_changes(previous: Snapshot, step: int, stats: dict[str, Any], changed: 
     return Snapshot(previous.rank, previous.tp_group, step, stats, columns, previous=previous, changed=changed)
 
 
-_SPARSE_TYPES = {"last_violation": _VIOLATION_TYPES, "persistent": _PERSISTENT_TYPES}
-
 
 def _checked_columns(slots: dict[str, Any]) -> dict[str, list[Any]]:
     """The exact check of a snapshot's slots: its columns, or ValueError naming the key."""
@@ -405,7 +409,7 @@ def _checked_columns(slots: dict[str, Any]) -> dict[str, list[Any]]:
         column = _column(f"slots.{name}", slots.get(name, _MISSING), _SLOT_KINDS[name], length)
         length = len(column)
         columns[name] = column
-    for name, types in (("last_violation", _VIOLATION_TYPES), ("persistent", _PERSISTENT_TYPES)):
+    for name, types in _SPARSE_TYPES.items():
         if name in slots:
             _table(f"slots.{name}", slots[name], types, length or 0)
     return columns

@@ -55,7 +55,7 @@ from wsd.manager.slots import (
     use_lane,
     use_ubatch,
 )
-from wsd.manager.stats import SLOT_COLUMNS, LockViolation, ManagerStats, PersistentStats, SlotStats
+from wsd.manager.stats import SLOT_COLUMNS, LockViolation, ManagerStats, PersistentStats, RetainedStats, SlotStats
 
 __all__ = [
     "WorkspaceManager",
@@ -303,6 +303,7 @@ class WorkspaceManager:
         start = (buffer.numel() - nbytes) // align * align
         intact = slot.retained == (key, start)
         slot.retained = (key, start)
+        slot.retained_bytes = nbytes
         return buffer[start : start + nbytes].view(dtype).reshape(shape), intact
 
     def _layout(
@@ -650,10 +651,16 @@ class WorkspaceManager:
                         PersistentStats(key=key_text(key), kind=kind, nbytes=n)
                         for (kind, key), (_, n) in list(s.persistent.items())
                     ),
+                    retained=_retained_stats(s),
                 )
                 for s in slots
             ),
         )
+
+
+def _retained_stats(slot: Slot) -> RetainedStats | None:
+    retained, nbytes = slot.retained, slot.retained_bytes  # one read: the engine may clear it
+    return None if retained is None else RetainedStats(key=key_text(retained[0]), nbytes=nbytes)
 
 
 # -- the process-wide manager, as vLLM's module functions ----------------------

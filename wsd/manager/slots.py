@@ -119,6 +119,7 @@ class Slot:
         "requests",
         "resizes",
         "retained",
+        "retained_bytes",
         "ubatch",
         "views",
     )
@@ -131,8 +132,9 @@ class Slot:
         # Request -> views of the current buffer, laid out once; see get_simultaneous.
         self.views: dict[Any, tuple[torch.Tensor, ...]] = {}
         # (key, start) of the tail span get_retained last handed out (vLLM 0.34's
-        # record): cleared when a request reaches into it or the buffer goes.
+        # record), and its bytes: cleared when a request reaches into it or the buffer goes.
         self.retained: tuple[Any, int] | None = None
+        self.retained_bytes = 0
         self.requests = 0
         self.peak_requested_bytes = 0
         self.resizes = 0

@@ -13,9 +13,9 @@ column. The wire form and its checks, the TP group summaries
 Two plain forms: ``to_dict``/``from_dict``, one map per slot (the documented
 row shape ``wsctl --json`` prints), and ``to_wire``/``from_wire``, the compact
 columnar form agents send and the coordinator passes on: the slots as a map of
-equal-length columns (``SLOT_COLUMNS``), with the rarer last violations and
-persistent buffers as tables of their own keyed by slot index. ``slot_rows``
-turns the columns back into the row shape.
+equal-length columns (``SLOT_COLUMNS``), with the rarer parts (``SPARSE_TABLES``:
+the last violation, the persistent buffers, the retained span) as tables of their
+own keyed by slot index. ``slot_rows`` turns the columns back into the row shape.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from operator import sub
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, get_type_hints
 
 __all__ = [
     "CODED", "GROUP_COLUMNS", "GROUP_TABLE", "PERSISTENT_COLUMNS", "RANK_TABLE", "SLOT_COLUMNS", "SLOT_KEY",
-    "SLOT_NUMBERS", "VIOLATION_COLUMNS", "Combine", "GroupColumn", "LockViolation", "ManagerStats", "PersistentStats",
-    "SlotNumber", "SlotStats", "apply_snapshot_delta", "one_rank_summary", "slot_rows", "snapshot_delta"
+    "SLOT_NUMBERS", "SPARSE", "SPARSE_TABLES", "VIOLATION_COLUMNS", "Combine", "GroupColumn", "LockViolation",
+    "ManagerStats", "PersistentStats", "RetainedStats", "SlotNumber", "SlotStats", "SparseTable",
+    "apply_snapshot_delta", "one_rank_summary", "slot_rows", "snapshot_delta"
 ]
 
 # -- the per-slot statistics schema --------------------------------------------------
@@ -146,13 +147,6 @@ GROUP_TABLE = ("tp_group", "ranks", "reporting", "missing", "total_bytes", "rank
                "skew_bytes", "locked_consistent", "num_ubatches_consistent")
 """The columns of the answer's ``groups`` table, one row per TP group in scope."""
 
-# The sparse tables: one entry per violation or persistent buffer, ``slot``
-# being the index of the slot it belongs to in the columns above.
-VIOLATION_COLUMNS = ("slot", "caller", "requested", "capacity", "time")
-PERSISTENT_COLUMNS = ("slot", "key", "kind", "nbytes")
-CODED = ("key", "kind")
-"""The persistent-buffer columns the ``stats`` answer sends as indices into its ``strings``: a
-few names, repeated for every slot of every rank."""
 
 
 def one_rank_summary(columns: dict[str, Sequence[Any]]) -> dict[str, list[Any]]:
@@ -196,9 +190,75 @@ class PersistentStats:
 
 
 @dataclass(frozen=True, slots=True)
+class RetainedStats:
+    """The span at the end of a slot's buffer that ``get_retained`` (vLLM 0.34) last handed
+    out, and that requests have not reached into since: what the next ``get_retained`` of
+    the same key finds intact. Inside the scratch buffer, so not counted again in totals."""
+
+    key: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SparseTable:
+    """One of a slot's rarer parts, sent as a table of its own: one entry per record, its
+    ``slot`` column the index of the slot it belongs to among its rank's.
+
+    ``name`` is the ``SlotStats`` attribute, the wire key under ``slots``, the table of
+    the ``stats`` answer and the key of each row ``wsctl --json`` prints; ``record``
+    declares the columns and their types (its fields, in order). Every reader and
+    writer of the table is derived from this: a column added to ``record`` is sent,
+    checked and shown with no other edit.
+    """
+
+    name: str
+    record: type
+    many: bool
+    """A tuple of records per slot; else at most one (None when none)."""
+    coded: tuple[str, ...] = ()
+    """Columns the ``stats`` answer sends as indices into its ``strings``: a few names,
+    repeated for every slot of every rank."""
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(self.record))
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The table's columns on the wire: ``slot``, then the record's fields."""
+        return ("slot", *self.fields)
+
+    @property
+    def types(self) -> dict[str, type]:
+        """Each column's type: ``int``, ``str`` or ``float``."""
+        hints = get_type_hints(self.record)
+        return {"slot": int, **{name: hints[name] for name in self.fields}}
+
+    def records(self, value: Any) -> tuple[Any, ...]:
+        """A ``SlotStats`` attribute of this table's as a tuple of records."""
+        if self.many:
+            return tuple(value)
+        return () if value is None else (value,)
+
+
+SPARSE_TABLES = (
+    SparseTable("last_violation", LockViolation, many=False),
+    SparseTable("persistent", PersistentStats, many=True, coded=("key", "kind")),
+    SparseTable("retained", RetainedStats, many=False),
+)
+"""A slot's sparse parts, in wire order: the last request it refused, its persistent
+buffers and resources, and the retained span at its buffer's end."""
+SPARSE = {table.name: table for table in SPARSE_TABLES}
+VIOLATION_COLUMNS = SPARSE["last_violation"].columns
+PERSISTENT_COLUMNS = SPARSE["persistent"].columns
+CODED = SPARSE["persistent"].coded
+
+
+@dataclass(frozen=True, slots=True)
 class SlotStats:
     """One (ubatch, lane) slot: one attribute per ``SLOT_COLUMNS`` entry (what each number
-    counts is said in ``SLOT_NUMBERS``), its last refused request and its persistent buffers."""
+    counts is said in ``SLOT_NUMBERS``), then one per ``SPARSE_TABLES`` entry: its last
+    refused request, its persistent buffers and its retained span."""
 
     ubatch: int
     lane: int
@@ -209,6 +269,7 @@ class SlotStats:
     lock_violations: int
     last_violation: LockViolation | None
     persistent: tuple[PersistentStats, ...]
+    retained: RetainedStats | None = None
 
     @property
     def persistent_bytes(self) -> int:
@@ -243,14 +304,14 @@ class ManagerStats:
         slots = []
         total = 0
         for s in self.slots:
-            v = s.last_violation
-            persistent: tuple[dict[str, Any], ...] = tuple(
-                {"key": q.key, "kind": q.kind, "nbytes": q.nbytes} for q in s.persistent)
-            total += s.capacity_bytes + sum(q["nbytes"] for q in persistent)
+            total += s.capacity_bytes + s.persistent_bytes
             row = {c: getattr(s, c) for c in SLOT_COLUMNS}
-            row["last_violation"] = None if v is None else {
-                "caller": v.caller, "requested": v.requested, "capacity": v.capacity, "time": v.time}
-            row["persistent"] = persistent
+            for table in SPARSE_TABLES:
+                value = getattr(s, table.name)
+                if table.many:
+                    row[table.name] = tuple(_record_dict(table, r) for r in value)
+                else:
+                    row[table.name] = None if value is None else _record_dict(table, value)
             slots.append(row)
         return {"device": self.device, "num_ubatches": self.num_ubatches, "num_lanes": self.num_lanes,
                 "locked": self.locked, "slots": tuple(slots), "total_bytes": total}
@@ -260,12 +321,14 @@ class ManagerStats:
         """The inverse of ``to_dict`` (extra keys such as ``total_bytes`` ignored)."""
         slots = []
         for s in data["slots"]:
-            violation = s.get("last_violation")
-            slots.append(SlotStats(
-                **{c: s[c] for c in SLOT_COLUMNS},
-                last_violation=LockViolation(**violation) if violation else None,
-                persistent=tuple(PersistentStats(**p) for p in s["persistent"]),
-            ))
+            sparse: dict[str, Any] = {}
+            for table in SPARSE_TABLES:
+                value = s.get(table.name)
+                if table.many:
+                    sparse[table.name] = tuple(table.record(**r) for r in value or ())
+                else:
+                    sparse[table.name] = table.record(**value) if value else None
+            slots.append(SlotStats(**{c: s[c] for c in SLOT_COLUMNS}, **sparse))
         return cls(
             device=data["device"],
             num_ubatches=data["num_ubatches"],
@@ -282,22 +345,19 @@ class ManagerStats:
         coordinator's decoding, checking and encoding per rank.
         """
         slots = self.slots
-        violations: dict[str, list[Any]] = {c: [] for c in VIOLATION_COLUMNS}
-        persistent: dict[str, list[Any]] = {c: [] for c in PERSISTENT_COLUMNS}
-        total = 0
-        for i, s in enumerate(slots):
-            total += s.capacity_bytes
-            v = s.last_violation
-            if v is not None:
-                for column, value in zip(VIOLATION_COLUMNS, (i, v.caller, v.requested, v.capacity, v.time)):
-                    violations[column].append(value)
-            for q in s.persistent:
-                total += q.nbytes
-                for column, value in zip(PERSISTENT_COLUMNS, (i, q.key, q.kind, q.nbytes)):
-                    persistent[column].append(value)
         columns: dict[str, Any] = {c: [getattr(s, c) for s in slots] for c in SLOT_COLUMNS}
-        columns["last_violation"] = violations
-        columns["persistent"] = persistent
+        for table in SPARSE_TABLES:
+            entries: dict[str, list[Any]] = {c: [] for c in table.columns}
+            attribute = table.name
+            for i, s in enumerate(slots):
+                value = getattr(s, attribute)
+                if value:  # most slots have none: None, or an empty tuple
+                    for record in table.records(value):
+                        entries["slot"].append(i)
+                        for name in table.fields:
+                            entries[name].append(getattr(record, name))
+            columns[attribute] = entries
+        total = sum(s.capacity_bytes + s.persistent_bytes for s in slots)
         return {"device": self.device, "num_ubatches": self.num_ubatches, "num_lanes": self.num_lanes,
                 "locked": self.locked, "slots": columns, "total_bytes": total}
 
@@ -314,17 +374,22 @@ def slot_rows(columns: dict[str, Any]) -> list[dict[str, Any]]:
     and ``from_wire`` all read slots through it.
     """
     rows = [dict(zip(SLOT_COLUMNS, values)) for values in zip(*(columns[c] for c in SLOT_COLUMNS))]
-    for row in rows:
-        row["last_violation"] = None
-        row["persistent"] = []
-    violations = columns.get("last_violation") or {}
-    for i, caller, requested, capacity, when in zip(*(violations.get(c, ()) for c in VIOLATION_COLUMNS)):
-        rows[i]["last_violation"] = {"caller": caller, "requested": requested, "capacity": capacity,
-                                     "time": when}
-    persistent = columns.get("persistent") or {}
-    for i, key, kind, nbytes in zip(*(persistent.get(c, ()) for c in PERSISTENT_COLUMNS)):
-        rows[i]["persistent"].append({"key": key, "kind": kind, "nbytes": nbytes})
+    for table in SPARSE_TABLES:
+        for row in rows:
+            row[table.name] = [] if table.many else None
+        entries = columns.get(table.name) or {}
+        names = table.fields
+        for i, *values in zip(*(entries.get(c, ()) for c in table.columns)):
+            record = dict(zip(names, values))
+            if table.many:
+                rows[i][table.name].append(record)
+            else:
+                rows[i][table.name] = record
     return rows
+
+
+def _record_dict(table: SparseTable, record: Any) -> dict[str, Any]:
+    return {name: getattr(record, name) for name in table.fields}
 
 
 # -- deltas of the wire form: what an agent pushes when its snapshot changed ------------------
@@ -332,7 +397,7 @@ def slot_rows(columns: dict[str, Any]) -> list[dict[str, Any]]:
 # A snapshot's own values, besides its slots.
 _SCALARS = ("device", "num_ubatches", "num_lanes", "locked", "total_bytes")
 _NUMBER_COLUMNS = frozenset(n.name for n in SLOT_NUMBERS)
-_TABLES = ("last_violation", "persistent")
+_TABLES = tuple(table.name for table in SPARSE_TABLES)
 _DELTA_KEYS = frozenset({"fields", "columns", "tables"})
 
 
@@ -397,5 +462,5 @@ def apply_snapshot_delta(old: dict[str, Any], delta: dict[str, Any]) -> dict[str
 # SlotStats carries exactly the schema's columns, then the sparse parts: checked
 # at import, so that a number added to one and not the other fails at once.
 _SLOT_ATTRIBUTES = tuple(f.name for f in fields(SlotStats))
-if _SLOT_ATTRIBUTES != (*SLOT_COLUMNS, "last_violation", "persistent"):
+if _SLOT_ATTRIBUTES != (*SLOT_COLUMNS, *_TABLES):
     raise TypeError(f"SlotStats {_SLOT_ATTRIBUTES} does not match SLOT_COLUMNS {SLOT_COLUMNS}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import time
 from pathlib import Path
@@ -347,7 +348,6 @@ def test_a_broken_configuration_turns_wsd_off_in_one_line_and_vllm_runs_on(
     config.write_text("[coordinator\n")
     _unloaded_plugin(monkeypatch, {name: value.format(path=config) for name, value in env.items()})
     monkeypatch.setattr(plugin, "_install", lambda config: None)  # never patch this process's vLLM
-    monkeypatch.setattr("wsd.integrations.vllm.patches.check", lambda: None)
     caplog.set_level("INFO", logger=plugin.__name__)
     plugin.register()
     (line,) = _errors(caplog)
@@ -515,21 +515,39 @@ def test_a_vllm_engine_is_named_after_its_host_model_gpus_and_dense_dp_replica(c
     assert engine_name_problem(name) is None
 
 
-def test_a_vllm_whose_internals_moved_keeps_its_own_class_and_runs_on(monkeypatch, caplog):
-    """A patch point that is not there turns wsd off with one line naming the vLLM version;
-    nothing is patched, so vLLM runs exactly as without wsd."""
+def _parts_applied(monkeypatch) -> list[str]:
+    """The parts of the patches that this process applies from now on, named as each applies
+    instead of patching vLLM (the checks before them run as they are); hooks still waiting
+    for a module when the test ends are dropped."""
+    from wsd.integrations.vllm import imports, patches
+
+    applied: list[str] = []
+    monkeypatch.setattr(patches, "_install_worker", lambda *a, **k: applied.append("worker"))
+    monkeypatch.setattr(patches, "_install_cpu_worker", lambda *a, **k: applied.append("cpu worker"))
+    monkeypatch.setattr(patches, "_install_engine_core", lambda *a, **k: applied.append("engine core"))
+    monkeypatch.setattr(imports, "_hooks", {})
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if f is not imports._finder])
+    return applied
+
+
+def test_a_vllm_whose_internals_moved_keeps_its_own_engine_core_and_runs_on(monkeypatch, caplog):
+    """A patch point that is not there leaves its part of vLLM as it is, with one line naming
+    the vLLM version and the point; the other part, whose points hold, applies."""
     pytest.importorskip("vllm")
+    import vllm.v1.worker.cpu_worker  # noqa: F401 (imported: its part applies at once)
     from vllm.v1.engine import core
 
     from wsd.integrations.vllm import patches
 
     _unloaded_plugin(monkeypatch, {"WSD_COORDINATOR_CONNECT_ENDPOINT": "tcp://127.0.0.1:7600"})
-    monkeypatch.setattr(plugin, "_install", lambda config: pytest.fail("patched a vLLM that differs"))
+    applied = _parts_applied(monkeypatch)
     monkeypatch.delattr(core.EngineCoreProc, "_handle_client_request")
     caplog.set_level("INFO", logger=plugin.__name__)
     plugin.register()
     (line,) = _errors(caplog)
     assert f"vLLM {patches.vllm_version()} has no vllm.v1.engine.core.EngineCoreProc" in line
+    assert "patching vLLM's engine core failed" in line
+    assert applied == ["worker", "cpu worker"]
 
 
 def test_nothing_applies_before_the_engines_warm_up_and_the_rank_reads_warming(start_coordinator):
@@ -579,12 +597,16 @@ def test_a_vllm_whose_workspace_has_more_than_wsds_keeps_its_own_class(monkeypat
                        match=r"has what wsd's stand-in lacks: WorkspaceManager\.get_leased; wsd leaves vLLM's"):
         patches.check()
 
+    import vllm.v1.engine.core  # imported: its part applies at once
+    import vllm.v1.worker.cpu_worker  # noqa: F401
+
     _unloaded_plugin(monkeypatch, {"WSD_COORDINATOR_CONNECT_ENDPOINT": "tcp://127.0.0.1:7600"})
-    original = vllm_workspace.WorkspaceManager
+    applied = _parts_applied(monkeypatch)
     caplog.set_level("INFO", logger=plugin.__name__)
     plugin.register()
     (line,) = _errors(caplog)
-    assert "WorkspaceManager.get_leased" in line and vllm_workspace.WorkspaceManager is original
+    assert "WorkspaceManager.get_leased" in line and "patching vLLM's worker failed" in line
+    assert applied == ["engine core"], "the worker's part, the class swap with it, stays vLLM's own"
 
 
 def test_an_unverified_release_is_said_once_and_runs_when_its_checks_pass(monkeypatch, caplog):
@@ -598,3 +620,91 @@ def test_an_unverified_release_is_said_once_and_runs_when_its_checks_pass(monkey
     patches.check()
     (line,) = [r.getMessage() for r in caplog.records if r.name == patches.__name__]
     assert "vLLM 0.35.0 is not a release wsd was verified with (0.32.0, 0.33.0, 0.34.0)" in line
+
+
+# -- each part applies in the processes that load it -------------------------------------------
+
+
+_PROCESS_PARTS = """
+import sys
+from wsd.integrations.vllm import plugin
+
+plugin.register()
+import vllm.entrypoints.openai.api_server  # what vLLM's API server process loads
+import vllm.v1.worker.workspace as vllm_workspace
+print("api server:", sorted(m for m in ("vllm.v1.worker.gpu_worker", "vllm.v1.engine.core") if m in sys.modules),
+      vllm_workspace.WorkspaceManager.__module__)
+import vllm.v1.worker.cpu_worker as cpu_worker  # a worker process: the worker's part applies as it loads
+worker = sys.modules["vllm.v1.worker.gpu_worker"].Worker
+print("worker:", vllm_workspace.WorkspaceManager.__module__,
+      all(getattr(getattr(worker, name), "__wsd_wrapped__", False)
+          for name in ("init_device", "execute_model", "compile_or_warm_up_model", "shutdown")),
+      getattr(cpu_worker.CPUWorker.compile_or_warm_up_model, "__wsd_wrapped__", False),
+      "vllm.v1.engine.core" in sys.modules)
+import vllm.v1.engine.core as core  # an engine core process
+print("engine core:", getattr(core.EngineCoreProc.run_busy_loop, "__wsd_wrapped__", False))
+import inspect
+print("source:", "class Worker" in inspect.getsource(sys.modules["vllm.v1.worker.gpu_worker"]))
+"""
+
+
+def test_an_api_server_loads_no_worker_and_each_part_applies_as_its_module_loads(tmp_path):
+    """vLLM loads plugins in every process. Checking the worker's patch points once imported
+    vLLM's GPU worker and model runner (hundreds of modules, half a second) in the API
+    server too; now each part is checked and applied when its module is imported."""
+    pytest.importorskip("vllm")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSD_")}
+    env.update(WSD_COORDINATOR_CONNECT_ENDPOINT="tcp://127.0.0.1:9", PYTHONWARNINGS="ignore")
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", _PROCESS_PARTS], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.split(":")[0] in
+             ("api server", "worker", "engine core", "source")]
+    assert lines == ["api server: [] vllm.v1.worker.workspace",
+                     "worker: wsd.integrations.vllm.workspace True True False",
+                     "engine core: True",
+                     "source: True"], done.stdout + done.stderr[-3000:]
+
+
+def test_a_hook_runs_once_its_module_has_run_or_at_once_if_it_has(tmp_path, monkeypatch):
+    from wsd.integrations.vllm import imports
+
+    monkeypatch.setattr(imports, "_hooks", {})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "wsd_hooked_a.py").write_text("import sys\nVALUE = 1\nHOOKED_DURING = 'seen' in sys.modules\n")
+    seen: list[tuple[str, int]] = []
+    imports.when_imported("wsd_hooked_a", lambda m: seen.append((m.__name__, m.VALUE)))
+    assert seen == [] and "wsd_hooked_a" not in sys.modules
+    try:
+        import wsd_hooked_a
+
+        assert seen == [("wsd_hooked_a", 1)], "after the module's code, before the import returned"
+        assert type(wsd_hooked_a.__loader__).__name__ == "SourceFileLoader", "the module keeps its own loader"
+        assert imports._finder not in sys.meta_path, "no finder left once no hook waits"
+        imports.when_imported("wsd_hooked_a", lambda m: seen.append(("again", m.VALUE)))
+        assert seen[-1] == ("again", 1), "an imported module: at once"
+    finally:
+        sys.modules.pop("wsd_hooked_a", None)
+
+
+def test_a_hook_that_raises_fails_the_import_and_leaves_no_module(tmp_path, monkeypatch):
+    from wsd.integrations.vllm import imports
+
+    monkeypatch.setattr(imports, "_hooks", {})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "wsd_hooked_b.py").write_text("VALUE = 2\n")
+
+    def refuse(module):
+        raise RuntimeError("strict: refused")
+
+    imports.when_imported("wsd_hooked_b", refuse)
+    try:
+        with pytest.raises(RuntimeError, match="strict: refused"):
+            import wsd_hooked_b  # noqa: F401
+        assert "wsd_hooked_b" not in sys.modules
+    finally:
+        sys.modules.pop("wsd_hooked_b", None)
+        if imports._finder in sys.meta_path:
+            sys.meta_path.remove(imports._finder)

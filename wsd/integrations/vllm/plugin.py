@@ -7,7 +7,9 @@ joins wsd when ``WSD_COORDINATOR_CONNECT_ENDPOINT`` is set, or when the file
 named by ``WSD_CONFIG`` says in ``[coordinator]`` where agents connect.
 Otherwise vLLM runs exactly as without wsd.
 
-Configured, it checks every patch point (``patches``), then:
+Configured, it checks the patch points of each part (``patches``) in the
+processes that import what that part patches, when they import it (the
+workers, the engine core; never the API server), then:
 
 - every manager vLLM builds is wsd's (``workspace.WorkspaceManager``); the CPU
   worker, which builds none, gets one sized from vLLM's configuration;
@@ -100,7 +102,6 @@ def register() -> None:
         config = load_config()
         from wsd.integrations.vllm import patches
 
-        patches.check()
         _install(config)
     except Exception as e:
         if strict():
@@ -108,8 +109,8 @@ def register() -> None:
         _off(e, "loading wsd's vLLM plugin")
         return
     _installed = True
-    logger.info("wsd plugin installed (vLLM %s): workers join the coordinator at %s",
-                patches.vllm_version(), _endpoint(config))
+    logger.debug("wsd plugin loaded (vLLM %s): workers join the coordinator at %s",
+                 patches.vllm_version(), _endpoint(config))
 
 
 class _ToVllmLog(logging.Handler):
@@ -299,10 +300,20 @@ _engine = _Engine()
 
 
 def _install(config: WsdConfig) -> None:
+    """The patches, each part checked and applied where vLLM imports what it patches: the
+    worker's in worker processes, the engine core's in engine cores; none in an API server."""
     from wsd.integrations.vllm import patches, workspace
 
-    patches.install(manager_class=workspace.configured(config.workspace),
-                    attach=lambda worker: _attach(worker, config), detach=_detach, engine=_engine)
+    patches.install_when_imported(manager_class=workspace.configured(config.workspace),
+                                  attach=lambda worker: _attach(worker, config), detach=_detach,
+                                  engine=_engine, failed=_failed)
+
+
+def _failed(error: BaseException, doing: str) -> None:
+    """A part of the patches failed its check or its patching: that part stays vLLM's own."""
+    if strict():
+        raise error
+    _off(error, doing)
 
 
 class _Wake:

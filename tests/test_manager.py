@@ -419,3 +419,13 @@ def test_under_fallback_a_locked_span_is_served_outside_the_slot_and_never_intac
     assert not intact and big.shape == (1000,) and manager.stats().slots[0].capacity_bytes == 64
     assert not _retained(manager, n=1000)[1], "a one-off buffer holds nothing for next time"
     assert _retained(manager, n=16)[1], "the slot's own record stood"
+
+
+def test_an_operators_allocation_on_a_cpu_records_no_stream():
+    """Streams are CUDA's: on a CPU an operator's reserve leaves the requests' path as it was
+    (on a GPU, tests/gpu/test_cuda_memory.py)."""
+    manager = WorkspaceManager("cpu", 2)
+    manager.reserve_bytes(1 << 12)
+    manager.equalize()
+    manager.set_num_ubatches(3)
+    assert [s.made_on for s in manager._slots] == [None, None, None]

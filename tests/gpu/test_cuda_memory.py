@@ -2,7 +2,8 @@
 
 What a CPU run cannot show: where the scratch buffers come from when vLLM passes its
 sleep-mode memory pool, that two ubatches on two streams each keep to their own slot
-through a reserve, and that a retained span survives kernels writing below it.
+through a reserve, that memory an operator's command allocated is held for the
+streams that use it, and that a retained span survives kernels writing below it.
 """
 
 from __future__ import annotations
@@ -136,3 +137,38 @@ def test_a_retained_span_keeps_its_contents_on_the_gpu():
     whole.zero_()
     _, intact = manager.get_retained("kv", (1024,), F32)
     assert not intact
+
+
+def test_an_operators_reserve_is_held_for_the_ubatch_stream_that_uses_it():
+    """A reserve applied between steps allocates on the applying thread's stream; dual-batch
+    overlap then uses the slot on its ubatch's stream. Were that use not recorded, the
+    caching allocator would hand the memory out again on the first stream as soon as the
+    last view of it went, while the ubatch stream's kernels were still writing it: the
+    next allocation there would get the same address. Recorded, it waits for that work."""
+    manager = WorkspaceManager("cuda", 2)
+    n = 8 << 20
+    commands.call(manager, "reserve", {"bytes": n})  # on the current (main) stream
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with use_ubatch(1), torch.cuda.stream(side):
+        (view,) = manager.get_simultaneous(((n,), torch.uint8))
+    address = view.data_ptr()
+    commands.call(manager, "reserve", {"bytes": 2 * n})  # the slot lets go; the view holds it
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of queued work on the ubatch stream
+        view.fill_(1)
+    del view  # the memory is free once the ubatch stream is done with it
+    assert side.query() is False, "the ubatch stream's work ended before the test could look"
+    fresh = torch.empty(n, dtype=torch.uint8, device="cuda")  # on the main stream
+    assert fresh.data_ptr() != address, "memory still in use on the ubatch stream was handed out again"
+    torch.cuda.synchronize()
+
+
+def test_only_an_operators_allocation_records_the_streams_that_use_it():
+    """Only an operator's allocation is made on another stream than the kernel's: a slot a
+    kernel grew, on the stream that uses it, costs its requests nothing more."""
+    manager = WorkspaceManager("cuda", 1)
+    manager.get_simultaneous(((1 << 20,), torch.uint8))
+    assert manager._slots[0].made_on is None
+    commands.call(manager, "reserve", {"bytes": 4 << 20})
+    assert manager._slots[0].made_on == torch.cuda.current_stream()

@@ -255,6 +255,8 @@ class WorkspaceManager:
             bound = self._bind(slot, shapes_and_dtypes)
         if slot.retained is not None:  # rare: only after a get_retained on this slot
             self._reach(slot, bound)
+        if slot.made_on is not None:  # rare: an operator's allocation, on a CUDA device
+            self._record_use(slot)
         return [view.detach() for view in bound]
 
     def _reach(self, slot: Slot, bound: tuple[torch.Tensor, ...]) -> None:
@@ -304,6 +306,8 @@ class WorkspaceManager:
         intact = slot.retained == (key, start)
         slot.retained = (key, start)
         slot.retained_bytes = nbytes
+        if slot.made_on is not None:
+            self._record_use(slot)
         return buffer[start : start + nbytes].view(dtype).reshape(shape), intact
 
     def _layout(
@@ -431,7 +435,7 @@ class WorkspaceManager:
                 f"{what} refused during CUDA graph capture: buffers a graph already captured "
                 f"may point into must not move; it applies once capture is over")
 
-    def _allocate(self, slot: Slot, size: int) -> None:
+    def _allocate(self, slot: Slot, size: int, *, operator: bool = False) -> None:
         # A kernel's first growth may come during capture, before the engine's lock:
         # vLLM's V2 runner captures its speculator on a lane of its own, and a DBO
         # slot may first grow there. vLLM allocates then (from the graph's pool),
@@ -454,6 +458,42 @@ class WorkspaceManager:
             raise
         slot.capacity_bytes = size
         slot.resizes += 1
+        if operator:
+            self._made_by_operator(slot)
+        elif not slot.persistent:  # a kernel's own growth: on the stream that uses it
+            slot.made_on = None
+
+    def _made_by_operator(self, slot: Slot) -> None:
+        """An operator's command (``reserve``, ``equalize``, ``set-ubatches``) allocated for the
+        slot, on the stream of the thread that applied it, between engine steps.
+
+        The engine's kernels then use that memory on their own streams (vLLM's dual-batch
+        overlap runs each ubatch on a stream of its own). The caching allocator knows only
+        the stream a block was made on: once freed, it would hand the block out again on
+        that stream while another stream's kernels still use it. Each request of the slot
+        records the stream it comes from (``_record_use``), as a kernel's own growth, made
+        on the stream that uses it, never needs to.
+        """
+        if self._device.type == "cuda":
+            slot.made_on = torch.cuda.current_stream(self._device)
+            slot.used_on = set()
+
+    def _record_use(self, slot: Slot) -> None:
+        """The slot's memory is used on the current stream: if that is not the stream it was
+        made on, the allocator is told (``record_stream``), once per stream, so that it holds
+        the memory until the work queued there is done. Not under capture: a captured graph's
+        buffers never move (the lock pins them)."""
+        if self._capturing():
+            return
+        stream = torch.cuda.current_stream(self._device)
+        if stream == slot.made_on or stream in slot.used_on:
+            return
+        if slot.buffer is not None:
+            slot.buffer.record_stream(stream)
+        for obj, _ in slot.persistent.values():
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cuda":
+                obj.record_stream(stream)
+        slot.used_on.add(stream)
 
     def _empty_cache(self) -> None:
         kind = self._device.type
@@ -488,6 +528,8 @@ class WorkspaceManager:
                     f"Persistent workspace {key!r} has shape={tuple(tensor.shape)}, "
                     f"dtype={tensor.dtype}; requested shape={shape}, dtype={dtype}."
                 )
+            if slot.made_on is not None:
+                self._record_use(slot)
             return tensor
         if self._locked:
             raise self._refuse_locked(
@@ -580,9 +622,11 @@ class WorkspaceManager:
             largest = max((s.capacity_bytes for s in self._slots), default=0)
             for slot in added:
                 if largest:
-                    self._allocate(slot, largest)
+                    self._allocate(slot, largest, operator=True)
                 for (kind, key), args in self._persistent_specs.items():
                     self._create_persistent(slot, kind, key, args)
+                if slot.persistent:
+                    self._made_by_operator(slot)
         # One assignment, so a concurrent stats() sees the old or the new list.
         self._slots = slots + added
         self._num_ubatches = num_ubatches
@@ -602,7 +646,7 @@ class WorkspaceManager:
             raise self._refuse_locked(self._current_slot(), nbytes, "reserve")
         for slot in self._slots:
             if slot.capacity_bytes < nbytes:
-                self._allocate(slot, self._target_size(nbytes))
+                self._allocate(slot, self._target_size(nbytes), operator=True)
 
     def equalize(self) -> None:
         """Grow every slot to the largest one, so no sibling slot is undersized."""
@@ -613,7 +657,7 @@ class WorkspaceManager:
             if slot.capacity_bytes < largest:
                 if self._locked:
                     raise self._refuse_locked(slot, largest, "equalize")
-                self._allocate(slot, largest)
+                self._allocate(slot, largest, operator=True)
 
     def trim(self) -> None:
         """Release every scratch buffer (unlocked only); the next request regrows.

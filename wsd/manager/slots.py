@@ -114,6 +114,7 @@ class Slot:
         "lane",
         "last_violation",
         "lock_violations",
+        "made_on",
         "peak_requested_bytes",
         "persistent",
         "requests",
@@ -121,6 +122,7 @@ class Slot:
         "retained",
         "retained_bytes",
         "ubatch",
+        "used_on",
         "views",
     )
 
@@ -135,6 +137,11 @@ class Slot:
         # record), and its bytes: cleared when a request reaches into it or the buffer goes.
         self.retained: tuple[Any, int] | None = None
         self.retained_bytes = 0
+        # The CUDA stream an operator's command allocated the slot's memory on, and the
+        # other streams its requests have come from since (see WorkspaceManager._record_use);
+        # None while the memory is the kernels' own (and always on a CPU).
+        self.made_on: Any = None
+        self.used_on: set[Any] = set()
         self.requests = 0
         self.peak_requested_bytes = 0
         self.resizes = 0

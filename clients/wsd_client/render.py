@@ -134,7 +134,7 @@ _STATUS_COLUMNS = (Column("GROUP"), Column("RANKS", drop=3), Column("LIVE", drop
                    Column("LOCKED"), Column("UBATCHES"), Column("APPLIED SEQ", drop=2), Column("CONSISTENT"),
                    Column("DESIRED", drop=1, cut_to=16), Column("DRIFT", cut_to=16))
 _RANKS_COLUMNS = (Column("RANK"), Column("STATE"), Column("GROUP"), Column("HOST", cut_to=12), Column("PID", drop=2),
-                  Column("DEVICE", drop=3), Column("IDLE", drop=4), Column("STEP"), Column("APPLIED SEQ", drop=1),
+                  Column("DEVICE", drop=3), Column("STEP"), Column("APPLIED SEQ", drop=1),
                   Column("LOCKED"), Column("UBATCHES"))
 
 
@@ -155,11 +155,11 @@ def _rank_state(r: dict[str, Any]) -> str:
 
 def ranks(doc: dict[str, Any], width: int | None = None) -> str:
     rows = [
-        [r["rank"], _rank_state(r), r["tp_group"], r["host"], r["pid"], r["device"], _opt(r["idle"]),
+        [r["rank"], _rank_state(r), r["tp_group"], r["host"], r["pid"], r["device"],
          r["step"], r["applied_seq"], _opt(r["locked"]), _opt(r["num_ubatches"])]
         for r in doc["ranks"]
     ]
-    rows += [[m["rank"], "missing", "-", "-", "-", "-", "-", "-", "-", "-", "-"]
+    rows += [[m["rank"], "missing", "-", "-", "-", "-", "-", "-", "-", "-"]
              for m in doc["missing"]]
     if not rows:
         return "no ranks registered"

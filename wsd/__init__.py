@@ -10,23 +10,33 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from wsd.config import GrowthPolicy, LockedGrowthPolicy, WorkspaceConfig, WsdConfig, load_config
-from wsd.errors import (
-    ConfigError,
-    SlotOutOfRangeError,
-    WorkspaceCaptureError,
-    WorkspaceError,
-    WorkspaceLimitError,
-    WorkspaceLockedError,
-    WorkspaceLockHeldError,
-    WorkspaceNotInitializedError,
-    WsdError,
-)
-from wsd.manager.stats import LockViolation, ManagerStats, PersistentStats, SlotStats
-
 __version__ = "0.1.0"
 
+# Where each name of the package root lives: imported on first use (PEP 562), so that
+# ``import wsd`` costs nothing (``wsctl`` starts in a fraction of a second), and the
+# manager's names, which need torch, only where they are used.
+_LAZY = {
+    **dict.fromkeys(("GrowthPolicy", "LockedGrowthPolicy", "WorkspaceConfig", "WsdConfig", "load_config"),
+                    "wsd.config"),
+    **dict.fromkeys(("ConfigError", "SlotOutOfRangeError", "WorkspaceCaptureError", "WorkspaceError",
+                     "WorkspaceLimitError", "WorkspaceLockedError", "WorkspaceLockHeldError",
+                     "WorkspaceNotInitializedError", "WsdError"), "wsd.errors"),
+    **dict.fromkeys(("LockViolation", "ManagerStats", "PersistentStats", "SlotStats"), "wsd.manager.stats"),
+}
+
 if TYPE_CHECKING:
+    from wsd.config import GrowthPolicy, LockedGrowthPolicy, WorkspaceConfig, WsdConfig, load_config
+    from wsd.errors import (
+        ConfigError,
+        SlotOutOfRangeError,
+        WorkspaceCaptureError,
+        WorkspaceError,
+        WorkspaceLimitError,
+        WorkspaceLockedError,
+        WorkspaceLockHeldError,
+        WorkspaceNotInitializedError,
+        WsdError,
+    )
     from wsd.manager.core import (
         WorkspaceManager,
         current_lane,
@@ -40,10 +50,14 @@ if TYPE_CHECKING:
         use_lane,
         use_ubatch,
     )
+    from wsd.manager.stats import LockViolation, ManagerStats, PersistentStats, SlotStats
 
 
 def __getattr__(name: str) -> Any:
-    # The manager's names, imported on first use: wsd.manager lists them and loads them lazily.
+    module = _LAZY.get(name)
+    if module is not None:
+        return getattr(importlib.import_module(module), name)
+    # The manager's names: wsd.manager lists them and loads them lazily.
     manager = importlib.import_module("wsd.manager")
     if name in manager.__all__:
         return getattr(manager, name)

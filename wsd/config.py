@@ -24,14 +24,13 @@ This module imports no torch: the coordinator and the clients load it too.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import enum
 import os
 import re
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +38,7 @@ from wsd.agent.config import AgentConfig
 from wsd.coordinator.config import MAX_EVENT_CAPACITY, CoordinatorConfig, CoordinatorMode
 from wsd.errors import ConfigError
 from wsd.manager.config import MAX_LANES, MAX_UBATCHES, GrowthPolicy, LockedGrowthPolicy, WorkspaceConfig
-from wsd.sections import parse_size
+from wsd.sections import flag_number, parse_size
 from wsd.security import SecurityConfig
 from wsd.tomlread import parse_toml, read_toml
 from wsd.worker.config import Backend, WorkerConfig, WorkloadConfig, WorkloadDtype
@@ -103,30 +102,6 @@ def is_service_link(name: str, value: str) -> bool:
     """
     return bool(_SERVICE_LINK_NAME.fullmatch(name)
                 or (_SERVICE_LINK_PORT.fullmatch(name) and _SERVICE_LINK_URL.fullmatch(value)))
-
-
-def flag_number(kind: type[int | float], low: float, high: float, *, what: str,
-                unit: str = "", above_low: bool = False) -> Callable[[str], Any]:
-    """An argparse ``type`` for a command-line number: a ``kind`` from ``low`` (excluded if
-    ``above_low``) to ``high``; otherwise a usage error that names the range."""
-
-    def show(bound: float) -> str:
-        return f"{bound:g}" if isinstance(bound, float) else str(bound)
-
-    def convert(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        # NaN fails every comparison, so it is refused by the first test, as inf is by the last.
-        if not (low < value if above_low else low <= value) or not value <= high:
-            bounds = (f"more than {show(low)} and at most {show(high)}" if above_low
-                      else f"between {show(low)} and {show(high)}")
-            raise argparse.ArgumentTypeError(f"must be {bounds}{unit}, got {text}")
-        return value
-
-    return convert
-
 
 
 @dataclass(frozen=True, kw_only=True)

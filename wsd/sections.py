@@ -10,14 +10,17 @@ turns into a ``ConfigError`` naming the file or variable. No torch.
 
 from __future__ import annotations
 
+import argparse
 import enum
 import re
+from collections.abc import Callable
 from dataclasses import field
 from typing import Any
 
-from wsd.wire.transport import check_endpoint as _check_endpoint_text
+from wsd.endpoints import check_endpoint as _check_endpoint_text
 
-__all__ = ["check_endpoint", "check_positive", "check_range", "coerce_enum", "parse_size", "size_field"]
+__all__ = ["check_endpoint", "check_positive", "check_range", "coerce_enum", "flag_number", "parse_size",
+           "size_field"]
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -74,3 +77,24 @@ def check_endpoint(name: str, value: str, *, bind: bool) -> None:
         raise ValueError(f"{name} {e}") from None
 
 
+def flag_number(kind: type[int | float], low: float, high: float, *, what: str,
+                unit: str = "", above_low: bool = False) -> Callable[[str], Any]:
+    """An argparse ``type`` for a command-line number: a ``kind`` from ``low`` (excluded if
+    ``above_low``) to ``high``; otherwise a usage error that names the range."""
+
+    def show(bound: float) -> str:
+        return f"{bound:g}" if isinstance(bound, float) else str(bound)
+
+    def convert(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        # NaN fails every comparison, so it is refused by the first test, as inf is by the last.
+        if not (low < value if above_low else low <= value) or not value <= high:
+            bounds = (f"more than {show(low)} and at most {show(high)}" if above_low
+                      else f"between {show(low)} and {show(high)}")
+            raise argparse.ArgumentTypeError(f"must be {bounds}{unit}, got {text}")
+        return value
+
+    return convert

@@ -23,17 +23,20 @@ import socket
 import time
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from wsd.commands import COMMANDS, CommandResult
+from wsd.endpoints import endpoint_problem
 from wsd.errors import BadEndpoint, ClientError, ConfigError, TransportError, Unavailable
 from wsd.wire import protocol as p
 from wsd.wire import transport
-from wsd.wire.curve import ClientKeys
 from wsd.wire.protocol import ErrorCode, Op
 from wsd_client.results import Engines, Events, PerEngine, Pong, Ranks, Stats, Status, per_engine
+
+if TYPE_CHECKING:
+    from wsd.wire.curve import ClientKeys
 
 __all__ = ["DEFAULT_ENDPOINT", "TAIL", "BadEndpoint", "Client", "ClientError", "CommandResult", "Events", "Pong",
            "Ranks", "Stats", "Status", "Unavailable", "endpoint_problem"]
@@ -50,16 +53,6 @@ TAIL = None
 """``events(cursor=TAIL)``: no events, and the cursor of the newest one, to follow from now."""
 # What the coordinator is asked for the tail: a cursor past any id (the protocol's largest).
 _PAST_EVERY_ID = 2**63 - 1
-
-
-def endpoint_problem(endpoint: str) -> str | None:
-    """What is wrong with ``endpoint`` to connect to ("must be ..., got ..."), or None."""
-    try:
-        transport.check_endpoint(endpoint, bind=False)
-    except ValueError as e:
-        hint = f"; did you mean 'tcp://{endpoint}'?" if isinstance(endpoint, str) and "://" not in endpoint else ""
-        return f"{e}{hint}"
-    return None
 
 
 def _probe(endpoint: str, seconds: float) -> str | None:
@@ -126,7 +119,11 @@ class Client:
             raise ConfigError("CURVE needs both the coordinator's public key (--curve-server-key, "
                               "WSD_CURVE_SERVER_KEY) and this client's secret key "
                               "(--curve-client-key, WSD_CURVE_CLIENT_KEY); only one is given")
-        self._curve = ClientKeys.load(client_key, server_key) if client_key and server_key else None
+        self._curve: ClientKeys | None = None
+        if client_key and server_key:
+            from wsd.wire.curve import ClientKeys  # CURVE's key files: only where they are used
+
+            self._curve = ClientKeys.load(client_key, server_key)
         self.timeout = timeout
         self.retries = retries
         self._context = context or zmq.Context.instance()

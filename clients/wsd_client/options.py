@@ -11,11 +11,12 @@ from collections.abc import Callable
 from typing import Any
 
 from wsd.commands import CommandSpec
-from wsd.config import MAX_EVENT_CAPACITY, flag_number, parse_size
+from wsd.coordinator.config import MAX_EVENT_CAPACITY
+from wsd.endpoints import endpoint_problem
 from wsd.names import engine_name_problem
+from wsd.sections import flag_number, parse_size
 from wsd.wire.protocol import MAX_STATUS_GROUPS, SCHEMAS, Op
 from wsd_client import render
-from wsd_client.client import endpoint_problem
 from wsd_client.select import STATES, number_list, state_list
 
 __all__ = ["CONFIG_ACTIONS", "DEFAULT_TIMEOUT", "arguments", "common", "config", "count_interval", "endpoint",

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from wsd.coordinator.registry import NEVER_REGISTERED
+from wsd.wire.protocol import NEVER_REGISTERED
 
 __all__ = ["STATES", "Selection", "complete", "number_list", "ranges", "state_list"]
 

@@ -90,12 +90,10 @@ from wsd.commands import CommandSpec
 from wsd.errors import ConfigError
 from wsd.errors import ExitCode as Exit  # one list of exit codes for every wsd command
 from wsd.fmt import printable
-from wsd.wire.curve import keygen
 from wsd.wire.protocol import ErrorCode
 from wsd_client import completion, render
 from wsd_client import options as opt
 from wsd_client.client import TAIL, BadEndpoint, Client, ClientError, CommandResult, Events, endpoint_problem
-from wsd_client.contexts import Contexts
 from wsd_client.results import PerEngine, by_engine
 from wsd_client.select import Selection, complete
 
@@ -374,8 +372,12 @@ def _connection(args: argparse.Namespace) -> tuple[str | None, str | None, str |
     """
     context = None
     if args.context is not None:
+        from wsd_client.contexts import Contexts  # only where a context may be read
+
         context = Contexts.load().get(args.context)
     elif args.endpoint is None and not os.environ.get("WSD_ENDPOINT"):
+        from wsd_client.contexts import Contexts
+
         contexts = Contexts.load()
         context = contexts.contexts[contexts.current] if contexts.current is not None else None
     keys = (args.curve_server_key, args.curve_client_key)
@@ -387,6 +389,8 @@ def _connection(args: argparse.Namespace) -> tuple[str | None, str | None, str |
 
 
 def _config(client: Client | None, args: argparse.Namespace, out: Output) -> Exit:
+    from wsd_client.contexts import Contexts
+
     contexts = Contexts.load()
     if args.config_command == "use-context":
         contexts = contexts.use(args.name)
@@ -421,6 +425,8 @@ def _completion_options(p: argparse.ArgumentParser) -> None:
 
 
 def _keygen(client: Client | None, args: argparse.Namespace, out: Output) -> Exit:
+    from wsd.wire.curve import keygen  # ZeroMQ's CURVE: only for this command
+
     public, secret = keygen(args.name, args.dir)
     doc = {"public": str(public), "secret": str(secret)}
     out.emit(doc, lambda: (

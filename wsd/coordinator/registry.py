@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wsd.errors import RankTaken, RegistrationError
-from wsd.wire.protocol import StrEnum
+from wsd.wire.protocol import NEVER_REGISTERED, StrEnum
 
-__all__ = ["NEVER_REGISTERED", "RankInfo", "RankState", "RankTaken", "RegistrationError", "Registry"]
+__all__ = ["RankInfo", "RankState", "RankTaken", "RegistrationError", "Registry"]
 
-NEVER_REGISTERED = "never registered"
 """Why an expected rank is missing when no agent ever registered as it: a rank in this
 state is ``missing`` in ``ranks``, ``status`` and the metrics alike."""
 

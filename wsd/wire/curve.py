@@ -22,10 +22,10 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from wsd.errors import ConfigError
@@ -104,15 +104,19 @@ class _KeyList:
         return False
 
 
-class _RoleAuthenticator(ThreadAuthenticator):
-    """pyzmq's ZAP thread, with the User-Id of a client key set to its role."""
+def _role_authenticator(context: zmq.Context, roles: dict[bytes, Role]) -> Any:
+    """pyzmq's ZAP thread, with the User-Id of a client key set to its role.
 
-    def __init__(self, context: zmq.Context, roles: dict[bytes, Role]) -> None:
-        super().__init__(context, log=logger)
-        self.roles = roles
+    Its module is imported here, by the coordinator only: it imports asyncio, which
+    a client's start (``wsctl``) has no use for.
+    """
+    from zmq.auth.thread import ThreadAuthenticator
 
-    def curve_user_id(self, client_public_key: bytes) -> str:
-        return self.roles.get(z85.encode(client_public_key), Role.AGENT)
+    class RoleAuthenticator(ThreadAuthenticator):
+        def curve_user_id(self, client_public_key: bytes) -> str:
+            return roles.get(z85.encode(client_public_key), Role.AGENT)
+
+    return RoleAuthenticator(context, log=logger)
 
 
 class CurveGate:
@@ -124,7 +128,7 @@ class CurveGate:
 
     def __init__(self, security: SecurityConfig, context: zmq.Context) -> None:
         self.security = security
-        self._auth: _RoleAuthenticator | None = None
+        self._auth: Any = None  # the ZAP thread (_role_authenticator), once started
         if not (security.curve_clients or security.curve_agents):
             return
         if security.server_secret_key is None:
@@ -146,7 +150,7 @@ class CurveGate:
             if security.agent_keys is None:
                 raise ConfigError("[security] agent_keys must be set when curve_agents is true")
             providers[AGENT_DOMAIN] = _KeyList(load_folder(security.agent_keys, "[security] agent_keys"))
-        auth = _RoleAuthenticator(context, roles)
+        auth = _role_authenticator(context, roles)
         try:
             auth.start()
         except zmq.ZMQError as e:

@@ -30,6 +30,7 @@ from wsd.names import ENGINE_NAME, MAX_ENGINE_NAME, engine_name_problem
 __all__ = [
     "CLIENT_OPS",
     "COMMAND_OPS",
+    "NEVER_REGISTERED",
     "PROTOCOL_VERSION",
     "READ_ONLY_OPS",
     "ErrorCode",
@@ -127,6 +128,9 @@ COORDINATOR_OPS = frozenset({Op.REGISTERED, Op.CHALLENGE, Op.PULSE, Op.COMMAND, 
 _INT_MAX = 2**63 - 1
 MAX_STATUS_GROUPS = 4096
 """The most TP groups one ``status`` answer lists (``limit``); the rest are further pages."""
+NEVER_REGISTERED = "never registered"
+"""The reason a missing rank reads in ``ranks``, ``status`` and ``stats`` when it has not
+registered since the coordinator started (else ``lost`` or ``stopped``)."""
 # Types whose values Field.check may accept on its fast path.
 _PLAIN = frozenset({int, str, bool, dict, list, bytes})
 _SIZED = frozenset({str, bytes, dict, list})

@@ -497,13 +497,20 @@ def _scrape_queries() -> list[tuple[str, str]]:
     return [(name, "") for name in re.findall(r"\bwsd_\w+", text)]
 
 
+_OTHER_EXPORTERS = {
+    # vLLM's own /metrics (vllm/v1/metrics/loggers.py: labelnames = ["model_name", "engine"]).
+    "vllm:kv_cache_usage_perc": frozenset({"model_name", "engine"}),
+}
+
+
 @pytest.mark.parametrize("source", ["dashboard", "alerts", "scrape"])
 def test_every_metric_and_label_used_is_exported(source):
     """A misspelt series or label gives an empty panel or an alert that never fires, with no
     error anywhere: each name must be one the coordinator exports (deploy/grafana, deploy/prometheus)."""
     queries = {"dashboard": _dashboard_queries, "alerts": _alert_queries, "scrape": _scrape_queries}[source]()
-    # Besides the coordinator's, Prometheus's own `up` of each target (WsdCoordinatorDown).
-    series = {**_series(), "up": frozenset()}
+    # Besides the coordinator's, Prometheus's own `up` of each target (WsdCoordinatorDown), and
+    # the series of other exporters the dashboard joins wsd's with, with their labels.
+    series = {**_series(), "up": frozenset(), **_OTHER_EXPORTERS}
     used = set()
     for expr, template in queries:
         names, labels = promql_names(expr)

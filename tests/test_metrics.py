@@ -26,6 +26,7 @@ import pytest
 from conftest import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+from wsd import placement
 from wsd.agent.simulated import SimulatedRanks
 from wsd.commands import COMMANDS
 from wsd.config import CoordinatorConfig, load_config
@@ -130,13 +131,42 @@ def stats_view(snapshots: dict[int, ManagerStats], tp_size: int, world_size: int
 
 
 def registration(rank: int, *, world_size: int = 4, tp_size: int = 2, host: str = "node-a",
-                 locked: bool = False, num_ubatches: int = 2) -> dict[str, Any]:
+                 locked: bool = False, num_ubatches: int = 2, config: dict[str, Any] | None = None,
+                 model: str | None = None) -> dict[str, Any]:
     return {"rank": rank, "world_size": world_size, "tp_size": tp_size, "tp_group": rank // tp_size,
             "host": host, "pid": 100 + rank, "device": "cpu", "applied_seq": None, "acks": [], "step": 3,
-            "idle": True, "state": {"locked": locked, "num_ubatches": num_ubatches}, "config": {}}
+            "idle": True, "state": {"locked": locked, "num_ubatches": num_ubatches}, "config": config or {},
+            "model": model}
 
 
 # -- the collector ---------------------------------------------------------------------------------
+
+
+def test_rank_info_says_where_a_rank_runs_as_vllm_kubernetes_and_dcgm_name_it():
+    """model_name (vLLM's label), the rank's pod, namespace and node (downward API), and its
+    GPU's UUID (DCGM's label): what joins wsd's series with theirs. A value an agent made up
+    (not a string, unprintable, longer than any Kubernetes name) is left out, never shown."""
+    registry = Registry(3, 1, 5.0, wall=lambda: 1000.0)
+    uuid = "GPU-8f6a2a16-0c55-6d7e-1a2b-3c4d5e6f7a8b"
+    registry.register(b"p0", registration(0, world_size=3, tp_size=1, model="meta-llama/Llama-3.1-8B", config={
+        "rank_pod": "vllm-0", "rank_namespace": "serving", "rank_node": "gpu-node-7", "UUID": uuid,
+        "engine": "vllm"}), 0.0)
+    registry.register(b"p1", registration(1, world_size=3, tp_size=1, config={
+        "rank_pod": 7, "rank_namespace": "bad\x1b[31m", "rank_node": "n" * 254, "UUID": None}), 0.0)
+    registry.register(b"p2", registration(2, world_size=3, tp_size=1), 0.0)
+    _, s = collect(one_engine(core_view(registry, seq=0, inconsistent=set())))
+    labels = ("rank", "model_name", "rank_pod", "rank_namespace", "rank_node", "UUID")
+    assert by(s, "wsd_rank_info", *labels) == {
+        ("0", "meta-llama/Llama-3.1-8B", "vllm-0", "serving", "gpu-node-7", uuid): 1,
+        ("1", "", "", "", "", ""): 1,
+        ("2", "", "", "", "", ""): 1,
+    }
+
+
+def test_placement_from_the_downward_apis_variables():
+    assert placement.from_env({"POD_NAME": "vllm-0", "POD_NAMESPACE": "serving", "NODE_NAME": "",
+                               "HOSTNAME": "vllm-0"}) == {"rank_pod": "vllm-0", "rank_namespace": "serving"}
+    assert placement.from_env({}) == {}
 
 
 def test_families_follow_prometheus_naming():
@@ -655,6 +685,29 @@ def test_scrape_of_a_running_cluster_matches_wsctl_stats(start_coordinator, caps
     finally:
         if not left:
             leaving.stop()
+
+
+def test_a_real_agent_in_a_pod_is_scraped_with_its_pod_namespace_node_and_model(start_coordinator, monkeypatch):
+    """The downward API's variables, as deploy/kubernetes sets them, reach wsd_rank_info over
+    a real registration and a real HTTP scrape, with the model the engine serves."""
+    import torch  # the agent side
+
+    from wsd import WorkspaceManager
+    from wsd.agent.thread import Agent
+
+    monkeypatch.setenv("POD_NAME", "vllm-llama-0")
+    monkeypatch.setenv("POD_NAMESPACE", "serving")
+    monkeypatch.setenv("NODE_NAME", "gpu-node-7")
+    coordinator = start_coordinator(world_size=1, metrics_port=0, metrics_refresh=0.2, **HEARTBEAT)
+    agent = Agent(WorkspaceManager(torch.device("cpu"), 1), endpoint=coordinator.agent_endpoint, rank=0,
+                  world_size=1, model="meta-llama/Llama-3.1-8B", **HEARTBEAT).start()
+    try:
+        assert agent.wait_registered(10)
+        info = wait_until(lambda: by(scrape(coordinator.metrics_url), "wsd_rank_info", "rank", "model_name",
+                                     "rank_pod", "rank_namespace", "rank_node", "UUID"), 10, "rank 0's info")
+        assert info == {("0", "meta-llama/Llama-3.1-8B", "vllm-llama-0", "serving", "gpu-node-7", ""): 1}
+    finally:
+        agent.stop()
 
 
 def test_every_expected_rank_is_down_from_the_first_scrape_with_world_size_alone(start_coordinator):

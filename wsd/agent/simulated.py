@@ -165,8 +165,10 @@ class SimulatedRanks:
         context: zmq.Context | None = None,
         token: bytes | None = None,
         engine: str | None = None,
+        model: str | None = None,
     ) -> None:
-        """``engine``: the engine every one of these ranks belongs to (None: the coordinator's default)."""
+        """``engine``: the engine every one of these ranks belongs to (None: the coordinator's
+        default); ``model``: what it serves, as a vLLM worker registers it (None: not said)."""
         problem = None if engine is None else engine_name_problem(engine)
         if problem is not None:
             raise ValueError(f"engine: {problem}")
@@ -182,7 +184,7 @@ class SimulatedRanks:
         self.links = [
             AgentLink(m, rank=r, world_size=world_size, tp_size=tp_size, idle=True,
                       heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
-                      extra={"simulated": True}, now=now, token=token, engine=engine)
+                      extra={"simulated": True}, now=now, token=token, engine=engine, model=model)
             for r, m in zip(self.ranks, self.managers)
         ]
         self._own_context = context is None
@@ -330,6 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--busy", action="store_true",
                         help="every slot serves requests, so each rank pushes a changed snapshot every interval")
     parser.add_argument("--engine", help="the engine these ranks belong to (default: the coordinator's default)")
+    parser.add_argument("--model", help="what their engine serves, as vLLM's model_name (default: not said)")
     args = parser.parse_args(argv)
     if args.ranks < 1:
         parser.error(f"--ranks must be at least 1, got {args.ranks}")
@@ -344,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              heartbeat_interval=args.heartbeat_interval,
                              heartbeat_timeout=args.heartbeat_timeout,
                              token=load_agent_token(SecurityConfig()),  # $WSD_AGENT_TOKEN, if set
-                             engine=args.engine)
+                             engine=args.engine, model=args.model)
     except (ValueError, ConfigError) as e:
         parser.error(str(e))
     with sim:

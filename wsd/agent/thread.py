@@ -13,6 +13,7 @@ calls waits on the network: if the coordinator is gone, the worker runs on.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from wsd import commands
+from wsd import commands, placement
 from wsd.agent.core import AgentLink
 from wsd.config import AgentConfig, LockedGrowthPolicy
 from wsd.errors import AgentError, WsdError
@@ -89,6 +90,18 @@ class _ManagerTarget:
         commands.call(self.manager, action, args)  # the manager method of the command's row
 
 
+def _gpu_uuid(device: torch.device) -> dict[str, str]:
+    """``{"UUID": "GPU-..."}`` for a CUDA device, as DCGM's exporter and ``nvidia-smi -L`` name
+    it (what joins wsd's series with DCGM's); nothing elsewhere, or where torch cannot say."""
+    if device.type != "cuda":
+        return {}
+    try:
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+    except (RuntimeError, AttributeError, AssertionError):  # no such device, an older torch
+        return {}
+    return {"UUID": uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"}
+
+
 class Agent:
     """One rank's link to the coordinator; ``step()`` is the engine's safe point."""
 
@@ -132,9 +145,12 @@ class Agent:
         if warm or idle:
             self.warm.set()
         # The protocol state, shared with the I/O thread (see AgentLink on who writes what).
+        # Where the rank runs, as DCGM, vLLM and Kubernetes name it (wsd.placement), under
+        # what the caller registers with.
+        where = {**placement.from_env(os.environ), **_gpu_uuid(manager.device), **(extra or {})}
         self._link = AgentLink(
             _ManagerTarget(manager, self.warm), rank=rank, world_size=world_size, tp_size=tp_size, idle=idle,
-            heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout, extra=extra,
+            heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout, extra=where,
             now=time.monotonic(), token=token, engine=self.config.engine, model=model,
         )
         self.registered = self._link.registered

@@ -18,7 +18,8 @@ rank's is, and ``wsd_stats_age_seconds`` the oldest.
 Every series a rank has keeps one identity, ``{engine, rank, tp_group}``, from
 the coordinator's start (ranks are unique within an engine; every per-rank,
 per-group and per-slot family, and each engine's own figures, carry
-``engine``): what a rank registered with (its host, pid, device) is in
+``engine``): what a rank registered with (its host, pid, device) and where it
+runs as vLLM, DCGM and Kubernetes name it (``wsd.placement``) is in
 ``wsd_rank_info`` alone, so that a registration adds one series instead of
 renaming every other. The HTTP endpoint is ``wsd.coordinator.metrics_server``.
 Imports no torch.
@@ -38,6 +39,7 @@ import zmq
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector, generate_latest
 
 import wsd
+from wsd import placement
 from wsd.commands import COMMANDS
 from wsd.coordinator.admission import REFUSAL_REASONS
 from wsd.coordinator.events import EventKind
@@ -63,7 +65,7 @@ RANK_STATES = (*(str(s) for s in RankState), "missing")
 FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     **{n.metric: ("counter" if n.counter else "gauge", _SLOT) for n in SLOT_NUMBERS},
     "wsd_rank_up": ("gauge", _RANK),
-    "wsd_rank_info": ("gauge", (*_RANK, "host", "pid", "device")),
+    "wsd_rank_info": ("gauge", (*_RANK, "host", "pid", "device", *placement.LABELS)),
     "wsd_rank_locked": ("gauge", _RANK),
     "wsd_rank_ubatches": ("gauge", _RANK),
     "wsd_rank_last_step": ("gauge", _RANK),
@@ -97,7 +99,9 @@ _HELP = {
     **{n.metric: n.help for n in SLOT_NUMBERS},
     "wsd_rank_up": "1 if the rank is live, 0 if lost, stopped or missing (never registered); every expected rank "
                    "has one from the start.",
-    "wsd_rank_info": "1 for every rank that registered, labelled with what it registered with (host, pid, device).",
+    "wsd_rank_info": "1 for every rank that registered, labelled with what it registered with (host, pid, device) "
+                     "and where it runs as vLLM, Kubernetes and DCGM name it (model_name, rank_pod, rank_namespace, "
+                     "rank_node, UUID; empty where not known).",
     "wsd_rank_locked": "1 if the rank's workspace is locked, as its last heartbeat said.",
     "wsd_rank_ubatches": "Micro-batch slots per lane of the rank's workspace, as its last heartbeat said.",
     "wsd_rank_last_step": "The last engine step the rank reported.",
@@ -178,8 +182,9 @@ class RankRow(NamedTuple):
     locked: bool | None
     num_ubatches: int | None
     step: int | None
-    registered: tuple[str, int, str] | None
-    """(host, pid, device) it registered with; None for a rank that never registered."""
+    registered: tuple[Any, ...] | None
+    """(host, pid, device, then ``wsd.placement.LABELS``) it registered with; None for a rank
+    that never registered."""
 
 
 @dataclass(frozen=True)
@@ -272,7 +277,8 @@ def _rank_row(registry: Registry, rank: int) -> RankRow:
         group = None if registry.tp_size is None else rank // registry.tp_size
         return RankRow(rank, group, False, None, None, None, None)
     return RankRow(rank, info.tp_group, info.state is RankState.LIVE, info.manager_state.get("locked"),
-                   info.manager_state.get("num_ubatches"), info.step, (info.host, info.pid, info.device))
+                   info.manager_state.get("num_ubatches"), info.step,
+                   (info.host, info.pid, info.device, *placement.labels(info.config, info.model)))
 
 
 def _build_labels() -> tuple[str, ...]:

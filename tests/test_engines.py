@@ -137,6 +137,20 @@ def test_a_connection_registered_for_one_engine_cannot_move_to_another(h):
     assert "b" not in h.core.engines
 
 
+def test_the_configured_world_is_the_default_engines_and_another_engine_brings_its_own(h):
+    """deploy/kubernetes's coordinator is configured for its worker Job (here world 4, TP 2);
+    vLLM replicas of another shape join it as engines of their own. Were the configured world
+    every engine's, a TP = 1 replica's registration would be refused as another world."""
+    join(h, "vllm-0", range(1), world_size=1, tp_size=1, tp_group=0)
+    join(h, "vllm-1", range(2), world_size=2, tp_size=2, tp_group=0)
+    shapes = {e["engine"]: (e["world_size"], e["tp_size"], e["live"]) for e in h.ok(Op.ENGINES)["engines"]}
+    assert shapes == {"default": (4, 2, 0), "vllm-0": (1, 1, 1), "vllm-1": (2, 2, 2)}
+    refused = h.register(0, world_size=2, tp_size=2)  # the default engine keeps its configured world
+    assert "expects 4" in to_agents(refused, Op.REJECTED)[peer_of(0)]["message"]
+    other = h.register(1, peer=b"late", engine="vllm-1", instance="late", world_size=4, tp_size=2)
+    assert "expects 2" in to_agents(other, Op.REJECTED)[b"late"]["message"]
+
+
 def test_engines_beyond_max_engines_are_refused_and_cost_nothing(tmp_path):
     h = make(tmp_path, max_engines=3)
     join(h, "e1", range(1))

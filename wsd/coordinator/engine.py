@@ -72,7 +72,12 @@ class Engine:
         self.clock = shared.clock
         self.wall = shared.wall
         self.gate = shared.gate
-        self.registry = Registry(config.world_size, config.tp_size, config.heartbeat_timeout, wall=shared.wall)
+        # The configured world (``[coordinator] world_size``, ``tp_size``) is the default engine's,
+        # the cluster the coordinator was set up for; any other engine (a vLLM replica beside
+        # it) has the world its own ranks register with.
+        own = name == config.engine
+        self.registry = Registry(config.world_size if own else None, config.tp_size if own else None,
+                                 config.heartbeat_timeout, wall=shared.wall)
         self.log = CommandLog(state_file, config.log_capacity)
         self.recovered = self.log.load()
         self.started = shared.wall()

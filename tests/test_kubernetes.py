@@ -398,3 +398,106 @@ def test_no_pod_gets_service_link_variables_and_wsd_ignores_them_anyway():
     env = service_links(services(KUBERNETES))
     assert "WSD_COORDINATOR_PORT" in env  # the Service that caused it is still there
     assert load_config(None, env=env).coordinator.agent_endpoint  # loads
+
+
+# -- vLLM with wsd's plugin (deploy/kubernetes/vllm) ------------------------------------------------
+
+VLLM = KUBERNETES / "vllm"
+VLLM_CONTAINERFILE = ROOT / "deploy" / "image" / "vllm.Containerfile"
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def test_vllm_pods_pass_pod_security_restricted_with_a_read_only_root():
+    templates = _templates(_kustomize(VLLM))
+    assert set(templates) == {"StatefulSet/vllm"}
+    (template,) = templates.values()
+    assert violations(template) == []
+    for container in _containers(template):
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True, container["name"]
+    assert template["spec"]["enableServiceLinks"] is False  # a Service named vllm would set VLLM_PORT
+
+
+@pytest.mark.parametrize("version", [OLDEST_KUBERNETES, "latest"])
+def test_vllm_manifests_pass_strict_schema_validation(kubernetes_validate, version):
+    if version == "latest":
+        version = kubernetes_validate.latest_version()
+    objects = _kustomize(VLLM)
+    assert {o["kind"] for o in objects} == {"StatefulSet", "Service"}
+    for obj in objects:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_vllm_pods_join_the_coordinator_as_the_workers_do():
+    """What the vLLM pods take from deploy/kubernetes is there and the workers' own: the
+    ConfigMaps, the Secrets, the coordinator's NetworkPolicy admitting them to the agent
+    port; the plugin turns on from WSD_CONFIG; each replica is an engine named after its
+    pod (stable: a StatefulSet's), within max_engines; TP is the pod's GPU count."""
+    from wsd.config import load_config
+    from wsd.integrations.vllm import plugin
+    from wsd.names import engine_name_problem
+
+    base = _kustomize(KUBERNETES)
+    (vllm,) = _by_kind(_kustomize(VLLM), "StatefulSet").values()
+    (job,) = _by_kind(base, "Job").values()
+    template, workers = vllm["spec"]["template"], job["spec"]["template"]
+    config_maps = set(_by_kind(base, "ConfigMap"))
+
+    def secrets(t: dict[str, Any]) -> set[tuple[str, str]]:
+        found = {(v["secret"]["secretName"], i["key"]) for v in t["spec"]["volumes"] if "secret" in v
+                 for i in v["secret"]["items"]}
+        return found | {(e["secretKeyRef"]["name"], e["secretKeyRef"]["key"]) for c in _containers(t)
+                        for e in _env(c).values() if isinstance(e, dict) and "secretKeyRef" in e}
+
+    assert {v["configMap"]["name"] for v in template["spec"]["volumes"] if "configMap" in v} == config_maps
+    assert secrets(template) == secrets(workers)
+    (policy,) = _by_kind(base, "NetworkPolicy").values()
+    (agents,) = [rule for rule in policy["spec"]["ingress"] if rule["ports"] == [{"port": 7600}]]
+    (selector,) = [peer["podSelector"]["matchLabels"] for peer in agents["from"]]
+    for t in (template, workers):
+        assert selector.items() <= t["metadata"]["labels"].items()
+
+    (container,) = template["spec"]["containers"]
+    env = _env(container)
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "config"]
+    assert env["WSD_CONFIG"] == mount["mountPath"]
+    assert env["WSD_ENGINE"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert plugin.enabled({"WSD_CONFIG": str(KUBERNETES / "wsd.toml")})
+    config = load_config(str(KUBERNETES / "wsd.toml"), env={})
+    pods = [f"{vllm['metadata']['name']}-{i}" for i in range(vllm["spec"]["replicas"])]
+    assert all(engine_name_problem(pod) is None for pod in pods)
+    assert len(pods) + 1 <= config.coordinator.max_engines  # and the workers' own engine
+    tp = [a.split("=", 1)[1] for a in container["args"] if a.startswith("--tensor-parallel-size=")]
+    assert tp == [str(container["resources"]["limits"]["nvidia.com/gpu"])]
+    assert "--shutdown-timeout=10" in container["args"]  # a drain: the ranks say goodbye
+
+
+def test_vllm_image_is_vllms_own_at_a_verified_release_with_wsd_at_the_package_version():
+    from wsd.integrations.vllm.patches import CHECKED_VERSIONS
+
+    text = VLLM_CONTAINERFILE.read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(\S*)$", text, re.M))
+    assert args["WSD_VERSION"] == VERSION
+    release = re.fullmatch(r"vllm/vllm-openai:v(\S+)", args["VLLM_IMAGE"])
+    assert release and release.group(1) in CHECKED_VERSIONS
+    images = {c["image"] for t in _templates(_kustomize(VLLM)).values() for c in _containers(t)}
+    assert images == {f"wsd-vllm:{VERSION}"}
+    assert f"-t wsd-vllm:{VERSION} ." in text
+    (user,) = re.findall(r"^USER (\S+)$", text, re.M)
+    context = _templates(_kustomize(VLLM))["StatefulSet/vllm"]["spec"]["securityContext"]
+    assert user == f"{context['runAsUser']}:{context['runAsGroup']}"
+    assert 'pip install --no-deps "/wheels/wsd-${WSD_VERSION}-py3-none-any.whl"' in text  # vLLM's pins stay
+    # The same wheel as the main image's: built from the same sources.
+    stage = text.split(" AS wheel", 1)[1].split("\nFROM ", 1)[0]
+    main = CONTAINERFILE.read_text().split(" AS wheel", 1)[1].split("\nFROM ", 1)[0]
+    assert re.findall(r"^(?:COPY|RUN) .+$", stage, re.M) == re.findall(r"^(?:COPY|RUN) .+$", main, re.M)
+
+
+def test_the_vllm_images_build_check_finds_the_plugin_beside_this_vllm():
+    pytest.importorskip("vllm")
+    result = subprocess.run([sys.executable, str(ROOT / "deploy" / "image" / "check-vllm.py")],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "wsd's plugin loads" in result.stdout and "(verified with wsd" in result.stdout

@@ -948,12 +948,20 @@ def test_local_script_refuses_a_bad_configuration_before_starting_workers(tmp_pa
 
 
 @pytest.mark.parametrize(("knob", "value"), [("NPROC", "0"), ("NPROC", "two"), ("SHOW_RANKS", "rank0"),
-                                             ("STOP_GRACE", "-1")])
+                                             ("STOP_GRACE", "-1"), ("ENGINE", "trt"), ("API_PORT", "http")])
 def test_local_script_names_a_bad_knob(tmp_path, knob, value):
     result = subprocess.run(["bash", str(RUN_SH)], env=_local_env(tmp_path, **{knob: value}),
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
     assert result.stderr.startswith(f"wsd-local: {knob} must be"), result.stderr
+    assert _leftovers(tmp_path) == []
+
+
+def test_local_script_with_vllm_needs_its_model(tmp_path):
+    result = subprocess.run(["bash", str(RUN_SH)], env=_local_env(tmp_path, ENGINE="vllm"),
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert result.stderr == "wsd-local: ENGINE=vllm needs VLLM_MODEL, the model vLLM serves\n"
     assert _leftovers(tmp_path) == []
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import sys
 import urllib.error
 import urllib.request
 
@@ -94,3 +95,42 @@ def test_the_openai_api_server_joins_wsd_and_stops_cleanly(tmp_path, spawn):  # 
 
     wait_until(stopped, 30, "both ranks stopped", interval=0.2)
     assert wake_sockets() <= sockets_before  # the engine core's went with it
+
+
+def test_the_local_recipe_serves_vllm_with_the_plugin_and_stops_everything(tmp_path, spawn):  # noqa: F811
+    """deploy/local/run.sh with ENGINE=vllm: its coordinator, and vLLM's API server instead
+    of the built-in workers, whose rank joins as the coordinator's default engine (wsctl
+    needs no --engine), serves a completion, takes a lock, and stops with the rest on
+    SIGTERM, leaving no process."""
+    from procs import wait_gone
+    from test_deploy import RUN_SH, _leftovers
+
+    model = write_model(str(tmp_path / "model"))
+    port = free_port()
+    env = {k: v for k, v in vllm_env().items() if not k.startswith("WSD_") and k != "VLLM_CPU_OMP_THREADS_BIND"}
+    env.update(PYTHON=sys.executable, TMPDIR=str(tmp_path), ENGINE="vllm", NPROC="1", API_PORT=str(port),
+               VLLM_MODEL=model, VLLM_ARGS=(
+                   "--load-format dummy --skip-tokenizer-init --dtype bfloat16 --enforce-eager --max-model-len 128 "
+                   f"--max-num-seqs 4 --max-num-batched-tokens 128 --kv-cache-memory-bytes {64 << 20}"),
+               WSD_COORDINATOR_AGENT_ENDPOINT="tcp://127.0.0.1:0", WSD_COORDINATOR_CLIENT_ENDPOINT="tcp://127.0.0.1:0",
+               WSD_COORDINATOR_METRICS_PORT="0", WSD_COORDINATOR_STATE_FILE=str(tmp_path / "state"))
+    proc = spawn(["bash", str(RUN_SH)], env=env, name="run.sh")
+    client = proc.wait_for(r"wsd-local: clients on (\S+)", 60).group(1)
+    proc.wait_for(rf"vLLM's API server on http://127\.0\.0\.1:{port}, 1 workers \(engine vllm\)", 5)
+    base = f"http://127.0.0.1:{port}"
+    wait_until(lambda: proc.popen.poll() is not None or http(f"{base}/health", timeout=5)[0] == 200, 240,
+               "the server to answer /health", interval=0.5)
+    assert proc.popen.poll() is None, proc.output()[-3000:]
+    status, answer = http(f"{base}/v1/completions", {"model": model, "prompt": [1, 5, 9], "max_tokens": 4,
+                                                      "ignore_eos": True})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 4, answer
+    engines = wsctl(client, "engines").doc
+    assert [(e["engine"], e["live"], e["world_size"]) for e in engines["engines"]] == [("vllm", 1, 1)]
+    assert engines["default"] == "vllm"
+    locked = wsctl(client, "lock", timeout=10)
+    assert locked.code == 0 and locked.doc["complete"], locked
+    pids = proc.tree()
+    proc.send(signal.SIGTERM)
+    assert proc.wait(90) == 0, proc.output()[-3000:]
+    wait_gone(pids, 15, "processes started by run.sh")
+    assert proc.count("wsd-local: stopped by SIGTERM") == 1 and _leftovers(tmp_path) == []

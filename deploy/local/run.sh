@@ -2,10 +2,13 @@
 # A whole wsd cluster on this machine, as `wsd up` starts it, as a script to
 # read and adapt: a coordinator (`wsd coordinator`) and NPROC workers under
 # `torchrun --standalone`, until Ctrl-C or SIGTERM, which stop the workers
-# (each at the same step), then torchrun, then the coordinator.
+# (each at the same step), then torchrun, then the coordinator. With
+# ENGINE=vllm, vLLM's OpenAI API server instead of torchrun: its NPROC workers
+# (tensor parallel) load wsd's plugin and join the coordinator.
 #
 # Knobs (environment variables):
-#   NPROC          worker processes (default 2)
+#   ENGINE         wsd (default: the built-in engine loop) or vllm (vLLM installed)
+#   NPROC          worker processes (default 2); with ENGINE=vllm, vLLM's TP size
 #   CONFIG         TOML configuration read by the coordinator and every worker
 #                  (default: wsd.toml beside this script; empty: built-in defaults)
 #   SHOW_RANKS     local ranks whose output reaches the terminal, comma-separated,
@@ -15,8 +18,14 @@
 #                  output of ranks SHOW_RANKS hides is discarded
 #   PYTHON         interpreter with wsd and torch installed (default python3)
 #   WORKER_ARGS    extra arguments of `python -m wsd.worker`, e.g. --idle
+#   VLLM_MODEL     ENGINE=vllm: the model vLLM serves (required), a name or a folder
+#   VLLM_ARGS      ENGINE=vllm: more arguments of vLLM's server, e.g. --max-model-len 4096
+#   API_PORT       ENGINE=vllm: the port of vLLM's API on 127.0.0.1 (default 8000)
+#   WSD_ENGINE     ENGINE=vllm: the wsd engine of vLLM's ranks, the coordinator's
+#                  default one (default: vllm)
 #   READY_TIMEOUT  seconds to wait for the coordinator to bind (default 30)
-#   STOP_GRACE     seconds the workers get to stop after SIGTERM (default 15)
+#   STOP_GRACE     seconds the workers get to stop after SIGTERM (default 15; with
+#                  ENGINE=vllm, after vLLM's own 10 s to drain its requests)
 #   OMP_NUM_THREADS torch threads per worker (default: this machine's CPUs
 #                  divided by NPROC, at least 1, as `wsd up` does; torchrun
 #                  would pick 1 and print a banner about it)
@@ -30,12 +39,16 @@
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ENGINE=${ENGINE:-wsd}
 NPROC=${NPROC:-2}
 CONFIG=${CONFIG-$HERE/wsd.toml}
 SHOW_RANKS=${SHOW_RANKS-0}
 LOG_DIR=${LOG_DIR:-}
 PYTHON=${PYTHON:-python3}
 WORKER_ARGS=${WORKER_ARGS:-}
+VLLM_MODEL=${VLLM_MODEL:-}
+VLLM_ARGS=${VLLM_ARGS:-}
+API_PORT=${API_PORT:-8000}
 READY_TIMEOUT=${READY_TIMEOUT:-30}
 STOP_GRACE=${STOP_GRACE:-15}
 # torchrun gives its workers 30 s between SIGTERM and SIGKILL: wait a little longer.
@@ -45,9 +58,21 @@ COORDINATOR_GRACE=10
 say() { printf 'wsd-local: %s\n' "$*"; }
 die() { printf 'wsd-local: %s\n' "$1" >&2; exit "${2:-1}"; }
 
-for knob in NPROC READY_TIMEOUT STOP_GRACE; do
+for knob in NPROC READY_TIMEOUT STOP_GRACE API_PORT; do
     [[ ${!knob} =~ ^[1-9][0-9]*$ ]] || die "$knob must be a positive integer, got '${!knob}'" 2
 done
+case $ENGINE in
+    wsd) ;;
+    vllm)
+        [[ -n $VLLM_MODEL ]] || die "ENGINE=vllm needs VLLM_MODEL, the model vLLM serves" 2
+        "$PYTHON" -c 'import vllm' 2>/dev/null || die "ENGINE=vllm: $PYTHON cannot import vllm" 2
+        # vLLM's ranks are the coordinator's default engine: wsctl needs no --engine,
+        # and the coordinator's world size (NPROC) is theirs.
+        WSD_ENGINE=${WSD_ENGINE:-vllm}
+        export WSD_ENGINE WSD_COORDINATOR_ENGINE=$WSD_ENGINE
+        ;;
+    *) die "ENGINE must be wsd or vllm, got '$ENGINE'" 2 ;;
+esac
 [[ -z $SHOW_RANKS || $SHOW_RANKS =~ ^[0-9]+(,[0-9]+)*$ ]] \
     || die "SHOW_RANKS must be local ranks such as 0 or 0,1 (empty: all), got '$SHOW_RANKS'" 2
 config_args=()
@@ -56,6 +81,7 @@ if [[ -n $CONFIG ]]; then
     config_args=(--config "$CONFIG")
 fi
 read -r -a worker_args <<<"$WORKER_ARGS"
+read -r -a vllm_args <<<"$VLLM_ARGS"
 if [[ -z ${OMP_NUM_THREADS:-} ]]; then
     OMP_NUM_THREADS=$(($(nproc) / NPROC))
     ((OMP_NUM_THREADS >= 1)) || OMP_NUM_THREADS=1
@@ -70,7 +96,7 @@ export WSD_AGENT_TOKEN
 
 RUN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/wsd-local.XXXXXX")
 COORDINATOR=""
-TORCHRUN=""
+WORKERS=""
 
 alive() { [[ -n $1 ]] && kill -0 "$1" 2>/dev/null; }
 
@@ -95,18 +121,24 @@ stop_pid() {
 }
 
 stop_workers() {
-    alive "$TORCHRUN" || return 0
+    alive "$WORKERS" || return 0
+    if [[ $ENGINE == vllm ]]; then
+        # vLLM's server drains for --shutdown-timeout, then stops its engine core and
+        # workers, whose agents say goodbye: their ranks read stopped.
+        stop_pid "$WORKERS" $((10 + STOP_GRACE))
+        return 0
+    fi
     # torchrun's children are the workers, each leading a session of its own.
     # SIGTERM to them first: they vote to stop at the same step and exit 0, so
     # torchrun ends by itself, quietly. SIGTERM to torchrun works too, noisily.
     local workers
-    workers=$(pgrep -P "$TORCHRUN" || true)
+    workers=$(pgrep -P "$WORKERS" || true)
     for pid in $workers; do
         kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
     done
-    if ! wait_gone "$TORCHRUN" "$STOP_GRACE"; then
+    if ! wait_gone "$WORKERS" "$STOP_GRACE"; then
         say "the workers did not stop within $STOP_GRACE s; stopping torchrun" >&2
-        stop_pid "$TORCHRUN" "$TORCHRUN_GRACE"
+        stop_pid "$WORKERS" "$TORCHRUN_GRACE"
     fi
     for pid in $workers; do  # none should be left; if torchrun had to be killed, some may be
         kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
@@ -117,7 +149,7 @@ stop_workers() {
 stop_everything() {
     trap '' INT TERM  # a second Ctrl-C must not cut the shutdown short
     stop_workers
-    TORCHRUN=""
+    WORKERS=""
     stop_pid "$COORDINATOR" "$COORDINATOR_GRACE"
     COORDINATOR=""
     rm -rf "$RUN_DIR"
@@ -159,29 +191,43 @@ while [[ -z $ready ]]; do
 done
 read -r _ _ _ _ AGENT_ENDPOINT _ CLIENT_ENDPOINT _ METRICS_URL _ <<<"$ready"
 
-torchrun_args=(--standalone --nproc-per-node "$NPROC")  # --standalone: a rendezvous port the OS picks
-[[ -n $SHOW_RANKS ]] && torchrun_args+=(--local-ranks-filter "$SHOW_RANKS")
-[[ -n $LOG_DIR ]] && torchrun_args+=(--log-dir "$LOG_DIR" --tee 3)
-WSD_COORDINATOR_MODE=external WSD_COORDINATOR_CONNECT_ENDPOINT=$AGENT_ENDPOINT \
-    setsid "$PYTHON" -m torch.distributed.run "${torchrun_args[@]}" \
-    -m wsd.worker "${config_args[@]}" "${worker_args[@]}" &
-TORCHRUN=$!
+if [[ $ENGINE == vllm ]]; then
+    # vLLM's OpenAI API server (`vllm serve` as a module: the same server, and it
+    # runs where vLLM's CPU package has no working `vllm` command). Its workers
+    # load wsd's plugin, on because the coordinator's agent endpoint is set, and
+    # read the same configuration file (WSD_CONFIG).
+    WSD_COORDINATOR_MODE=external WSD_COORDINATOR_CONNECT_ENDPOINT=$AGENT_ENDPOINT WSD_CONFIG=$CONFIG \
+        setsid "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$VLLM_MODEL" \
+        --tensor-parallel-size "$NPROC" --host 127.0.0.1 --port "$API_PORT" --shutdown-timeout 10 \
+        "${vllm_args[@]}" &
+    WORKERS=$!
+    started="vLLM's API server on http://127.0.0.1:$API_PORT, $NPROC workers (engine $WSD_ENGINE), pid $WORKERS"
+else
+    torchrun_args=(--standalone --nproc-per-node "$NPROC")  # --standalone: a rendezvous port the OS picks
+    [[ -n $SHOW_RANKS ]] && torchrun_args+=(--local-ranks-filter "$SHOW_RANKS")
+    [[ -n $LOG_DIR ]] && torchrun_args+=(--log-dir "$LOG_DIR" --tee 3)
+    WSD_COORDINATOR_MODE=external WSD_COORDINATOR_CONNECT_ENDPOINT=$AGENT_ENDPOINT \
+        setsid "$PYTHON" -m torch.distributed.run "${torchrun_args[@]}" \
+        -m wsd.worker "${config_args[@]}" "${worker_args[@]}" &
+    WORKERS=$!
+    started="$NPROC workers under torchrun, pid $WORKERS; showing local ranks ${SHOW_RANKS:-all}"
+fi
 
-say "clients on $CLIENT_ENDPOINT (agents on $AGENT_ENDPOINT); $NPROC workers under torchrun, pid $TORCHRUN; showing local ranks ${SHOW_RANKS:-all}"
+say "clients on $CLIENT_ENDPOINT (agents on $AGENT_ENDPOINT); $started"
 say "try   WSD_ENDPOINT=$CLIENT_ENDPOINT wsctl status"
 [[ -n $METRICS_URL ]] && say "Prometheus metrics on $METRICS_URL"
 say "Ctrl-C stops everything"
 
 # Until a signal (its trap ends the script) or one of the two ends by itself.
 code=0
-wait -n "$COORDINATOR" "$TORCHRUN" || code=$?
+wait -n "$COORDINATOR" "$WORKERS" || code=$?
 if ! alive "$COORDINATOR"; then
     say "the coordinator ended unexpectedly; stopping the workers" >&2
     stop_everything
     exit 1
 fi
-TORCHRUN_CODE=$code
-TORCHRUN=""
+WORKERS_CODE=$code
+WORKERS=""
 stop_everything
-say "the workers ended with exit code $TORCHRUN_CODE"
-[[ $TORCHRUN_CODE == 0 ]] || exit 1
+say "the workers ended with exit code $WORKERS_CODE"
+[[ $WORKERS_CODE == 0 ]] || exit 1

@@ -1199,3 +1199,50 @@ def test_security_example_starts_a_coordinator_on_the_documented_keys(example, t
     _agent_registers(agent_endpoint, client_endpoint, worker, world_size=int(env["WSD_COORDINATOR_WORLD_SIZE"]),
                      tp_size=config_file.worker.tp_size or int(env["WSD_COORDINATOR_WORLD_SIZE"]), token=token,
                      server_key=tmp_path / security.server_public_key, admin_key=home / "alice.key_secret")
+
+
+def test_slurm_script_runs_one_vllm_engine_over_every_node_with_the_plugin(tmp_path):
+    """ENGINE=vllm: the coordinator's default engine is vLLM's (its world the job's, one TP
+    group per node); one `vllm serve` step over the nodes, the plugin on by WSD_CONFIG, the
+    agents pointed at the first node, the job's token; on each node, run as srun would,
+    the first is the API server and the others headless followers of vLLM's rendezvous."""
+    config = DEPLOY / "slurm" / "wsd.toml"
+    code, output, steps = _run_sbatch(tmp_path, config, "301", ENGINE="vllm", VLLM_MODEL="meta-llama/Llama-3.1-70B",
+                                      VLLM_ARGS="--max-model-len 8192")
+    assert code == 0, output
+    (coordinator,) = [s for s in steps if "coordinator" in s["argv"]]
+    (vllm,) = [s for s in steps if "serve" in " ".join(s["argv"])]
+    assert coordinator["env"]["WSD_COORDINATOR_ENGINE"] == "vllm"
+    assert coordinator["env"]["WSD_COORDINATOR_WORLD_SIZE"] == "16"
+    assert coordinator["env"]["WSD_COORDINATOR_TP_SIZE"] == "8"
+    assert vllm["env"]["WSD_CONFIG"] == str(config) and vllm["env"]["WSD_ENGINE"] == "vllm"
+    assert vllm["env"]["WSD_COORDINATOR_CONNECT_ENDPOINT"] == "tcp://node1:7600"
+    assert vllm["env"][_AGENT_TOKEN_ENV] == coordinator["env"][_AGENT_TOKEN_ENV]
+    assert {"--nodes=2", "--ntasks-per-node=1", "--export=ALL"} <= set(vllm["options"])
+    # Each node's task, as srun starts it there: its command line, with vllm a double.
+    fake = tmp_path / "vllm"
+    fake.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@"\n')
+    fake.chmod(0o755)
+    argv = [*vllm["argv"][:3], str(fake), *vllm["argv"][4:]]
+    serve = ["serve", "meta-llama/Llama-3.1-70B", "--tensor-parallel-size", "8", "--pipeline-parallel-size", "2",
+             "--port", "8000", "--shutdown-timeout", "10", "--nnodes", "2", "--master-addr", "node1",
+             "--master-port", "29501", "--max-model-len", "8192"]
+    for node, role in ((0, []), (1, ["--headless"])):
+        ran = subprocess.run(argv, env={**os.environ, "SLURM_NODEID": str(node), "SLURM_NNODES": "2"},
+                             capture_output=True, text=True, timeout=10)
+        assert ran.stdout.splitlines() == [*serve, "--node-rank", str(node), *role], ran.stderr
+    # One node: one process, no rendezvous.
+    code, output, steps = _run_sbatch(tmp_path, config, "302", ENGINE="vllm", VLLM_MODEL="m",
+                                      SLURM_JOB_NODELIST="node1")
+    assert code == 0, output
+    (vllm,) = [s for s in steps if "serve" in " ".join(s["argv"])]
+    argv = [*vllm["argv"][:3], str(fake), *vllm["argv"][4:]]
+    ran = subprocess.run(argv, env={**os.environ, "SLURM_NODEID": "0", "SLURM_NNODES": "1"},
+                         capture_output=True, text=True, timeout=10)
+    assert ran.stdout.splitlines() == ["serve", "m", "--tensor-parallel-size", "8", "--pipeline-parallel-size", "1",
+                                       "--port", "8000", "--shutdown-timeout", "10"], ran.stderr
+
+
+def test_slurm_script_with_vllm_needs_its_model(tmp_path):
+    code, output, steps = _run_sbatch(tmp_path, DEPLOY / "slurm" / "wsd.toml", "303", ENGINE="vllm")
+    assert code == 2 and steps == [] and "ENGINE=vllm needs VLLM_MODEL" in output

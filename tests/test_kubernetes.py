@@ -395,8 +395,13 @@ def test_no_pod_gets_service_link_variables_and_wsd_ignores_them_anyway():
 
     for name, template in _templates(_kustomize(KUBERNETES)).items():
         assert template["spec"].get("enableServiceLinks") is False, f"{name} gets service links"
+    for name, template in _templates(_kustomize(VLLM)).items():
+        assert template["spec"].get("enableServiceLinks") is False, f"{name} gets service links"
     env = service_links(services(KUBERNETES))
     assert "WSD_COORDINATOR_PORT" in env  # the Service that caused it is still there
+    # None of ours gives a vLLM of the namespace (with service links on) a VLLM_* setting:
+    # VLLM_PORT=tcp://... stops vLLM at start.
+    assert not [k for k in env if k.startswith("VLLM_")], sorted(env)
     assert load_config(None, env=env).coordinator.agent_endpoint  # loads
 
 

@@ -1387,3 +1387,18 @@ def test_a_peer_flipping_fast_cannot_flood_the_event_log(h):
     (suppressed,) = h.events("suppressed")
     # counted, not lost without a word (the flips, faster than a heartbeat interval, make none)
     assert sum(suppressed["counts"].values()) >= 500 and "group_inconsistent" not in kinds
+
+
+def test_a_command_event_says_who_issued_it(h):
+    """The user and host a client says (the envelope's ``by``) and, with CURVE, the role the
+    transport proved: an operator reading the event log sees who locked what."""
+    h.register_all()
+    h.core.handle_client(CLIENT_ROUTE, p.encode(Op.LOCK, {"wait": False}, 1, by={"user": "alice", "host": "ops-1"}))
+    h.core.handle_client(CLIENT_ROUTE, p.encode(Op.UNLOCK, {"wait": False}, 2, by={"user": "bob", "host": "ops-2"}),
+                         role="admin")
+    h.core.handle_client(CLIENT_ROUTE, p.encode(Op.LOCK, {"wait": False}, 3))  # an older client: says nothing
+    commands = [e for e in h.ok(Op.EVENTS)["events"] if e["kind"] == "command"]
+    assert [(e["action"], e.get("by")) for e in commands] == [
+        ("lock", {"user": "alice", "host": "ops-1"}),
+        ("unlock", {"user": "bob", "host": "ops-2", "role": "admin"}),
+        ("lock", None)]

@@ -478,3 +478,35 @@ def test_an_engine_name_that_could_leave_its_state_file_or_its_label_is_refused(
         with pytest.raises(ProtocolError) as e:
             p.decode(p.encode(op, body))
         assert e.value.code is ErrorCode.BAD_FIELD and "engine" in str(e.value)
+
+
+# -- who sends a request: the envelope's `by` -------------------------------------------------------
+
+
+def test_a_request_says_who_sends_it_in_its_envelope():
+    by = {"user": "alice", "host": "ops-1"}
+    small = p.encode(Op.LOCK, {}, 7, by=by)
+    assert p.decode(small, None).by == by
+    # Past SMALL_FRAME the envelope is read apart from the body: there too.
+    large = p.encode(Op.STATS_PUSH, {"rank": 0, "version": 1, "step": 0, "applied_seq": 0, "held_seq": 0,
+                                     "state": {}, "stats": {"pad": "x" * 8000}}, 8, by=by)
+    assert len(large) > p.SMALL_FRAME and p.decode(large, None).by == by
+    assert p.decode(p.encode(Op.LOCK, {}, 9), None).by is None
+
+
+def test_a_coordinator_skips_envelope_keys_it_does_not_know():
+    """What lets a newer client send ``by`` to a coordinator that predates it: such a
+    coordinator's decode reads v, op, id and body and skips the rest, small frames and
+    large ones alike (this one's too, for whatever a later client adds)."""
+    for pad in (0, 8000):
+        frame = msgpack.packb({"v": p.PROTOCOL_VERSION, "op": "ping", "id": 3, "body": {},
+                               "later": {"what": "x" * 60}, "pad": b"\0" * pad})
+        assert p.decode(frame, None).op is Op.PING
+
+
+@pytest.mark.parametrize("by", [{"user": "a", "role": "admin"}, {"user": ""}, {"user": "x" * 65},
+                                {"host": "a\x1b[31m"}, ["alice"], {"user": 7}])
+def test_a_bad_by_is_refused_naming_it(by):
+    with pytest.raises(ProtocolError, match=r"^by") as e:
+        p.decode(msgpack.packb({"v": p.PROTOCOL_VERSION, "op": "lock", "id": 4, "body": {}, "by": by}), None)
+    assert e.value.code is ErrorCode.BAD_FIELD and e.value.request_id == 4

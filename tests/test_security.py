@@ -106,6 +106,9 @@ def test_admin_key_may_change_state(keys, serve):
         result = admin.lock(wait=False)
         assert result.seq == 1
         assert admin.status()["desired"]["locked"] is True
+        # The command's event names the role CURVE proved, beside what the client says.
+        (event,) = [e for e in admin.events()["events"] if e["kind"] == "command"]
+        assert event["by"]["role"] == "admin" and set(event["by"]) == {"user", "host", "role"}
 
 
 def test_viewer_key_reads_and_every_state_changing_op_is_forbidden(keys, serve):

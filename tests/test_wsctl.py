@@ -376,6 +376,19 @@ def test_events_human_and_json(cluster, capsys):
     assert f"caller={event['caller']}" in lines[2]
 
 
+def test_a_command_from_wsctl_is_logged_with_the_user_and_host_it_ran_as(cluster, capsys):
+    import getpass
+    import socket
+
+    coordinator, _ = cluster(1)
+    ep = coordinator.client_endpoint
+    assert run(capsys, ep, "lock")[0] == 0
+    (event,) = [e for e in run_json(capsys, ep, "events")[1]["events"] if e["kind"] == "command"]
+    assert event["by"] == {"user": getpass.getuser(), "host": socket.gethostname()}
+    (line,) = [x for x in run(capsys, ep, "events")[1].splitlines() if " command " in x]
+    assert f"by={getpass.getuser()}@{socket.gethostname()}" in line
+
+
 def test_events_follow_prints_new_events_until_count(cluster, capsys):
     """Fails if --follow does not pick up events that happen after it started, or ignores --count."""
     coordinator, _ = cluster(1)
@@ -386,9 +399,9 @@ def test_events_follow_prints_new_events_until_count(cluster, capsys):
         polls: list[str] = []
         handle = coordinator.core.handle_client
 
-        def counting(route, frame):
+        def counting(route, frame, role=None):
             polls.append(msgpack.unpackb(frame)["op"])
-            return handle(route, frame)
+            return handle(route, frame, role)
 
         coordinator.core.handle_client = counting
         codes: list[int] = []

@@ -17,6 +17,7 @@ the coordinator (a malformed endpoint included, ``BadEndpoint``) is
 from __future__ import annotations
 
 import contextlib
+import getpass
 import itertools
 import os
 import socket
@@ -53,6 +54,17 @@ TAIL = None
 """``events(cursor=TAIL)``: no events, and the cursor of the newest one, to follow from now."""
 # What the coordinator is asked for the tail: a cursor past any id (the protocol's largest).
 _PAST_EVERY_ID = 2**63 - 1
+
+
+def issuer() -> dict[str, str]:
+    """Who this client is, as a command's event will say (``wsd.wire.protocol.ISSUER_KEYS``):
+    the user and host it runs as, each cut to what the protocol takes; not proof of either."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (a container's numeric user)
+        user = f"uid {os.getuid()}"
+    said = {"user": user, "host": socket.gethostname()}
+    return {k: v[:64] for k, v in said.items() if v and v[:64].isprintable()}
 
 
 def _probe(endpoint: str, seconds: float) -> str | None:
@@ -119,6 +131,7 @@ class Client:
             raise ConfigError("CURVE needs both the coordinator's public key (--curve-server-key, "
                               "WSD_CURVE_SERVER_KEY) and this client's secret key "
                               "(--curve-client-key, WSD_CURVE_CLIENT_KEY); only one is given")
+        self._by = issuer()
         self._curve: ClientKeys | None = None
         if client_key and server_key:
             from wsd.wire.curve import ClientKeys  # CURVE's key files: only where they are used
@@ -197,7 +210,8 @@ class Client:
             if server_wait:
                 body = {**(body or {}), "timeout": wait * _SERVER_SHARE}
             try:
-                sock.send(p.encode(op, body, request_id), zmq.NOBLOCK)
+                sock.send(p.encode(op, body, request_id, by=self._by if op in p.COMMAND_OPS else None),
+                          zmq.NOBLOCK)
             except zmq.Again:
                 pass  # no connection yet: wait for the reply we will not get, then retry
             except zmq.ZMQError as e:  # the socket or its context is gone

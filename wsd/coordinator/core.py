@@ -16,6 +16,7 @@ is ``wsd.coordinator.admission.AgentGate``'s, for every engine. Imports no torch
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -132,7 +133,8 @@ class CoordinatorCore:
 
     # -- entry points --------------------------------------------------------
 
-    def handle_client(self, route: Route, frame: bytes) -> list[Out]:
+    def handle_client(self, route: Route, frame: bytes, role: str | None = None) -> list[Out]:
+        """One client frame; ``role``: the sender's CURVE role (ZAP's User-Id), None without CURVE."""
         request_id: int | None = None
         try:
             if len(frame) > self.config.max_message_bytes:
@@ -142,6 +144,8 @@ class CoordinatorCore:
                 )
             message = p.decode(frame, p.CLIENT_OPS)
             request_id = message.id
+            if role is not None:  # who sent it, as the transport proved it
+                message = dataclasses.replace(message, by={**(message.by or {}), "role": role})
             return self._client_ops[message.op](route, message)
         except ProtocolError as e:
             return [(CLIENT, route, p.error_reply(e.request_id, e.code, str(e)))]
@@ -342,7 +346,7 @@ class CoordinatorCore:
             engine.check_group(message.body["group"])
             engine.dispatch.check(action, message.body["group"])
         return self._answer(route, message, engines,
-                            lambda e, answer: e.dispatch.command(action, message.body, answer))
+                            lambda e, answer: e.dispatch.command(action, message.body, answer, by=message.by))
 
     def _stats_request(self, route: Route, message: p.Message) -> list[Out]:
         body = message.body

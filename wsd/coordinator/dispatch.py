@@ -79,9 +79,11 @@ class Dispatch:
             if locked or (group is None and not scope and self.log.default["locked"]):
                 raise ProtocolError(ErrorCode.CONFLICT, f"{action}: TP group(s) {locked} are locked; unlock first")
 
-    def command(self, action: str, body: dict[str, Any], answer: Answer) -> list[Out]:
+    def command(self, action: str, body: dict[str, Any], answer: Answer, *,
+                by: dict[str, str] | None = None) -> list[Out]:
         """Number a command, send it to every live rank, and answer when its targets applied it
-        (``body["wait"]``) or at once with its number. ``check`` first."""
+        (``body["wait"]``) or at once with its number. ``check`` first. ``by``: who sent it (the
+        client's user and host as it says, its CURVE role), for the event."""
         group = body["group"]
         args = {k: v for k, v in body.items() if k not in ("group", "wait", "timeout", "engine")}
         now = self.clock()
@@ -89,7 +91,8 @@ class Dispatch:
         self._sent_at[command.seq] = now
         while len(self._sent_at) > self.config.log_capacity:  # older ones left the log
             del self._sent_at[next(iter(self._sent_at))]
-        self.event(EventKind.COMMAND, seq=command.seq, action=action, group=group, args=args)
+        self.event(EventKind.COMMAND, seq=command.seq, action=action, group=group, args=args,
+                   **({"by": by} if by else {}))
         live = self.registry.live()
         out = [self._frame(command, i) for i in live]  # every rank holds every seq
         targets = {i.rank for i in live if command.targets(i.tp_group)}

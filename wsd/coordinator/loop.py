@@ -178,7 +178,7 @@ class Coordinator:
         refused = refusal(role, frame)
         if refused is not None:  # a viewer's command: answered here, so it consumes no seq
             return [("client", route, refused)]
-        return self.core.handle_client(route, frame)
+        return self.core.handle_client(route, frame, role)
 
     def _drain_clients(self) -> list[tuple[tuple[bytes, ...], bytes, str | None]]:
         """Client frames with the sender's role (ZAP's User-Id), None without CURVE."""

@@ -388,18 +388,39 @@ class Message:
     op: Op
     id: int
     body: dict[str, Any]
+    by: dict[str, str] | None = None
+    """Who sent it, as the client says (``ISSUER_KEYS``): the envelope's ``by``, which a
+    coordinator that predates it skips, so a newer client still talks to it. Not proof
+    of anything: a CURVE role, where there is one, is the coordinator's own knowledge."""
+
+
+ISSUER_KEYS = ("user", "host")
+"""What a client says of itself in a request's envelope (``by``), each at most 64 characters."""
+
+
+def _issuer(raw: Any, request_id: int) -> dict[str, str] | None:
+    """The envelope's ``by``, checked: None, or a map of ``ISSUER_KEYS`` to short printable text."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not set(raw) <= set(ISSUER_KEYS):
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"by: expected a map of {', '.join(ISSUER_KEYS)}", request_id)
+    for key, value in raw.items():
+        if not isinstance(value, str) or not 0 < len(value) <= 64 or not value.isprintable():
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"by.{key}: expected 1 to 64 printable characters",
+                                request_id)
+    return dict(raw)
 
 
 def encode(op: Op, body: dict[str, Any] | None = None, request_id: int = 0, *,
-           packed: dict[str, bytes] | None = None) -> bytes:
-    """One request frame; ``packed`` adds body fields whose values are already msgpack-encoded."""
+           packed: dict[str, bytes] | None = None, by: dict[str, str] | None = None) -> bytes:
+    """One request frame; ``packed`` adds body fields whose values are already msgpack-encoded;
+    ``by``: who sends it (``Message.by``)."""
+    envelope: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": str(op), "id": request_id}
+    if by:
+        envelope["by"] = by
     if packed:
-        return spliced({"v": PROTOCOL_VERSION, "op": str(op), "id": request_id},
-                        {"body": spliced(body or {}, packed)})
-    return msgpack.packb(
-        {"v": PROTOCOL_VERSION, "op": str(op), "id": request_id, "body": body or {}},
-        use_bin_type=True,
-    )
+        return spliced(envelope, {"body": spliced(body or {}, packed)})
+    return msgpack.packb({**envelope, "body": body or {}}, use_bin_type=True)
 
 
 def spliced(items: dict[str, Any], packed: dict[str, bytes]) -> bytes:
@@ -492,7 +513,7 @@ def _split(frame: bytes) -> tuple[dict[Any, Any], tuple[int, int] | None]:
                 start = unpacker.tell()
                 unpacker.skip()
                 body = (start, unpacker.tell())
-            elif key in ("v", "op", "id"):
+            elif key in ("v", "op", "id", "by"):
                 try:
                     envelope[key] = unpacker.unpack()
                 except ValueError as e:
@@ -581,8 +602,9 @@ def decode(frame: bytes, allowed: frozenset[Op] | None = None) -> Message:
             raise
     if not isinstance(body, dict):
         raise ProtocolError(ErrorCode.BAD_FIELD, f"body: expected a map, got {type(body).__name__}", request_id)
+    by = _issuer(data.get("by"), request_id)
     try:
-        return Message(op, request_id, validate_body(op, body))
+        return Message(op, request_id, validate_body(op, body), by)
     except ProtocolError as e:
         e.request_id = request_id
         raise

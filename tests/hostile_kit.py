@@ -8,8 +8,8 @@ the seed; ``WSD_HOSTILE_SEED=N`` runs the same inputs again (the
 hypothesis tests and the seeded generators alike; what the coordinator's timing
 decides, such as which frame a rate limit drops, may still differ).
 
-Issue 14 asks for at least ``ENDPOINT_MINIMUM`` inputs per run at the two
-endpoints (configuration files do not count). Each file owns a share of it
+The project asks for at least ``ENDPOINT_MINIMUM`` hostile inputs per run at the
+two endpoints (configuration files do not count). Each file owns a share of it
 (``FLOORS``); a file whose every test was selected and passed must have tried its
 share, or the session fails. A run of a subset (``-k``, one test) is not checked.
 """
@@ -27,7 +27,7 @@ import hypothesis
 import pytest
 
 ENDPOINT_MINIMUM = 20_000
-"""Inputs at the client and agent endpoints per full run of the two files (issue 14)."""
+"""Inputs at the client and agent endpoints per full run of the two files."""
 FLOORS = {"test_hostile.py": 12_000, "test_hostile_agents.py": 8_000}
 """Each file's share of ``ENDPOINT_MINIMUM``: the endpoint inputs it must try."""
 ENDPOINTS = ("client ", "agent ")
@@ -122,7 +122,7 @@ class _Report:
         if self.short:
             terminalreporter.write_line(
                 f"FAILED: too few hostile inputs at the endpoints, (tried, floor) by file: {self.short}; "
-                f"issue 14 asks for {ENDPOINT_MINIMUM} a run", red=True, bold=True)
+                f"at least {ENDPOINT_MINIMUM} a run are asked for", red=True, bold=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,4 +1,4 @@
-"""The agent endpoint believes nothing a peer claims: issue 14's findings, one test each.
+"""The agent endpoint believes nothing a peer claims: each way a peer once could, one test each.
 
 Attacks tried as a peer that can reach the agent endpoint would (the default
 deployment: loopback, no CURVE), first on the coordinator's core with its

@@ -100,7 +100,7 @@ def test_alert_unit_tests_pass():
     assert "SUCCESS" in result.stdout
 
 
-# Each fault the rules once had (issue 17), put back into a copy of them: the unit tests must
+# Each fault the rules once had, put back into a copy of them: the unit tests must
 # catch it. (what the rules say, what the fault says, a pattern of what promtool must report.)
 _FAULTS = {
     "matching on tp_group alone": (
@@ -129,8 +129,8 @@ _FAULTS = {
 @needs_promtool
 @pytest.mark.parametrize("fault", sorted(_FAULTS))
 def test_alert_unit_tests_catch_the_faults_they_were_written_for(fault, tmp_path):
-    """A unit test that passes whatever the rules say proves nothing: each fault of issue 17
-    put back into a copy of the rules makes ``promtool test rules`` fail, and say why."""
+    """A unit test that passes whatever the rules say proves nothing: each fault the rules
+    once had, put back into a copy of the rules makes ``promtool test rules`` fail, and say why."""
     good, bad, reported = _FAULTS[fault]
     text = ALERTS.read_text()
     assert good in text, f"the rules no longer contain {good!r}: update this test"

@@ -68,8 +68,8 @@ def test_read_calls_return_typed_answers_that_still_read_as_maps(cluster):
 
 
 def test_groups_and_ranks_are_typed_too_and_still_read_as_maps(cluster):
-    """Fails if ``Status.groups`` or ``Ranks.ranks`` hand out bare maps again (issue 17's
-    review: the typed results stopped at the top level), if a typed field disagrees with the
+    """Fails if ``Status.groups`` or ``Ranks.ranks`` hand out bare maps again (the
+    typed results once stopped at the top level), if a typed field disagrees with the
     map it reads, or if indexing an entry (the old way) stops working."""
     with Client(cluster.client_endpoint, timeout=5) as client:
         assert client.lock(group=1).complete
@@ -128,7 +128,7 @@ def test_stats_is_not_expanded_until_rows_are_asked_for(cluster):
 
 def test_rows_are_exactly_what_wsctl_stats_json_prints(cluster, capsys):
     """Fails if the client's rows and ``wsctl stats --json`` differ in shape or content
-    (issue 17: the client returned columns, wsctl rows)."""
+    (the client once returned columns, wsctl rows)."""
     with Client(cluster.client_endpoint, timeout=5) as client:
         rows = client.stats(fresh=True).rows()  # fresh: every age 0, so two answers compare equal
     assert wsctl.main(["stats", "--fresh", "--json", "--endpoint", cluster.client_endpoint]) == 0
@@ -162,7 +162,7 @@ def test_reserve_is_reserve_bytes_and_the_old_name_still_works_with_a_warning(cl
 
 def test_events_from_the_tail_give_only_what_happens_next(cluster):
     """Fails if ``events(TAIL)`` returns old events, or its cursor misses the next ones
-    (issue 17: ``events(cursor=0)`` was the only start, the oldest events)."""
+    (``events(cursor=0)`` was once the only start, the oldest events)."""
     with Client(cluster.client_endpoint, timeout=5) as client:
         everything = client.events(0, 1000)
         tail = client.events(TAIL)

@@ -1,4 +1,4 @@
-"""The coordinator's state on disk (promise 6): snapshot + journal, recovery, damage.
+"""The coordinator's state on disk (it survives a restart): snapshot + journal, recovery, damage.
 
 Pure file I/O in tmp_path; no sockets. The coordinator's side (recorded before
 sent, the restart of a whole core) is in test_coordinator_core.py, the real

@@ -433,7 +433,7 @@ def test_a_group_stopped_whole_restarts_from_its_desired_state(h):
 
 
 def test_command_numbered_and_persisted_before_it_is_sent(h, monkeypatch):
-    """Promise 6: a restarted coordinator knows every command it ever sent."""
+    """A restarted coordinator knows every command it ever sent."""
     h.register_all()
     order: list[tuple[str, Any]] = []
     write, encode = h.core.engine().log._append_record, p.encode
@@ -1032,7 +1032,8 @@ def desired_sent(sent: list[Sent], rank: int, generation: int = 0) -> Any:
 
 def test_fresh_process_is_sent_its_groups_desired_state(h):
     """Without it a restarted process comes up unlocked with its configured slot
-    count while its group is meant to be locked with 3 ubatches (promises 3, 6)."""
+    count while its group is meant to be locked with 3 ubatches: the desired state
+    outlives the processes, and the coordinator's restarts."""
     h.register_all([0, 1])
     h.client(Op.SET_UBATCHES, {"n": 3, "wait": False})
     h.client(Op.LOCK, {"group": 0, "wait": False})
@@ -1116,7 +1117,7 @@ def test_malformed_resent_acks_are_ignored(h):
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "empty", "wrong_format", "wrong_shape"])
 def test_damaged_state_file_refuses_to_start(tmp_path, damage):
-    """Promise 6: never silently start afresh and reuse sequence numbers."""
+    """Never silently start afresh and reuse sequence numbers."""
     first = make(tmp_path)
     issue_three(first)
     path = tmp_path / "coordinator.state"

@@ -199,3 +199,13 @@ def test_the_readme_stays_a_front_door_that_links_every_doc():
     assert len(readme.splitlines()) <= 300
     linked = {Path(t.partition("#")[0]).name for t in _LINK.findall(readme) if t.startswith("docs/")}
     assert not {p.name for p in DOCS.glob("*.md")} - linked
+
+
+def test_tests_and_benchmarks_say_what_they_check_not_which_issue_asked():
+    """An issue or promise number means nothing to whoever carries the code on: nowhere in the
+    repository says what a numbered issue was. Each test says the requirement itself."""
+    cited = re.compile(r"\b(?:[Ii]ssue|[Pp]romise)s? \d+")
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+             for folder in ("tests", "bench") for path in sorted((ROOT / folder).rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if cited.search(line)]
+    assert found == []

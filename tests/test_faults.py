@@ -1,5 +1,6 @@
 """Faults with real processes: the coordinator killed, stopped or its state file damaged;
-a worker stalled (promises 4, 5 and 6).
+a worker stalled: every rank of a group at the same step or none, lost ranks seen,
+nothing the coordinator numbered forgotten.
 
 The coordinator runs as ``python -m wsd.cli coordinator`` (``wsd coordinator``)
 under ``tests/procs.py``, so that it can be SIGKILLed and SIGSTOPped; the

@@ -1,4 +1,4 @@
-"""Hostile input against a live coordinator (promise 7), and hostile configuration files.
+"""Hostile input against a live coordinator (refused clearly, at a bounded cost), and hostile configuration files.
 
 One coordinator for the module, in a thread, on random loopback ports, with a
 well-behaved simulated rank registered on its agent socket and one command
@@ -15,7 +15,7 @@ still live. Configuration files get the same treatment through ``load_config``.
 
 Every hypothesis example sends a batch of inputs (up to ``BATCH``), each checked as
 it is answered, and checks the coordinator's state once after the batch: the
-volume that issue 14 asks for (see ``hostile_kit``: the inputs tried are counted
+volume the project asks for (see ``hostile_kit``: the inputs tried are counted
 by category, printed with the run's seed at the end of the session, and a full
 run of this file must try its share of the 20,000) within the file's time bound.
 Well-formed but malicious agent messages are in ``test_hostile_agents.py``.

@@ -402,7 +402,7 @@ def _timed(call: Any) -> tuple[Any, float]:
 
 @pytest.mark.parametrize("token", [None, TOKEN], ids=["no-token", "token"])
 def test_malicious_agent_messages_leave_the_real_ranks_and_the_state_untouched(tmp_path, token):
-    """Without the checks of issue 14 a registration claiming a seq never issued wedged
+    """Without the agent endpoint's checks a registration claiming a seq never issued wedged
     the cluster, a registration for a live rank flapped it, a heartbeat claiming held_seq 0
     cost thousands of resends, and an event flood grew memory and the events answer; any
     of these would break one of the invariants below."""

@@ -1,6 +1,6 @@
 """Bad configuration and usage end in one clear line and exit code 2, never a traceback.
 
-Issue 14, item 9: an endpoint ZeroMQ bends (``tcp://*:99999`` bound a random
+An endpoint ZeroMQ bends (``tcp://*:99999`` bound a random
 port on every interface), a misspelt ``WSD_*`` section, ``wsctl --timeout
 1e308``, an endpoint that cannot be bound and a damaged state file. Two tiers:
 real sockets on port 0, then ``wsd`` and ``wsctl`` as real processes.

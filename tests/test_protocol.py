@@ -1,8 +1,8 @@
 """The wire (wsd/wire/protocol.py): round trips, every kind of bad input, the pinned contract.
 
 Pure logic: no sockets, no torch. Each bad-input test asserts the error code and
-that the message names the offending field, since that is what promise 7
-("refuses bad input clearly") gives an operator.
+that the message names the offending field: what refusing bad input clearly
+gives an operator.
 """
 
 from __future__ import annotations

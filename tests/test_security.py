@@ -1,4 +1,4 @@
-"""Promise 8: CURVE keys, client roles, loopback by default; and the agent socket's size limit.
+"""Security: CURVE keys, client roles, loopback by default; and the agent socket's size limit.
 
 Real coordinators in threads on random loopback ports, with real CURVE key
 pairs written by ``wsctl keygen``, real ZAP (pyzmq's authenticator), the real

@@ -21,7 +21,7 @@ from wsd import __version__
 from wsd_client import wsctl
 from wsd_client.client import BadEndpoint, Client, ClientError, Unavailable
 
-# Issue 17: "fail within 1 s when the port is closed"; the slack is for a loaded test machine.
+# "Fail within 1 s when the port is closed"; the slack is for a loaded test machine.
 FAST = 1.5
 
 
@@ -149,7 +149,7 @@ def test_an_endpoint_without_tcp_in_the_environment_is_a_usage_error(capsys, mon
 
 
 def test_the_client_refuses_a_malformed_endpoint_as_its_own_error(monkeypatch):
-    """Fails if a malformed endpoint escapes ``except Unavailable`` (issue 17: ``Unavailable``
+    """Fails if a malformed endpoint escapes ``except Unavailable`` (``Unavailable``
     for every unavailability), or is not also a ValueError naming the fix."""
     with pytest.raises(BadEndpoint) as raised:
         Client("127.0.0.1:7601")

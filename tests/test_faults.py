@@ -1,6 +1,7 @@
 """Faults with real processes: the coordinator killed, stopped or its state file damaged;
-a worker stalled: every rank of a group at the same step or none, lost ranks seen,
-nothing the coordinator numbered forgotten.
+a worker stalled. What must hold through each: nothing the coordinator numbered is
+forgotten, a damaged state is refused rather than started afresh, the engines step on
+while the coordinator is away, and a stalled rank is seen lost and then back.
 
 The coordinator runs as ``python -m wsd.cli coordinator`` (``wsd coordinator``)
 under ``tests/procs.py``, so that it can be SIGKILLed and SIGSTOPped; the

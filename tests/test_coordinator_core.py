@@ -197,9 +197,9 @@ def snapshot(capacities: list[int], *, persistent: int = 0, locked: bool = False
              peak: int | None = None, requests: int = 1) -> dict[str, Any]:
     """A snapshot in the agent's wire form (ManagerStats.to_wire: slots as columns), one lane."""
     slots = tuple(
-        SlotStats(ubatch=i, lane=0, capacity_bytes=c, peak_requested_bytes=c if peak is None else peak,
-                  requests=requests, resizes=1 if c else 0, lock_violations=0, last_violation=None,
-                  persistent=(PersistentStats("k", "tensor", persistent),) if persistent and i == 0 else ())
+        SlotStats.of(i, capacity_bytes=c, peak_requested_bytes=c if peak is None else peak,
+                     requests=requests, resizes=1 if c else 0,
+                     persistent=(PersistentStats("k", "tensor", persistent),) if persistent and i == 0 else ())
         for i, c in enumerate(capacities))
     return ManagerStats("cpu", len(capacities), 1, locked, slots).to_wire()
 
@@ -803,8 +803,10 @@ def test_any_wrong_entry_in_any_snapshot_column_is_named(tmp_path_factory, data)
     where = data.draw(st.sampled_from(sorted(_SLOT_KINDS)), "column")
     bad_value = data.draw(st.sampled_from(_NEVER[_SLOT_KINDS[where]]), "value")
     stats = ManagerStats("cpu", 3, 1, False, tuple(
-        SlotStats(i, 0, 64 * i, 64 * i, i, 1, 1, LockViolation("m.py:1:f", 128, 64 * i, 2.5),
-                  (PersistentStats("k", "tensor", 8),), RetainedStats("kv", 16 * i)) for i in range(3))).to_wire()
+        SlotStats.of(i, capacity_bytes=64 * i, peak_requested_bytes=64 * i, requests=i, resizes=1, lock_violations=1,
+                     last_violation=LockViolation("m.py:1:f", 128, 64 * i, 2.5),
+                     persistent=(PersistentStats("k", "tensor", 8),), retained=RetainedStats("kv", 16 * i))
+        for i in range(3))).to_wire()
     *path, name = where.split(".")[1:]
     column = stats["slots"][path[0]][name] if path else stats["slots"][name]
     column[data.draw(st.integers(0, len(column) - 1), "entry")] = bad_value

@@ -112,9 +112,8 @@ def by(samples: Samples, name: str, *keys: str) -> dict[Any, float]:
 
 
 def manager(capacities: list[int], *, lanes: int = 1, locked: bool = False) -> ManagerStats:
-    slots = tuple(SlotStats(ubatch=i // lanes, lane=i % lanes, capacity_bytes=c, peak_requested_bytes=c + 7,
-                            requests=100 + i, resizes=i, lock_violations=i % 2, last_violation=None,
-                            persistent=()) for i, c in enumerate(capacities))
+    slots = tuple(SlotStats.of(i // lanes, i % lanes, capacity_bytes=c, peak_requested_bytes=c + 7,
+                               requests=100 + i, resizes=i, lock_violations=i % 2) for i, c in enumerate(capacities))
     return ManagerStats(device="cpu", num_ubatches=len(capacities) // lanes, num_lanes=lanes, locked=locked,
                         slots=slots)
 
@@ -278,10 +277,9 @@ def test_rank_lock_violations_never_go_down_when_slots_are_dropped_or_start_agai
         snapshots = {}
         for rank, violations in enumerate(slots):
             snapshots[rank] = ManagerStats(device="cpu", num_ubatches=len(violations), num_lanes=1, locked=True,
-                                           slots=tuple(SlotStats(ubatch=u, lane=0, capacity_bytes=64,
-                                                                 peak_requested_bytes=64, requests=1, resizes=0,
-                                                                 lock_violations=v, last_violation=None,
-                                                                 persistent=()) for u, v in enumerate(violations)))
+                                           slots=tuple(SlotStats.of(u, capacity_bytes=64, peak_requested_bytes=64,
+                                                                    requests=1, lock_violations=v)
+                                                       for u, v in enumerate(violations)))
         return stats_view(snapshots, 2, 2)
 
     published = one_engine(core=core, stats=ranks([30, 10], [1]))

@@ -70,10 +70,16 @@ _persistent = st.lists(st.builds(PersistentStats, key=st.sampled_from(["k", "moe
 @st.composite
 def snapshots(draw: st.DrawFn) -> ManagerStats:
     ubatches = draw(st.integers(1, 4))
-    slots = tuple(SlotStats(
-        i, 0, *(draw(_small) for _ in SLOT_NUMBERS), last_violation=draw(_violation),
+    slots = tuple(SlotStats.of(
+        i, 0, **{n.name: draw(_small) for n in SLOT_NUMBERS}, last_violation=draw(_violation),
         persistent=tuple(draw(_persistent))) for i in range(ubatches))
     return ManagerStats("cpu", ubatches, 1, draw(st.booleans()), slots)
+
+
+def one_slot(capacity: int = 64) -> ManagerStats:
+    """A manager of one slot that served one request, as big as ``capacity``."""
+    return ManagerStats("cpu", 1, 1, False, (SlotStats.of(capacity_bytes=capacity, peak_requested_bytes=capacity,
+                                                         requests=1, resizes=1),))
 
 
 def _roundtrip(frame: bytes) -> p.Message:
@@ -170,7 +176,7 @@ def test_a_delta_applied_to_its_base_gives_the_new_snapshot(old, new):
 
 
 def test_an_unchanged_snapshot_is_confirmed_by_heartbeats_not_pushed_again():
-    stats = ManagerStats("cpu", 1, 1, False, (SlotStats(0, 0, 64, 64, 1, 1, 0, None, ()),))
+    stats = one_slot()
     pair = Pair(stats)
     pair.step()
     assert pair.latest.ranks[0].confirmed == pair.now
@@ -188,7 +194,7 @@ def test_an_answer_kept_between_pushes_shows_each_later_confirmation():
     """The body of an answer stands from push to push; each rank's confirmed_at and the stale
     list are read as the answer is sent. Fails if a confirmation does not move them."""
     latest = LatestStats()
-    wire = ManagerStats("cpu", 1, 1, False, (SlotStats(0, 0, 64, 64, 1, 1, 0, None, ()),)).to_wire()
+    wire = one_slot().to_wire()
     for rank in (0, 1):
         assert latest.push(rank, 0, {"version": 1, "base": None, "step": 1, "stats": wire}, 10.0)
 
@@ -208,7 +214,7 @@ def test_an_answer_kept_between_pushes_shows_each_later_confirmation():
 
 
 def test_a_command_applied_is_pushed_at_once_not_at_the_next_interval():
-    stats = ManagerStats("cpu", 1, 1, False, (SlotStats(0, 0, 64, 64, 1, 1, 0, None, ()),))
+    stats = one_slot()
     pair = Pair(stats)
     pair.step()
     pair.now += 0.2
@@ -227,7 +233,7 @@ def test_numbers_no_manager_makes_are_refused_and_every_other_ranks_stats_still_
 
     latest = LatestStats()
     body = {"rank": 0, "version": 1, "base": None, "step": 1, "applied_seq": 0, "held_seq": 0, "state": {}}
-    good = ManagerStats("cpu", 1, 1, False, (SlotStats(0, 0, 64, 64, 1, 1, 0, None, ()),)).to_wire()
+    good = one_slot().to_wire()
     assert latest.push(1, 0, {**body, "rank": 1, "stats": good}, 1.0)
     huge = {**good, "slots": {**good["slots"], "requests": [(1 << 64) - 1]}}
     with pytest.raises(ValueError, match=rf"slots.requests\[0\]: {(1 << 64) - 1} out of range 0..{MAX_NUMBER}"):
@@ -257,7 +263,7 @@ def test_invalid_pushes_are_refused_naming_why_and_the_rank_shows_missing():
         latest.push(0, 0, body, 1.0)
     answer = msgpack.unpackb(latest.answer({0: [0]}, {}, 1.0, 1.0, 3.0, key=0, version=0))
     assert answer["missing"] == [{"rank": 0, "reason": "sent an invalid stats snapshot (num_ubatches: missing)"}]
-    good = ManagerStats("cpu", 1, 1, False, (SlotStats(0, 0, 64, 64, 1, 1, 0, None, ()),)).to_wire()
+    good = one_slot().to_wire()
     assert latest.push(0, 0, {**body, "stats": good}, 1.0)
     for delta, why in (({"columns": {"requests": [[5], [1]]}}, "slot index 5 out of range"),
                        ({"columns": {"ubatch": [[0], [1]]}}, "unknown 'ubatch'"),
@@ -305,7 +311,7 @@ def _ask(core: CoordinatorCore, **body: Any) -> dict[str, Any]:
 
 
 def _push(core: CoordinatorCore, rank: int, capacity: int) -> list:
-    stats = ManagerStats("cpu", 1, 1, False, (SlotStats(0, 0, capacity, capacity, 1, 1, 0, None, ()),))
+    stats = one_slot(capacity)
     return core.handle_agent((b"p%d" % rank,), p.encode(Op.STATS_PUSH, {
         "rank": rank, "version": 1, "base": None, "step": 5, "applied_seq": 0, "held_seq": 0, "state": {},
         "stats": stats.to_wire()}))

@@ -128,8 +128,10 @@ def _sample_stats() -> ManagerStats:
 
     violation = LockViolation("model.py:12:forward", 4096, 1024, 1.5)
     slots = tuple(
-        SlotStats(i // 2, i % 2, 4096 * i, 4000 * i, i, 1, i % 3, violation if i % 3 else None,
-                  (PersistentStats("ids", "tensor", 512), PersistentStats("handle", "resource", 0)) if i % 2 else ())
+        SlotStats.of(i // 2, i % 2, capacity_bytes=4096 * i, peak_requested_bytes=4000 * i, requests=i, resizes=1,
+                     lock_violations=i % 3, last_violation=violation if i % 3 else None,
+                     persistent=(PersistentStats("ids", "tensor", 512), PersistentStats("handle", "resource", 0))
+                     if i % 2 else ())
         for i in range(6)
     )
     return ManagerStats("cuda:0", 3, 2, True, slots)

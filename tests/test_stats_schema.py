@@ -38,8 +38,7 @@ from wsd_client.rows import group_columns, group_slots, rank_slots, stats_rows, 
 
 def _snapshot(rng: random.Random, slots: int) -> ManagerStats:
     return ManagerStats("cpu", slots, 1, False, tuple(
-        SlotStats(**{c: rng.randrange(1 << 20) for c in SLOT_COLUMNS} | {"ubatch": i, "lane": 0},
-                  last_violation=None, persistent=()) for i in range(slots)))
+        SlotStats.of(i, **{n.name: rng.randrange(1 << 20) for n in SLOT_NUMBERS}) for i in range(slots)))
 
 
 def _answer(snapshots: dict[int, ManagerStats], tp_group: int = 0) -> dict:
@@ -148,8 +147,8 @@ def test_persistent_names_travel_once_and_read_back_per_rank():
     rng = random.Random(5)
     held = {0: [buffers("a", "b"), buffers("a")], 1: [buffers("b", "a"), buffers("c", "a", "b")], 2: [(), ()]}
     snapshots = {rank: ManagerStats("cpu", 2, 1, False, tuple(
-        SlotStats(**{c: rng.randrange(1 << 20) for c in SLOT_COLUMNS} | {"ubatch": i, "lane": 0},
-                  last_violation=None, persistent=slot) for i, slot in enumerate(slots)))
+        SlotStats.of(i, **{n.name: rng.randrange(1 << 20) for n in SLOT_NUMBERS}, persistent=slot)
+        for i, slot in enumerate(slots)))
                  for rank, slots in held.items()}
     answer = _answer(snapshots)
     assert sorted(answer["strings"]) == ["a", "b", "c", "resource", "tensor"]
@@ -164,8 +163,8 @@ def test_an_older_coordinators_answer_reads_as_todays():
     the buffers' names in full (before every part was a table) gives the same rows."""
     rng = random.Random(7)
     snapshots = {rank: ManagerStats("cpu", 2, 1, rank == 1, tuple(
-        SlotStats(**{c: rng.randrange(1 << 20) for c in SLOT_COLUMNS} | {"ubatch": i, "lane": 0},
-                  last_violation=None, persistent=(PersistentStats(f"buf{rank}", "tensor", 64),))
+        SlotStats.of(i, **{n.name: rng.randrange(1 << 20) for n in SLOT_NUMBERS},
+                     persistent=(PersistentStats(f"buf{rank}", "tensor", 64),))
         for i in range(2))) for rank in range(3)}
     today = _answer(snapshots)
     strings = today["strings"]
@@ -196,8 +195,8 @@ def _sparse_snapshot(rng: random.Random, slots: int, names: list[str]) -> Manage
         return records if table.many else (records[0] if records else None)
 
     return ManagerStats("cpu", slots, 1, False, tuple(
-        SlotStats(**{c: rng.randrange(1 << 20) for c in SLOT_COLUMNS} | {"ubatch": i, "lane": 0},
-                  **{t.name: sparse(t) for t in SPARSE_TABLES}) for i in range(slots)))
+        SlotStats.of(i, **{n.name: rng.randrange(1 << 20) for n in SLOT_NUMBERS},
+                     **{t.name: sparse(t) for t in SPARSE_TABLES}) for i in range(slots)))
 
 
 def _plain(rows):
@@ -284,3 +283,14 @@ def test_a_slot_number_is_refused_when_its_declaration_contradicts_itself():
     with pytest.raises(ValueError, match="_total"):
         SlotNumber(name="x", kind=int, help="h", header="X", metric="wsd_slot_x", counter=True, group=())
     assert GroupColumn("x_max", Combine.MAX, None).header is None
+
+
+def test_a_slot_is_built_by_name_with_every_other_figure_zero():
+    """What tests and simulations build slots with: a number the schema gains needs no edit
+    at any of them, and a name the schema does not have is an error, not a silent zero."""
+    slot = SlotStats.of(1, 2, requests=3)
+    assert (slot.ubatch, slot.lane, slot.requests) == (1, 2, 3)
+    assert all(getattr(slot, n.name) == n.kind() for n in SLOT_NUMBERS if n.name != "requests")
+    assert all(getattr(slot, t.name) == (() if t.many else None) for t in SPARSE_TABLES)
+    with pytest.raises(TypeError, match="SlotStats has no requets"):
+        SlotStats.of(requets=3)

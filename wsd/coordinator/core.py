@@ -153,7 +153,7 @@ class CoordinatorCore:
             logger.error("%s", e)
             return [(CLIENT, route, p.error_reply(request_id, ErrorCode.STORAGE, str(e)))]
         except Exception as e:  # a bug: the client gets an answer and the loop goes on
-            if self.gate.allow(("internal error", "client")):  # a traceback at a bounded rate
+            if self.gate.allow(("internal error", CLIENT)):  # a traceback at a bounded rate
                 logger.exception("coordinator failed on a client request")
             return [(CLIENT, route, p.error_reply(request_id, ErrorCode.INTERNAL, f"internal error: {e!r}"))]
 
@@ -191,7 +191,7 @@ class CoordinatorCore:
             logger.error("%s", e)
             return []
         except Exception:  # a bug, contained to this frame: logged at a bounded rate
-            if self.gate.allow(("internal error", "agent")):
+            if self.gate.allow(("internal error", AGENT)):
                 logger.exception("coordinator failed on an agent message")
             return []
 

@@ -15,7 +15,7 @@ from typing import cast
 import zmq
 
 from wsd.config import CoordinatorConfig
-from wsd.coordinator.core import AGENT, CoordinatorCore, Out
+from wsd.coordinator.core import AGENT, CLIENT, CoordinatorCore, Out
 from wsd.coordinator.metrics_server import MetricsServer
 from wsd.errors import WsdError
 from wsd.security import Role, SecurityConfig, load_agent_token
@@ -174,10 +174,10 @@ class Coordinator:
         if len(route) > 2 or (len(route) == 2 and route[1] != b""):
             # Neither DEALER ([id, msg]) nor REQ ([id, "", msg]) framing.
             reply = error_reply(None, ErrorCode.BAD_MESSAGE, "expected one frame per message")
-            return [("client", route[:1], reply)]
+            return [(CLIENT, route[:1], reply)]
         refused = refusal(role, frame)
         if refused is not None:  # a viewer's command: answered here, so it consumes no seq
-            return [("client", route, refused)]
+            return [(CLIENT, route, refused)]
         return self.core.handle_client(route, frame, role)
 
     def _drain_clients(self) -> list[tuple[tuple[bytes, ...], bytes, str | None]]:

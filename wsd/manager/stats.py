@@ -275,6 +275,18 @@ class SlotStats:
     def persistent_bytes(self) -> int:
         return sum(p.nbytes for p in self.persistent)
 
+    @classmethod
+    def of(cls, ubatch: int = 0, lane: int = 0, **given: Any) -> SlotStats:
+        """A slot whose every number is 0 and every sparse part empty, but for ``given`` (by
+        name): how a test or a simulation builds one, so that a number the schema gains
+        needs no edit there. TypeError naming a name the schema does not have."""
+        unknown = sorted(set(given) - set(SLOT_COLUMNS) - {t.name for t in SPARSE_TABLES})
+        if unknown:
+            raise TypeError(f"SlotStats has no {', '.join(unknown)}")
+        values: dict[str, Any] = {n.name: n.kind() for n in SLOT_NUMBERS}
+        values |= {t.name: () if t.many else None for t in SPARSE_TABLES}
+        return cls(**{**values, "ubatch": ubatch, "lane": lane, **given})
+
 
 @dataclass(frozen=True, slots=True)
 class ManagerStats:

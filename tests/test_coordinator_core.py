@@ -1405,3 +1405,18 @@ def test_a_command_event_says_who_issued_it(h):
         ("lock", {"user": "alice", "host": "ops-1"}),
         ("unlock", {"user": "bob", "host": "ops-2", "role": "admin"}),
         ("lock", None)]
+
+
+def test_stats_and_ranks_read_the_same_step_for_a_snapshot_a_heartbeat_confirmed(h):
+    """An operator once saw `stats` and `ranks` give the same rank different steps at the
+    same moment: stats showed the step of the last push, ranks that of the last heartbeat.
+    A heartbeat that finds the snapshot unchanged makes it current at its step, and both
+    read that step."""
+    h.register_all([0])
+    h.agent(peer_of(0), Op.STATS_PUSH, {"rank": 0, "version": 1, "step": 3, "applied_seq": 0, "held_seq": 0,
+                                        "state": {}, "stats": snapshot([128])})
+    assert table_rows(h.ok(Op.STATS)["ranks"])[0]["step"] == 3
+    h.agent(peer_of(0), Op.HEARTBEAT, {"rank": 0, "step": 9, "applied_seq": 0, "held_seq": 0, "state": {},
+                                       "stats_version": 1})
+    (rank,) = [r for r in h.ok(Op.RANKS)["ranks"] if r["rank"] == 0]
+    assert rank["step"] == 9 and table_rows(h.ok(Op.STATS)["ranks"])[0]["step"] == 9

@@ -112,7 +112,8 @@ class Pair:
         for frame in self.link.on_time(self.now):
             message = _roundtrip(frame)
             version = message.body.get("stats_version")
-            if message.op is Op.HEARTBEAT and version is not None and not self.latest.confirm(0, version, self.now):
+            if message.op is Op.HEARTBEAT and version is not None and not self.latest.confirm(0, version, self.now,
+                                                                                                   message.body["step"]):
                 self.link.on_frame(p.encode(Op.STATS_ACK, {"version": version, "ok": False}), self.now)
             if message.op is not Op.STATS_PUSH or lose_push:
                 continue
@@ -186,7 +187,7 @@ def test_an_unchanged_snapshot_is_confirmed_by_heartbeats_not_pushed_again():
         frames = [_roundtrip(f) for f in pair.link.on_time(pair.now)]
         assert [m.op for m in frames] == [Op.HEARTBEAT]
         assert frames[0].body["stats_version"] == version
-        pair.latest.confirm(0, version, pair.now)
+        pair.latest.confirm(0, version, pair.now, frames[0].body["step"])
     assert pair.latest.ages(pair.now) == {0: 0.0}
 
 
@@ -204,9 +205,11 @@ def test_an_answer_kept_between_pushes_shows_each_later_confirmation():
 
     first = answer(11.0)
     assert first.ages() == {0: 1.0, 1: 1.0} and first.complete
-    assert latest.confirm(0, 1, 13.5)
+    assert latest.confirm(0, 1, 13.5, step=40)
     later = answer(14.0)
     assert later.doc["ranks"]["confirmed_at"] == [1013.5, 1010.0]
+    # The step the heartbeat was sent at, as `ranks` shows it; the other rank's is its push's.
+    assert later.doc["ranks"]["step"] == [40, 1] and first.doc["ranks"]["step"] == [1, 1]
     assert later.ages() == {0: 0.5, 1: 4.0} and later.stale == [1] and not later.complete
     assert later.doc["slots"] == first.doc["slots"] and later.groups == first.groups
     stepped = answer(14.0, offset=1060.0)  # the wall clock stepped a minute: times follow it, ages do not

@@ -113,7 +113,7 @@ class Snapshot:
     """One rank's checked snapshot, the columns aggregation reads, and its encoded parts.
 
     ``columns`` maps each of ``SLOT_COLUMNS`` to its column. ``entry`` is the
-    rank's row of the answer's ``ranks`` table (but for ``confirmed_at``), and
+    rank's row of the answer's ``ranks`` table (but for ``step`` and ``confirmed_at``), and
     ``tables`` its rows of the answer's slot table and of each sparse table
     (``SPARSE_TABLES``), encoded now: an answer splices them behind headers
     (``packed_answer``), whatever the number of ranks, instead of encoding them
@@ -122,7 +122,7 @@ class Snapshot:
     table of names numbers them otherwise.
     """
 
-    __slots__ = ("coded", "columns", "entry", "locked", "num_ubatches", "rank", "strings", "tables",
+    __slots__ = ("coded", "columns", "entry", "locked", "num_ubatches", "rank", "step", "strings", "tables",
                  "total_bytes", "tp_group")
 
     def __init__(self, rank: int, tp_group: int, step: int, stats: dict[str, Any],
@@ -130,6 +130,7 @@ class Snapshot:
                  changed: frozenset[str] = frozenset()) -> None:
         self.rank = rank
         self.tp_group = tp_group
+        self.step = step  # the step it was taken at
         self.columns = columns
         self.total_bytes = stats.get("total_bytes", 0)
         self.locked = stats["locked"]
@@ -138,7 +139,8 @@ class Snapshot:
                "num_ubatches": self.num_ubatches, "num_lanes": stats["num_lanes"], "locked": self.locked,
                "total_bytes": self.total_bytes, "capacity_bytes": sum(columns["capacity_bytes"]),
                "lock_violations": sum(columns["lock_violations"])}
-        self.entry: tuple[bytes, ...] = tuple(_packer.pack(row[c]) for c in RANK_TABLE[:-1])  # confirmed_at: per answer
+        # step and confirmed_at: per answer (packed_answer).
+        self.entry: tuple[bytes, ...] = tuple(_packer.pack(row[c]) for c in RANK_TABLE[:-2])
         slots = stats["slots"]
         # Whole, or a delta on ``previous`` (same rank, same slots): only what changed is
         # encoded again.
@@ -233,7 +235,8 @@ def group_part(group: int, members: list[Snapshot], expected: list[int], missing
 class AnswerBody(NamedTuple):
     """A ``stats`` answer but for what depends on when it is sent (``packed_answer``): the
     encoded parts of everything the ranks pushed, either side of the ``ranks`` table's
-    ``confirmed_at`` column, which changes with every heartbeat that confirms a snapshot."""
+    ``step`` and ``confirmed_at`` columns, which change with every heartbeat that confirms a
+    snapshot."""
 
     head: bytes
     tail: bytes
@@ -241,6 +244,7 @@ class AnswerBody(NamedTuple):
     """Some expected rank is missing from it."""
 
 
+_STEP_KEY, _CONFIRMED_KEY = (_packer.pack(c) for c in RANK_TABLE[-2:])
 _BODY_KEYS = 2 + len(_TABLES) + 4  # the map entries of an AnswerBody: see answer_body
 
 
@@ -266,11 +270,11 @@ def answer_body(members: list[Snapshot], groups: list[GroupPart], missing: dict[
     as each snapshot arrived are spliced in behind headers.
     """
     pack = _packer.pack
-    # The ranks table last but for its last column, confirmed_at, which packed_answer adds.
+    # The ranks table last but for its last two columns, step and confirmed_at, which
+    # packed_answer adds.
     head = [
         pack("total_bytes"), pack(sum(s.total_bytes for s in members)),
-        *_spliced_table("ranks", RANK_TABLE[:-1], [(1, s.entry) for s in members], of=len(RANK_TABLE)),
-        pack(RANK_TABLE[-1]),
+        *_spliced_table("ranks", RANK_TABLE[:-2], [(1, s.entry) for s in members], of=len(RANK_TABLE)),
     ]
     strings: dict[str, int] = {}
     recoded: list[list[int] | None] = []  # each rank's codes in the answer's strings; None: its own
@@ -295,11 +299,13 @@ def answer_body(members: list[Snapshot], groups: list[GroupPart], missing: dict[
     return AnswerBody(b"".join(head), b"".join(tail), bool(missing))
 
 
-def packed_answer(body: AnswerBody, *, fresh: bool, as_of: float, confirmed_at: bytes, stale: list[int]) -> bytes:
+def packed_answer(body: AnswerBody, *, fresh: bool, as_of: float, step: bytes, confirmed_at: bytes,
+                  stale: list[int]) -> bytes:
     """The encoded ``stats`` result (a msgpack map): ``body``, with ``as_of`` (Unix seconds,
-    when it is sent), each rank's ``confirmed_at`` (encoded: an array of Unix seconds, when
-    its snapshot was last known current; its age is ``as_of - confirmed_at``), the ``stale``
-    ranks and whether it is ``complete`` (no rank missing, none stale)."""
+    when it is sent), each rank's ``step`` and ``confirmed_at`` (encoded: arrays of the step
+    and the Unix seconds at which its snapshot was last known current; its age is
+    ``as_of - confirmed_at``), the ``stale`` ranks and whether it is ``complete`` (no rank
+    missing, none stale)."""
     pack = _packer.pack
     return b"".join((
         _packer.pack_map_header(_BODY_KEYS + 4),
@@ -307,7 +313,7 @@ def packed_answer(body: AnswerBody, *, fresh: bool, as_of: float, confirmed_at: 
         pack("fresh"), pack(fresh),
         pack("as_of"), pack(as_of),
         pack("stale"), pack(stale),
-        body.head, confirmed_at, body.tail,
+        body.head, _STEP_KEY, step, _CONFIRMED_KEY, confirmed_at, body.tail,
     ))
 
 
@@ -513,5 +519,5 @@ class StatsRound:
                 packed = group_part(g, by_group[g], members, missing)
             groups.append(packed)
         body = answer_body(ordered, groups, missing)
-        return packed_answer(body, fresh=True, as_of=as_of, confirmed_at=_packer.pack([as_of] * len(ordered)),
-                             stale=[])
+        return packed_answer(body, fresh=True, as_of=as_of, step=_packer.pack([s.step for s in ordered]),
+                             confirmed_at=_packer.pack([as_of] * len(ordered)), stale=[])

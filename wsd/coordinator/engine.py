@@ -272,7 +272,7 @@ class Engine:
         self._check_group(info.tp_group, now)
         out: list[Out] = []
         version = body.get("stats_version")
-        if version is not None and not self.snapshots.latest.confirm(info.rank, version, now):
+        if version is not None and not self.snapshots.latest.confirm(info.rank, version, now, info.step):
             # Not the snapshot we hold (we lost it): the agent pushes its whole one.
             out.append((AGENT, (peer,), p.encode(Op.STATS_ACK, {"version": version, "ok": False})))
         if info.held_seq >= issued:

@@ -45,13 +45,14 @@ NO_SNAPSHOT = "live, no snapshot pushed yet"
 class Latest:
     """One rank's latest snapshot: the wire form, its checked reading, its version, when confirmed."""
 
-    __slots__ = ("confirmed", "snapshot", "version", "wire")
+    __slots__ = ("confirmed", "snapshot", "step", "version", "wire")
 
     def __init__(self, version: int, wire: dict[str, Any], snapshot: Snapshot, confirmed: float) -> None:
         self.version = version
         self.wire = wire
         self.snapshot = snapshot
         self.confirmed = confirmed
+        self.step = snapshot.step  # the step at which it was last known current
 
 
 class _Kept:
@@ -59,7 +60,8 @@ class _Kept:
     the scope), and its ``confirmed_at`` column (encoded), built at a count of confirmations
     and a clock offset."""
 
-    __slots__ = ("body", "column", "confirmations", "generation", "members", "offset", "oldest", "version")
+    __slots__ = ("body", "column", "confirmations", "generation", "members", "offset", "oldest", "steps",
+                 "version")
 
     def __init__(self, generation: int, version: Hashable, body: AnswerBody, members: tuple[Latest, ...]) -> None:
         self.generation = generation
@@ -69,6 +71,7 @@ class _Kept:
         self.confirmations = -1  # none read yet
         self.offset = math.nan
         self.column = b""
+        self.steps = b""  # each member's step at its confirmation, encoded with the column
         self.oldest = math.inf  # the oldest confirmation of a member, monotonic seconds
 
 
@@ -129,13 +132,14 @@ class LatestStats:
         self.invalid.pop(rank, None)
         return True
 
-    def confirm(self, rank: int, version: int, now: float) -> bool:
-        """A heartbeat said the rank's snapshot is still the one of ``version``; False if
-        that is not the one held (the agent must push it whole)."""
+    def confirm(self, rank: int, version: int, now: float, step: int) -> bool:
+        """A heartbeat at ``step`` said the rank's snapshot is still the one of ``version``;
+        False if that is not the one held (the agent must push it whole)."""
         held = self.ranks.get(rank)
         if held is None or held.version != version:
             return False
         held.confirmed = now  # read when each answer is sent: no body to build again
+        held.step = step
         self._confirmations += 1
         return True
 
@@ -186,10 +190,12 @@ class LatestStats:
             kept.confirmations, kept.offset = self._confirmations, offset
             confirmed = [held.confirmed for held in kept.members]
             kept.column = _packer.pack([round(at + offset, 3) for at in confirmed])
+            kept.steps = _packer.pack([held.step for held in kept.members])
             kept.oldest = min(confirmed, default=now)
         stale = [] if now - kept.oldest <= stale_after else [
             held.snapshot.rank for held in kept.members if now - held.confirmed > stale_after]
-        return packed_answer(kept.body, fresh=False, as_of=round(wall, 3), confirmed_at=kept.column, stale=stale)
+        return packed_answer(kept.body, fresh=False, as_of=round(wall, 3), step=kept.steps, confirmed_at=kept.column,
+                             stale=stale)
 
     def _body(self, scope: dict[int, list[int]], missing: dict[int, str]) -> tuple[AnswerBody, tuple[Latest, ...]]:
         missing = dict(missing)

@@ -140,9 +140,12 @@ GROUP_COLUMNS = (*SLOT_KEY, *(c.name for n in SLOT_NUMBERS for c in n.group))
 """The columns of a TP group's per-slot summary, as the ``stats`` answer's ``group_slots`` table
 carries them (which ranks have each slot is in the ranks' own ``slots`` table)."""
 
-RANK_TABLE = ("rank", "tp_group", "step", "device", "num_ubatches", "num_lanes", "locked", "total_bytes",
-              "capacity_bytes", "lock_violations", "confirmed_at")
-"""The columns of the answer's ``ranks`` table, one row per rank reporting."""
+RANK_TABLE = ("rank", "tp_group", "device", "num_ubatches", "num_lanes", "locked", "total_bytes",
+              "capacity_bytes", "lock_violations", "step", "confirmed_at")
+"""The columns of the answer's ``ranks`` table, one row per rank reporting. The last two
+change without a push: ``step`` and ``confirmed_at`` are the step and the time at which the
+rank last said its snapshot is current (a push, or a heartbeat finding it unchanged), the
+step ``ranks`` shows too."""
 GROUP_TABLE = ("tp_group", "ranks", "reporting", "missing", "total_bytes", "rank_bytes_min", "rank_bytes_max",
                "skew_bytes", "locked_consistent", "num_ubatches_consistent")
 """The columns of the answer's ``groups`` table, one row per TP group in scope."""

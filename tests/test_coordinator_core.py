@@ -24,11 +24,9 @@ from wsd.coordinator.core import AGENT, CLIENT, CoordinatorCore
 from wsd.coordinator.registry import RankState
 from wsd.errors import StateFileError
 from wsd.manager.stats import (
-    PERSISTENT_COLUMNS,
     SLOT_KEY,
     SLOT_NUMBERS,
     SPARSE,
-    VIOLATION_COLUMNS,
     LockViolation,
     ManagerStats,
     PersistentStats,
@@ -786,8 +784,9 @@ _NEVER = {
     float: [None, "1.0", True, [], {}],
 }
 _SLOT_KINDS = {**{f"slots.{c}": int for c in SLOT_KEY}, **{f"slots.{n.name}": n.kind for n in SLOT_NUMBERS},
-               **{f"slots.last_violation.{c}": k for c, k in zip(VIOLATION_COLUMNS, (int, str, int, int, float))},
-               **{f"slots.persistent.{c}": k for c, k in zip(PERSISTENT_COLUMNS, (int, str, str, int))},
+               **{f"slots.last_violation.{c}": k
+                  for c, k in zip(SPARSE["last_violation"].columns, (int, str, int, int, float))},
+               **{f"slots.persistent.{c}": k for c, k in zip(SPARSE["persistent"].columns, (int, str, str, int))},
                **{f"slots.retained.{c}": k for c, k in zip(SPARSE["retained"].columns, (int, str, int))}}
 
 

@@ -64,7 +64,8 @@ def issuer() -> dict[str, str]:
     except (KeyError, OSError):  # no passwd entry (a container's numeric user)
         user = f"uid {os.getuid()}"
     said = {"user": user, "host": socket.gethostname()}
-    return {k: v[:64] for k, v in said.items() if v and v[:64].isprintable()}
+    cut = p.MAX_ISSUER_TEXT
+    return {k: v[:cut] for k, v in said.items() if v and v[:cut].isprintable()}
 
 
 def _probe(endpoint: str, seconds: float) -> str | None:

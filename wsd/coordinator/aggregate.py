@@ -135,7 +135,7 @@ class Snapshot:
         self.total_bytes = stats.get("total_bytes", 0)
         self.locked = stats["locked"]
         self.num_ubatches = stats["num_ubatches"]
-        row = {"rank": rank, "tp_group": tp_group, "step": step, "device": stats["device"],
+        row = {"rank": rank, "tp_group": tp_group, "device": stats["device"],
                "num_ubatches": self.num_ubatches, "num_lanes": stats["num_lanes"], "locked": self.locked,
                "total_bytes": self.total_bytes, "capacity_bytes": sum(columns["capacity_bytes"]),
                "lock_violations": sum(columns["lock_violations"])}

@@ -23,12 +23,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from functools import cached_property
 from operator import sub
 from typing import Any, NamedTuple, get_type_hints
 
 __all__ = [
-    "CODED", "GROUP_COLUMNS", "GROUP_TABLE", "PERSISTENT_COLUMNS", "RANK_TABLE", "SLOT_COLUMNS", "SLOT_KEY",
-    "SLOT_NUMBERS", "SPARSE", "SPARSE_TABLES", "VIOLATION_COLUMNS", "Combine", "GroupColumn", "LockViolation",
+    "GROUP_COLUMNS", "GROUP_TABLE", "RANK_TABLE", "SLOT_COLUMNS", "SLOT_KEY",
+    "SLOT_NUMBERS", "SPARSE", "SPARSE_TABLES", "Combine", "GroupColumn", "LockViolation",
     "ManagerStats", "PersistentStats", "RetainedStats", "SlotNumber", "SlotStats", "SparseTable",
     "apply_snapshot_delta", "one_rank_summary", "slot_rows", "snapshot_delta"
 ]
@@ -222,16 +223,17 @@ class SparseTable:
     """Columns the ``stats`` answer sends as indices into its ``strings``: a few names,
     repeated for every slot of every rank."""
 
-    @property
+    # Derived from ``record`` once each (every snapshot written or read walks them).
+    @cached_property
     def fields(self) -> tuple[str, ...]:
         return tuple(f.name for f in fields(self.record))
 
-    @property
+    @cached_property
     def columns(self) -> tuple[str, ...]:
         """The table's columns on the wire: ``slot``, then the record's fields."""
         return ("slot", *self.fields)
 
-    @property
+    @cached_property
     def types(self) -> dict[str, type]:
         """Each column's type: ``int``, ``str`` or ``float``."""
         hints = get_type_hints(self.record)
@@ -252,9 +254,6 @@ SPARSE_TABLES = (
 """A slot's sparse parts, in wire order: the last request it refused, its persistent
 buffers and resources, and the retained span at its buffer's end."""
 SPARSE = {table.name: table for table in SPARSE_TABLES}
-VIOLATION_COLUMNS = SPARSE["last_violation"].columns
-PERSISTENT_COLUMNS = SPARSE["persistent"].columns
-CODED = SPARSE["persistent"].coded
 
 
 @dataclass(frozen=True, slots=True)

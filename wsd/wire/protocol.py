@@ -395,18 +395,18 @@ class Message:
 
 
 ISSUER_KEYS = ("user", "host")
-"""What a client says of itself in a request's envelope (``by``), each at most 64 characters."""
+"""What a client says of itself in a request's envelope (``by``)."""
+MAX_ISSUER_TEXT = 64
+"""The longest of each, in characters."""
 
 
-def _issuer(raw: Any, request_id: int) -> dict[str, str] | None:
-    """The envelope's ``by``, checked: None, or a map of ``ISSUER_KEYS`` to short printable text."""
-    if raw is None:
-        return None
+def _issuer(raw: Any, request_id: int) -> dict[str, str]:
+    """The envelope's ``by``, checked: a map of ``ISSUER_KEYS`` to short printable text."""
     if not isinstance(raw, dict) or not set(raw) <= set(ISSUER_KEYS):
         raise ProtocolError(ErrorCode.BAD_FIELD, f"by: expected a map of {', '.join(ISSUER_KEYS)}", request_id)
     for key, value in raw.items():
-        if not isinstance(value, str) or not 0 < len(value) <= 64 or not value.isprintable():
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"by.{key}: expected 1 to 64 printable characters",
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_ISSUER_TEXT or not value.isprintable():
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"by.{key}: expected 1 to {MAX_ISSUER_TEXT} printable characters",
                                 request_id)
     return dict(raw)
 
@@ -602,7 +602,9 @@ def decode(frame: bytes, allowed: frozenset[Op] | None = None) -> Message:
             raise
     if not isinstance(body, dict):
         raise ProtocolError(ErrorCode.BAD_FIELD, f"body: expected a map, got {type(body).__name__}", request_id)
-    by = _issuer(data.get("by"), request_id)
+    by = data.get("by")  # most messages: none (agents never say)
+    if by is not None:
+        by = _issuer(by, request_id)
     try:
         return Message(op, request_id, validate_body(op, body), by)
     except ProtocolError as e:

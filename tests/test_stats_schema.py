@@ -14,7 +14,7 @@ import msgpack
 import pytest
 
 from wsd.coordinator.aggregate import StatsRound, _group_slots, read_changes, read_snapshot
-from wsd.coordinator.metrics import _HELP, FAMILIES
+from wsd.families import FAMILIES, HELP
 from wsd.manager.stats import (
     GROUP_COLUMNS,
     SLOT_COLUMNS,
@@ -247,7 +247,7 @@ def test_every_slot_number_has_its_metric_family_and_help():
     for number in SLOT_NUMBERS:
         assert FAMILIES[number.metric] == ("counter" if number.counter else "gauge",
                                            ("engine", "rank", "tp_group", "ubatch", "lane"))
-        assert _HELP[number.metric] == number.help
+        assert HELP[number.metric] == number.help
 
 
 def test_wsctl_shows_every_slot_number_and_every_headed_group_column():

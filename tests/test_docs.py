@@ -130,12 +130,24 @@ def test_every_metric_family_is_documented_with_its_type_and_labels():
     missing from docs/metrics.md, and a removed one would stay there."""
     from wsd.coordinator.metrics import FAMILIES
 
-    rows = {name: cells for name, cells in _rows((DOCS / "metrics.md").read_text()).items()
+    rows = {name: cells for name, cells in _rows(_between((DOCS / "metrics.md").read_text(), "## Families",
+                                                          "## Joins with vLLM, DCGM and Kubernetes")).items()
             if name.startswith("wsd_")}
     assert sorted(rows) == sorted(FAMILIES)
     for name, (kind, labels) in FAMILIES.items():
         documented = tuple(label.strip() for label in rows[name][1].split(",") if label.strip())
         assert (rows[name][0], documented) == (kind, labels), name
+
+
+def test_every_family_in_vllms_own_metrics_is_documented_with_its_labels():
+    from wsd.integrations.vllm.metrics import EXPORTED, labels
+
+    text = _between((DOCS / "metrics.md").read_text(), "## In vLLM's own /metrics", "## Scrape configuration, "
+                    "alerts and dashboard")
+    rows = {name: cells for name, cells in _rows(text).items() if name.startswith("wsd_")}
+    assert sorted(rows) == sorted(EXPORTED)
+    for name, cells in rows.items():
+        assert tuple(label.strip() for label in cells[0].split(",")) == labels(name), name
 
 
 # -- wsctl --------------------------------------------------------------------------------------

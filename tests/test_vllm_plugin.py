@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgpack
 import pytest
 import torch
 from conftest import wait_until
@@ -20,7 +21,7 @@ from conftest import wait_until
 from wsd import WorkspaceManager
 from wsd.agent.thread import Agent
 from wsd.errors import ConfigError
-from wsd.integrations.vllm import plugin
+from wsd.integrations.vllm import layout, metrics, plugin
 from wsd.integrations.vllm.wake import (
     WSD_STEP,
     WakeListener,
@@ -52,6 +53,17 @@ def test_an_endpoint_in_the_environment_or_the_file_turns_it_on(tmp_path):
     config = tmp_path / "wsd.toml"
     config.write_text('[coordinator]\nagent_endpoint = "tcp://127.0.0.1:7600"\n')
     assert plugin.enabled({"WSD_CONFIG": str(config)})
+
+
+def test_standalone_needs_no_coordinator_and_off_wins_over_one(tmp_path):
+    coordinator = {"WSD_COORDINATOR_CONNECT_ENDPOINT": "tcp://127.0.0.1:7600"}
+    assert plugin.mode({"WSD_VLLM": "standalone"}) is plugin.Mode.STANDALONE
+    assert plugin.mode({"WSD_VLLM": " Standalone ", **coordinator}) is plugin.Mode.STANDALONE
+    assert plugin.mode(coordinator) is plugin.Mode.COORDINATOR
+    assert plugin.mode({"WSD_VLLM": "off", **coordinator}) is None
+    assert plugin.mode({"WSD_VLLM": ""}) is None
+    with pytest.raises(ConfigError, match=r"WSD_VLLM='on': expected standalone .* or off"):
+        plugin.mode({"WSD_VLLM": "on"})
 
 
 def test_a_bad_config_file_fails_naming_it(tmp_path):
@@ -347,7 +359,7 @@ def test_a_broken_configuration_turns_wsd_off_in_one_line_and_vllm_runs_on(
     config = tmp_path / "wsd.toml"
     config.write_text("[coordinator\n")
     _unloaded_plugin(monkeypatch, {name: value.format(path=config) for name, value in env.items()})
-    monkeypatch.setattr(plugin, "_install", lambda config: None)  # never patch this process's vLLM
+    monkeypatch.setattr(plugin, "_install", lambda config, endpoint: None)  # never patch this process's vLLM
     caplog.set_level("INFO", logger=plugin.__name__)
     plugin.register()
     (line,) = _errors(caplog)
@@ -358,48 +370,88 @@ def test_a_broken_configuration_turns_wsd_off_in_one_line_and_vllm_runs_on(
         plugin.register()
 
 
-def test_an_attach_that_fails_turns_wsd_off_in_that_worker_only(tmp_path, monkeypatch, caplog):
-    """A worker whose attach fails (here: an agent token file that is not there) runs on
-    without wsd, with one ERROR line; strict, the worker's start fails."""
+class _Group:
+    rank, world_size, rank_in_group, cpu_group = 0, 1, 0, None
+
+
+class _Worker:
+    """The parts of a vLLM worker that attaching reads."""
+
+    device = torch.device("cpu")
+    local_rank = 0
+
+    class vllm_config:
+        class model_config:
+            served_model_name = "tiny"
+
+        class parallel_config:
+            tensor_parallel_size = 1
+            data_parallel_rank = 0
+            data_parallel_size = 1
+            enable_dbo = False
+
+
+@pytest.fixture
+def one_rank_vllm(tmp_path, monkeypatch):
+    """vLLM's groups of a one-rank world, wsd's manager class in vLLM's place, and the
+    figures' directory in ``tmp_path``; the manager and any attachment gone afterwards."""
     pytest.importorskip("vllm")
-    from vllm.distributed import parallel_state
-
-    from wsd.config import load_config
-
-    class Group:
-        rank, world_size, rank_in_group, cpu_group = 0, 1, 0, None
-
-    class Worker:
-        device = torch.device("cpu")
-        local_rank = 0
-
-        class vllm_config:
-            class parallel_config:
-                tensor_parallel_size = 1
-                data_parallel_rank = 0
-                data_parallel_size = 1
-                enable_dbo = False
-
     import vllm.v1.worker.workspace as vllm_workspace
+    from vllm.distributed import parallel_state
 
     from wsd.integrations.vllm import workspace
 
-    monkeypatch.setattr(parallel_state, "get_world_group", lambda: Group)
-    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: Group)
+    monkeypatch.setattr(parallel_state, "get_world_group", lambda: _Group)
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: _Group)
     monkeypatch.setattr(vllm_workspace, "WorkspaceManager", workspace.WorkspaceManager)
+    monkeypatch.setenv(metrics.DIRECTORY, str(tmp_path))
+    try:
+        yield vllm_workspace
+    finally:
+        plugin._detach()
+        vllm_workspace.reset_workspace_manager()
+
+
+def test_an_attach_that_fails_turns_wsd_off_in_that_worker_only(tmp_path, monkeypatch, caplog, one_rank_vllm):
+    """A worker whose attach fails (here: an agent token file that is not there) runs on
+    without wsd, with one ERROR line; strict, the worker's start fails."""
+    from wsd.config import load_config
+
     config = load_config(None, env={"WSD_COORDINATOR_CONNECT_ENDPOINT": "tcp://127.0.0.1:9",
                                     "WSD_SECURITY_AGENT_TOKEN_FILE": str(tmp_path / "no-such-token")})
     caplog.set_level("INFO", logger=plugin.__name__)
-    try:
-        plugin._attach(Worker(), config)
-        (line,) = _errors(caplog)
-        assert "attaching this vLLM worker failed" in line and "no-such-token" in line
-        assert plugin._attachment is None
-        monkeypatch.setenv("WSD_VLLM_STRICT", "1")
-        with pytest.raises(Exception, match="no-such-token"):
-            plugin._attach(Worker(), config)
-    finally:
-        vllm_workspace.reset_workspace_manager()
+    plugin._attach(_Worker(), config, "tcp://127.0.0.1:9")
+    (line,) = _errors(caplog)
+    assert "attaching this vLLM worker failed" in line and "no-such-token" in line
+    assert plugin._attachment is None and os.listdir(tmp_path) == []  # its figures went with it
+    monkeypatch.setenv("WSD_VLLM_STRICT", "1")
+    with pytest.raises(Exception, match="no-such-token"):
+        plugin._attach(_Worker(), config, "tcp://127.0.0.1:9")
+
+
+def test_a_standalone_worker_has_wsds_manager_its_log_lines_and_its_figures_no_agent(
+        tmp_path, monkeypatch, caplog, one_rank_vllm):
+    from wsd.config import load_config
+    from wsd.integrations.vllm import workspace
+
+    config = load_config(None, env={"WSD_WORKSPACE_ON_LOCKED_GROWTH": "fallback"})
+    monkeypatch.setattr(one_rank_vllm, "WorkspaceManager", workspace.configured(config.workspace))
+    caplog.set_level("INFO", logger=plugin.__name__)
+    plugin._attach(_Worker(), config, "")
+    attachment = plugin._attachment
+    assert attachment is not None and attachment.agent is None and attachment.wake is None
+    (said,) = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert "rank 0 of 1 (TP group 0 of size 1) of engine" in said and "attached standalone (no coordinator)" in said
+    assert os.listdir(tmp_path) == [f"{os.getpid()}.msgpack"]
+    record = msgpack.unpackb((tmp_path / f"{os.getpid()}.msgpack").read_bytes())
+    assert (record["model_name"], record["engine"], record["rank"], record["coordinator"]) == ("tiny", "0", 0, "")
+    manager = one_rank_vllm.current_workspace_manager()
+    manager.lock()
+    manager.get_simultaneous(((64,), torch.uint8))  # fallback: served, and said
+    (warned,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "rank 0's workspace is locked" in warned and "test_vllm_plugin.py:" in warned
+    plugin._detach()
+    assert plugin._attachment is None and os.listdir(tmp_path) == []
 
 
 # -- where the step comes from ---------------------------------------------------------------------
@@ -482,7 +534,7 @@ def test_placement_takes_vllms_world_and_contiguous_tp_groups(tp, world):
     class Parallel:
         tensor_parallel_size = tp
 
-    places = [plugin.placement(Parallel, rank, world) for rank in range(world)]
+    places = [layout.placement(Parallel, rank, world) for rank in range(world)]
     assert [p.rank for p in places] == list(range(world))
     assert {p.world_size for p in places} == {world}
     assert [p.tp_group for p in places] == [r // tp for r in range(world)]
@@ -493,7 +545,7 @@ def test_placement_refuses_a_world_of_partial_tp_groups():
         tensor_parallel_size = 4
 
     with pytest.raises(ValueError, match="whole TP groups of 4"):
-        plugin.placement(Parallel, 1, 6)
+        layout.placement(Parallel, 1, 6)
 
 
 def _vllm_config(model: str, served: object = None, dp_size: int = 1, dp_index: int | None = 0) -> SimpleNamespace:
@@ -511,7 +563,7 @@ def _vllm_config(model: str, served: object = None, dp_size: int = 1, dp_index: 
 def test_a_vllm_engine_is_named_after_its_host_model_gpus_and_dense_dp_replica(config, env, name):
     """Stable across a restart of the same replica, and apart for replicas that differ in
     model, GPUs or dense DP index; always a valid engine name."""
-    assert plugin.default_engine(config, "node-a", env) == name
+    assert layout.default_engine(config, "node-a", env) == name
     assert engine_name_problem(name) is None
 
 
@@ -632,8 +684,9 @@ from wsd.integrations.vllm import plugin
 plugin.register()
 import vllm.entrypoints.openai.api_server  # what vLLM's API server process loads
 import vllm.v1.worker.workspace as vllm_workspace
+import vllm.entrypoints.serve.instrumentator.metrics as served  # as its app is built
 print("api server:", sorted(m for m in ("vllm.v1.worker.gpu_worker", "vllm.v1.engine.core") if m in sys.modules),
-      vllm_workspace.WorkspaceManager.__module__)
+      vllm_workspace.WorkspaceManager.__module__, getattr(served.get_prometheus_registry, "__wsd_wrapped__", False))
 import vllm.v1.worker.cpu_worker as cpu_worker  # a worker process: the worker's part applies as it loads
 worker = sys.modules["vllm.v1.worker.gpu_worker"].Worker
 print("worker:", vllm_workspace.WorkspaceManager.__module__,
@@ -662,10 +715,32 @@ def test_an_api_server_loads_no_worker_and_each_part_applies_as_its_module_loads
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.split(":")[0] in
              ("api server", "worker", "engine core", "source")]
-    assert lines == ["api server: [] vllm.v1.worker.workspace",
+    assert lines == ["api server: [] vllm.v1.worker.workspace True",
                      "worker: wsd.integrations.vllm.workspace True True False",
                      "engine core: True",
                      "source: True"], done.stdout + done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("env, why", [
+    ({}, "neither WSD_VLLM=standalone nor a coordinator"),
+    ({"WSD_VLLM": "off", "WSD_COORDINATOR_CONNECT_ENDPOINT": "tcp://127.0.0.1:9"}, "WSD_VLLM=off"),
+])
+def test_off_each_worker_says_so_and_why_and_nothing_is_patched(tmp_path, env, why):
+    pytest.importorskip("vllm")
+    import subprocess
+
+    script = ("from wsd.integrations.vllm import plugin\nplugin.register()\n"
+              "import vllm.logger\nvllm.logger._configure_vllm_root_logger()\n"  # as a worker process has it
+              "import vllm.v1.worker.gpu_worker, vllm.v1.worker.workspace as w\n"
+              "print('manager:', w.WorkspaceManager.__module__)\n")
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("WSD_")}
+    environment.update(env, PYTHONWARNINGS="ignore", VLLM_LOGGING_LEVEL="INFO")
+    done = subprocess.run([sys.executable, "-c", script], env=environment, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=240)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "manager: vllm.v1.worker.workspace" in output
+    assert output.count("wsd is off in this worker") == 1 and why in output, output[-3000:]
 
 
 def test_a_hook_runs_once_its_module_has_run_or_at_once_if_it_has(tmp_path, monkeypatch):

@@ -58,7 +58,7 @@ def test_wsds_stand_in_offers_everything_the_releases_workspace_module_does(rele
     assert compat.gaps(theirs, _wsd_api()) == []
 
 
-# What vLLM computes and wsd's ranks take as they are (wsd.integrations.vllm.plugin.placement):
+# What vLLM computes and wsd's ranks take as they are (wsd.integrations.vllm.layout.placement):
 # the world group's rank offset by the DP rank and its world widened across DP where DP ranks
 # share a world, and a dense DP replica reset to a world of its own.
 RANK_LINES = {

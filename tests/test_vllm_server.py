@@ -9,6 +9,7 @@ both ranks, and SIGTERM leaves both ranks ``stopped``.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import sys
@@ -134,3 +135,62 @@ def test_the_local_recipe_serves_vllm_with_the_plugin_and_stops_everything(tmp_p
     assert proc.wait(90) == 0, proc.output()[-3000:]
     wait_gone(pids, 15, "processes started by run.sh")
     assert proc.count("wsd-local: stopped by SIGTERM") == 1 and _leftovers(tmp_path) == []
+
+
+def scrape(url: str, timeout: float = 30.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read().decode()
+
+
+def samples(text: str, family: str) -> list[dict[str, str]]:
+    """The label sets of ``family``'s samples in a scrape (the text exposition format)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [dict(s.labels) for f in text_string_to_metric_families(text) for s in f.samples if s.name == family]
+
+
+def test_standalone_wsd_needs_no_coordinator_and_shows_in_vllms_own_metrics(tmp_path, spawn):  # noqa: F811
+    """WSD_VLLM=standalone, no coordinator anywhere: both TP workers of the API server get
+    wsd's manager, each says so in vLLM's log, and the API server's own /metrics carries
+    every worker's wsd_* figures under vLLM's model_name and engine labels, the same values
+    as vLLM's own vllm:* series (a join works). SIGTERM leaves no figures behind."""
+    model = write_model(str(tmp_path / "model"))
+    port = free_port()
+    env = {k: v for k, v in vllm_env().items() if not k.startswith("WSD_")}
+    env.update(WSD_VLLM="standalone", TMPDIR=str(tmp_path), VLLM_LOGGING_LEVEL="INFO")
+    server = spawn(python(
+        "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
+        "--model", model, "--served-model-name", "tiny", "--load-format", "dummy", "--skip-tokenizer-init",
+        "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "128", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "128", "--kv-cache-memory-bytes", str(64 << 20),
+        "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp", "--shutdown-timeout", "10"),
+        name="api_server", env=env)
+    base = f"http://127.0.0.1:{port}"
+    wait_until(lambda: server.popen.poll() is not None or http(f"{base}/health", timeout=5)[0] == 200, 240,
+               "the server to answer /health", interval=0.5)
+    assert server.popen.poll() is None, server.output()[-3000:]
+    status, answer = http(f"{base}/v1/completions", {"model": "tiny", "prompt": [1, 5, 9, 13], "max_tokens": 8,
+                                                     "ignore_eos": True})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 8, answer
+    assert server.count(re.escape("attached standalone (no coordinator), its figures in vLLM's /metrics")) == 2
+
+    def both_ranks() -> str | None:
+        text = scrape(f"{base}/metrics")
+        steps = {s["rank"] for s in samples(text, "wsd_rank_last_step")}
+        return text if steps == {"0", "1"} else None
+
+    text = wait_until(both_ranks, 30, "both workers' figures in /metrics", interval=0.5)
+    slots = samples(text, "wsd_slot_capacity_bytes")
+    assert sorted((s["rank"], s["ubatch"], s["lane"]) for s in slots) == [("0", "0", "0"), ("1", "0", "0")]
+    assert {(s["model_name"], s["engine"], s["tp_group"]) for s in slots} == {("tiny", "0", "0")}
+    (info,) = {(s["model_name"], s["engine"], s["coordinator"]) for s in samples(text, "wsd_rank_info")}
+    assert info == ("tiny", "0", "")
+    vllm_series = samples(text, "vllm:kv_cache_usage_perc")
+    assert {(s["model_name"], s["engine"]) for s in vllm_series} == {("tiny", "0")}  # the join's keys
+    for family in ("wsd_slot_requests_total", "wsd_rank_locked", "wsd_rank_workspace_bytes",
+                   "wsd_rank_lock_violations_total", "wsd_rank_stats_age_seconds"):
+        assert {s["rank"] for s in samples(text, family)} == {"0", "1"}, family
+
+    server.send(signal.SIGTERM)
+    server.wait(90)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("wsd-vllm-metrics-")] == []

@@ -78,7 +78,9 @@ NOT_CONFIGURATION: dict[str, str] = {
     "WSD_SOAK_RECORD": "the folder bench/soak.py's workers record into",
     "WSD_VLLM_SOURCE": "a vLLM checkout, for tests/vllm_peer",
     "WSD_HOSTILE_SEED": "the seed that replays the inputs of the hostile tests",
+    "WSD_VLLM": "standalone: the vLLM plugin runs with no coordinator; off: it stays off, whatever is configured",
     "WSD_VLLM_STRICT": "1: a wsd error in the vLLM plugin stops vLLM, instead of turning wsd off",
+    "WSD_VLLM_METRICS_DIR": "where vLLM's workers leave their figures for its /metrics (set by the plugin)",
     "WSD_VLLM_RELEASES": "where .ci/vllm-releases keeps the verified vLLM releases' sources, for the tests",
 }
 """The ``WSD_*`` environment variables that are not ``WSD_<SECTION>_<KEY>``

@@ -90,7 +90,7 @@ class _ManagerTarget:
         commands.call(self.manager, action, args)  # the manager method of the command's row
 
 
-def _gpu_uuid(device: torch.device) -> dict[str, str]:
+def gpu_uuid(device: torch.device) -> dict[str, str]:
     """``{"UUID": "GPU-..."}`` for a CUDA device, as DCGM's exporter and ``nvidia-smi -L`` name
     it (what joins wsd's series with DCGM's); nothing elsewhere, or where torch cannot say."""
     if device.type != "cuda":
@@ -147,7 +147,7 @@ class Agent:
         # The protocol state, shared with the I/O thread (see AgentLink on who writes what).
         # Where the rank runs, as DCGM, vLLM and Kubernetes name it (wsd.placement), under
         # what the caller registers with.
-        where = {**placement.from_env(os.environ), **_gpu_uuid(manager.device), **(extra or {})}
+        where = {**placement.from_env(os.environ), **gpu_uuid(manager.device), **(extra or {})}
         self._link = AgentLink(
             _ManagerTarget(manager, self.warm), rank=rank, world_size=world_size, tp_size=tp_size, idle=idle,
             heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout, extra=where,

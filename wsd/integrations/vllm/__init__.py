@@ -2,9 +2,11 @@
 
 - ``wsd.integrations.vllm.workspace`` stands in for ``vllm.v1.worker.workspace``
   name for name, backed by wsd's manager.
-- ``register`` is the ``vllm.general_plugins`` entry point: configured by
-  ``WSD_COORDINATOR_CONNECT_ENDPOINT`` or ``WSD_CONFIG``, it puts wsd's manager
-  and an agent in every vLLM worker (``plugin``); unconfigured, it does nothing.
+- ``register`` is the ``vllm.general_plugins`` entry point: turned on by
+  ``WSD_VLLM=standalone`` or a coordinator (``WSD_COORDINATOR_CONNECT_ENDPOINT``,
+  ``WSD_CONFIG``), it puts wsd's manager in every vLLM worker, with an agent
+  where a coordinator is set (``plugin``), and the workers' figures in vLLM's
+  ``/metrics`` (``metrics``); off, it does nothing.
 - ``patches`` lists every point where wsd reaches into vLLM, with the versions
   they were checked against.
 

@@ -151,7 +151,8 @@ def source_params(root: Path, module: str, path: str) -> Params | None:
     """The parameters of ``module``'s ``path`` (``name`` or ``Class.method``) in the release whose
     ``vllm/`` folder is under ``root``; a class's bases in the same module are followed. None for
     a module-level name that is assigned rather than defined (a context variable); LookupError
-    naming what is not there."""
+    naming what is not there. A name the module imports (``from x import name``) is followed
+    to where it is defined."""
     file = root.joinpath(*module.split(".")).with_suffix(".py")
     if not file.is_file():
         raise LookupError(f"no module {module} ({file} is not there)")
@@ -172,6 +173,9 @@ def source_params(root: Path, module: str, path: str) -> Params | None:
             for n in tree.body)
         if assigned:
             return None
+        imported = _imported_from(tree, first)
+        if imported is not None:
+            return source_params(root, imported[0], imported[1])
         raise LookupError(f"no {module}.{first}")
     seen: set[str] = set()
     name: str | None = first
@@ -185,6 +189,16 @@ def source_params(root: Path, module: str, path: str) -> Params | None:
     if first not in classes:
         raise LookupError(f"no class {module}.{first}")
     raise LookupError(f"no {module}.{path} (not in the class nor in its bases in that module)")
+
+
+def _imported_from(tree: ast.Module, name: str) -> tuple[str, str] | None:
+    """(module, its name) where a top-level absolute ``from module import ...`` binds ``name``."""
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                if (alias.asname or alias.name) == name:
+                    return node.module, alias.name
+    return None
 
 
 # -- the comparison -------------------------------------------------------------------------------

@@ -7,11 +7,12 @@ with the shape wsd relies on, and raises ``VllmIntegrationError`` naming the
 vLLM version and the point that differs, instead of failing later inside an
 engine step.
 
-The points fall in two parts, each checked and applied in the processes that
+The points fall in three parts, each checked and applied in the processes that
 import the module it patches, when they import it (``install_when_imported``):
 the worker's (``WORKER``: the workspace module and the GPU worker, the CPU
-worker's own overrides with it) and the engine core's (``ENGINE_CORE``). An API
-server imports neither, and is left alone.
+worker's own overrides with it), the engine core's (``ENGINE_CORE``) and the
+API server's ``/metrics`` (``API_SERVER``). An API server imports neither of the
+first two, and is left alone but for its ``/metrics``.
 
 The points:
 
@@ -48,6 +49,10 @@ The points:
 - ``vllm.distributed.parallel_state.get_world_group`` and ``get_tp_group``
   (read): the worker's rank and world as vLLM placed it, and the TP group's
   gloo ``cpu_group``, on which the agreement runs (no new process group).
+- ``vllm.entrypoints.serve.instrumentator.metrics.get_prometheus_registry``
+  (wrapped, as that module's ``attach_router`` calls it): the registry vLLM
+  serves at ``/metrics`` gets the workers' wsd figures
+  (``wsd.integrations.vllm.metrics``).
 """
 
 from __future__ import annotations
@@ -64,8 +69,8 @@ from typing import Any, Protocol
 from wsd.errors import VllmIntegrationError
 from wsd.integrations.vllm import compat
 
-__all__ = ["CHECKED_VERSIONS", "ENGINE_CORE", "POINTS", "WORKER", "EngineHooks", "PatchPoint", "VllmIntegrationError",
-           "check", "install_when_imported", "vllm_version", "wrap"]
+__all__ = ["API_SERVER", "CHECKED_VERSIONS", "ENGINE_CORE", "POINTS", "WORKER", "EngineHooks", "PatchPoint",
+           "VllmIntegrationError", "check", "install_when_imported", "vllm_version", "wrap"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +82,8 @@ WORKER = "vllm.v1.worker.gpu_worker"
 """The worker's part: every point but the engine core's, applied when this module is imported."""
 ENGINE_CORE = "vllm.v1.engine.core"
 """The engine core's part: its points, applied when this module is imported."""
+API_SERVER = "vllm.entrypoints.serve.instrumentator.metrics"
+"""The API server's part: the registry vLLM serves at ``/metrics``, applied when this module is imported."""
 CPU_WORKER = "vllm.v1.worker.cpu_worker"
 """The CPU worker's own overrides of the worker's wrapped methods, where vLLM has it."""
 
@@ -95,8 +102,8 @@ class PatchPoint:
 
     @property
     def part(self) -> str:
-        """``ENGINE_CORE`` or ``WORKER``: the part it is checked and applied with."""
-        return ENGINE_CORE if self.module == ENGINE_CORE else WORKER
+        """``ENGINE_CORE``, ``API_SERVER`` or ``WORKER``: the part it is checked and applied with."""
+        return self.module if self.module in (ENGINE_CORE, API_SERVER) else WORKER
 
     def __str__(self) -> str:
         if self.kind == "contextvar":
@@ -125,6 +132,8 @@ POINTS = (
     PatchPoint("vllm.v1.engine.core", "EngineCore.collective_rpc"),
     PatchPoint("vllm.distributed.parallel_state", "get_tp_group"),
     PatchPoint("vllm.distributed.parallel_state", "get_world_group"),
+    PatchPoint(API_SERVER, "get_prometheus_registry"),
+    PatchPoint(API_SERVER, "attach_router", ("app",)),
 )
 """Every point of the module docstring, checked by ``check()`` in a live vLLM and, for the
 releases that cannot run here, in their sources (``tests/test_vllm_releases.py``)."""
@@ -168,7 +177,8 @@ _said_unverified = False
 
 
 def check(part: str | None = None) -> None:
-    """Verify every patch point of ``part`` (``WORKER`` or ``ENGINE_CORE``; None: both), and
+    """Verify every patch point of ``part`` (``WORKER``, ``ENGINE_CORE`` or ``API_SERVER``; None:
+    all), and
     for the worker's that wsd's stand-in offers all vLLM's workspace module does, before
     anything is patched; VllmIntegrationError naming the version and what differs.
 
@@ -236,14 +246,16 @@ class EngineHooks(Protocol):
 
 
 def install_when_imported(*, manager_class: type, attach: Callable[[Any], None], detach: Callable[[], None],
-                          engine: EngineHooks, failed: Callable[[BaseException, str], None]) -> None:
+                          engine: EngineHooks, served: Callable[[Any], None],
+                          failed: Callable[[BaseException, str], None]) -> None:
     """Check and apply each part of the patch points in the processes that import its module,
     when they import it (now, where it is imported already).
 
     ``manager_class`` takes the place of vLLM's ``WorkspaceManager``.
     ``attach(worker)`` runs after a worker's ``init_device``; ``detach()`` at its
     shutdown and at ``reset_workspace_manager``; ``engine`` hears of steps,
-    warm-up and sleep (``EngineHooks``). A part whose check or patching fails is
+    warm-up and sleep (``EngineHooks``); ``served(registry)`` is given every registry
+    vLLM's API server serves at ``/metrics``. A part whose check or patching fails is
     not applied (a check fails before anything of that part is patched):
     ``failed(error, what)`` is told, and may raise, which fails the import.
     """
@@ -277,9 +289,30 @@ def install_when_imported(*, manager_class: type, attach: Callable[[Any], None],
         except Exception as e:
             failed(e, "patching vLLM's engine core")
 
+    def api_server(module: Any) -> None:
+        try:
+            check(API_SERVER)
+            _install_api_server(module, served)
+        except Exception as e:
+            failed(e, "patching vLLM's /metrics")
+
     when_imported(WORKER, worker)
     when_imported(CPU_WORKER, cpu_worker)  # after the worker's: it imports the worker
     when_imported(ENGINE_CORE, engine_core)
+    when_imported(API_SERVER, api_server)
+
+
+def _install_api_server(module: Any, served: Callable[[Any], None]) -> None:
+    """The API server's part: the registry ``attach_router`` serves at ``/metrics``, shown to
+    ``served`` before vLLM serves it."""
+    def get_prometheus_registry(original: Callable[[], Any]) -> Callable[[], Any]:
+        def registry() -> Any:
+            served_registry = original()
+            served(served_registry)
+            return served_registry
+        return registry
+
+    wrap(module, "get_prometheus_registry", get_prometheus_registry)
 
 
 def _install_worker(worker: Any, *, manager_class: type, attach: Callable[[Any], None], detach: Callable[[], None],

@@ -1,23 +1,32 @@
-"""The vLLM plugin: wsd's manager and an agent in every vLLM worker.
+"""The vLLM plugin: wsd's manager in every vLLM worker, with or without a coordinator.
 
 vLLM calls ``register()`` (entry point group ``vllm.general_plugins``) once in
 every process: the front end, the engine core and each worker, before the
-worker class is chosen. It does nothing unless wsd is configured: a worker
-joins wsd when ``WSD_COORDINATOR_CONNECT_ENDPOINT`` is set, or when the file
-named by ``WSD_CONFIG`` says in ``[coordinator]`` where agents connect.
-Otherwise vLLM runs exactly as without wsd.
+worker class is chosen. It does nothing unless wsd is turned on (``mode``):
 
-Configured, it checks the patch points of each part (``patches``) in the
-processes that import what that part patches, when they import it (the
-workers, the engine core; never the API server), then:
+- ``WSD_VLLM=standalone``: no coordinator needed. Every worker gets wsd's
+  manager with its ``[workspace]`` configuration (its growth policy, ``fallback``
+  included), its lock violations are said in vLLM's log with the caller, and its
+  per-slot figures are in vLLM's own ``/metrics``, under vLLM's ``model_name``
+  and ``engine`` labels (``wsd.integrations.vllm.metrics``). A coordinator
+  configured as well adds steering and nothing else: the workers join it too;
+- a coordinator configured (``WSD_COORDINATOR_CONNECT_ENDPOINT``, or
+  ``[coordinator]`` in the file ``WSD_CONFIG`` names): the same, each worker
+  joining it;
+- ``WSD_VLLM=off``, or neither: vLLM runs exactly as without wsd, and each
+  worker says so in one line.
+
+On, it checks the patch points of each part (``patches``) in the processes
+that import what that part patches, when they import it (the workers, the
+engine core, the API server's ``/metrics``), then:
 
 - every manager vLLM builds is wsd's (``workspace.WorkspaceManager``); the CPU
   worker, which builds none, gets one sized from vLLM's configuration;
-- each worker starts one agent: rank and world are vLLM's own (its world
-  group: DP x PP x PCP x TP across data-parallel engines of one model, each
-  dense data-parallel replica a world of its own, as vLLM runs it), TP size
-  from vLLM's parallel configuration, and the per-step agreement on vLLM's own
-  gloo group of the TP group;
+- with a coordinator, each worker starts one agent: rank and world are vLLM's
+  own (its world group: DP x PP x PCP x TP across data-parallel engines of one
+  model, each dense data-parallel replica a world of its own, as vLLM runs it),
+  TP size from vLLM's parallel configuration, and the per-step agreement on
+  vLLM's own gloo group of the TP group;
 - ``execute_model`` (and ``execute_dummy_batch``, a data-parallel rank's idle
   step) is the step boundary; an idle engine gets a step when a command waits
   (``_Wake``);
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import enum
 import logging
 import os
 import socket
@@ -42,9 +52,11 @@ from contextlib import contextmanager
 from typing import Any
 
 from wsd.config import WsdConfig, load_config
-from wsd.names import engine_name
+from wsd.errors import ConfigError
+from wsd.integrations.vllm.layout import Placement, default_engine, identity, placement, served_model
+from wsd.integrations.vllm.logs import log_with_vllm
 
-__all__ = ["STRICT", "VLLM_APPLY_EVERY", "Placement", "enabled", "placement", "register", "strict"]
+__all__ = ["MODE", "STRICT", "VLLM_APPLY_EVERY", "Mode", "enabled", "mode", "register", "strict"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +83,43 @@ def strict(env: dict[str, str] | None = None) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
-def enabled(env: dict[str, str] | None = None) -> bool:
-    """True when wsd is configured for this process (see the module docstring)."""
-    env = dict(os.environ) if env is None else env
+MODE = "WSD_VLLM"
+"""The environment variable that turns wsd on without a coordinator, or off whatever is configured."""
+
+
+class Mode(enum.Enum):
+    """How wsd runs in this vLLM (``mode``)."""
+
+    STANDALONE = "standalone"
+    """``WSD_VLLM=standalone``: wsd's manager, its violations in vLLM's log, its figures in
+    vLLM's /metrics; a coordinator too where one is configured."""
+    COORDINATOR = "coordinator"
+    """A coordinator is configured: the same, every worker joining it."""
+
+
+def mode(env: Mapping[str, str] | None = None) -> Mode | None:
+    """How wsd runs in this process (see the module docstring); None: off.
+
+    ConfigError for a ``WSD_VLLM`` that is neither ``standalone`` nor ``off``, or a
+    configuration file that cannot be read.
+    """
+    env = os.environ if env is None else env
+    asked = env.get(MODE, "").strip().lower()
+    if asked not in ("", "standalone", "off"):
+        raise ConfigError(f"{MODE}={env[MODE]!r}: expected standalone (wsd with no coordinator) or off")
+    if asked == "off":
+        return None
+    if asked == "standalone":
+        return Mode.STANDALONE
+    return Mode.COORDINATOR if _coordinator_configured(env) else None
+
+
+def enabled(env: Mapping[str, str] | None = None) -> bool:
+    """True when wsd is on in this process (``mode``)."""
+    return mode(env) is not None
+
+
+def _coordinator_configured(env: Mapping[str, str]) -> bool:
     if env.get("WSD_COORDINATOR_CONNECT_ENDPOINT"):
         return True
     path = env.get("WSD_CONFIG")
@@ -96,63 +142,35 @@ def register() -> None:
     if _installed:
         return
     try:
-        _log_with_vllm()
-        if not enabled():
+        log_with_vllm()
+        on = mode()
+        if on is None:
+            _say_off_in_workers()
             return
         config = load_config()
-        from wsd.integrations.vllm import patches
+        from wsd.integrations.vllm import metrics, patches
 
-        _install(config)
+        metrics.share_directory()  # named before this process starts the others
+        endpoint = _endpoint(config) if _coordinator_configured(os.environ) else ""
+        _install(config, endpoint)
     except Exception as e:
         if strict():
             raise
         _off(e, "loading wsd's vLLM plugin")
         return
     _installed = True
-    logger.debug("wsd plugin loaded (vLLM %s): workers join the coordinator at %s",
-                 patches.vllm_version(), _endpoint(config))
+    logger.debug("wsd plugin loaded (vLLM %s, %s): coordinator %s", patches.vllm_version(), on.value,
+                 endpoint or "none")
 
 
-class _ToVllmLog(logging.Handler):
-    """Hands wsd's log records to vLLM's own handlers, as they are when the record comes.
+def _say_off_in_workers() -> None:
+    """One INFO line in each worker that imports vLLM's worker: wsd is off, and why."""
+    from wsd.integrations.vllm.imports import when_imported
+    from wsd.integrations.vllm.patches import WORKER
 
-    vLLM configures its own logger only (``vllm``, which does not propagate), and
-    later than plugins load: wsd's lines would otherwise reach no handler but
-    Python's last resort, WARNING and up, unformatted, and an operator would never
-    see that wsd attached. Before vLLM has a handler (a plugin that fails to load
-    says so then), WARNING and up go to standard error, with their level and time.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.early = logging.StreamHandler()  # sys.stderr
-        self.early.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
-
-    def emit(self, record: logging.LogRecord) -> None:
-        theirs = logging.getLogger("vllm")
-        handlers = theirs.handlers
-        try:
-            if handlers:
-                if record.levelno >= theirs.getEffectiveLevel():
-                    if not hasattr(record, "vllm_process_name"):  # made before vLLM's record factory
-                        record.vllm_process_name = record.processName
-                    for handler in handlers:
-                        if record.levelno >= handler.level:
-                            handler.handle(record)
-            elif record.levelno >= logging.WARNING:
-                self.early.handle(record)
-        except Exception:
-            self.handleError(record)
-
-
-def _log_with_vllm() -> None:
-    """wsd's log lines in vLLM's log, in vLLM's format (unless logging is configured already)."""
-    ours = logging.getLogger("wsd")
-    if ours.handlers or logging.getLogger().handlers:
-        return
-    ours.addHandler(_ToVllmLog())
-    ours.setLevel(logging.INFO)  # vLLM's own level decides, at each record
-    ours.propagate = False
+    why = (f"{MODE}=off" if os.environ.get(MODE, "").strip().lower() == "off" else
+           f"neither {MODE}=standalone nor a coordinator (WSD_COORDINATOR_CONNECT_ENDPOINT, WSD_CONFIG) is set")
+    when_imported(WORKER, lambda _: logger.info("wsd is off in this worker (pid %d): %s", os.getpid(), why))
 
 
 def _off(error: BaseException, doing: str) -> None:
@@ -164,71 +182,6 @@ def _off(error: BaseException, doing: str) -> None:
 
 def _endpoint(config: WsdConfig) -> str:
     return config.coordinator.connect_endpoint or config.coordinator.agent_endpoint
-
-
-# -- where a worker stands in vLLM's layout ---------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """A vLLM worker's place as wsd registers it."""
-
-    rank: int
-    """vLLM's global rank in its torch world (TP innermost, then PCP, PP, DP)."""
-    world_size: int
-    """vLLM's world: PP x PCP x TP, times DP where the DP ranks share one world
-    (MoE data parallelism, the external launcher); a dense DP replica is its own."""
-    tp_size: int
-
-    @property
-    def tp_group(self) -> int:
-        return self.rank // self.tp_size
-
-
-def placement(parallel: Any, world_rank: int, world_size: int) -> Placement:
-    """The placement of the worker at ``world_rank`` of vLLM's world group of ``world_size``.
-
-    vLLM's world group is already the right world in every layout: its
-    ``init_distributed_environment`` offsets the rank by the DP rank and widens
-    the world to ``world_size_across_dp`` where DP ranks share one (MoE DP), and
-    a dense DP replica is reset to DP = 1 with a world of its own. TP groups are
-    contiguous ranks (``initialize_model_parallel``: TP is the innermost axis).
-    """
-    tp_size = parallel.tensor_parallel_size
-    if tp_size < 1 or world_size % tp_size or not 0 <= world_rank < world_size:
-        raise ValueError(f"vLLM's world group (rank {world_rank} of {world_size}) does not hold "
-                         f"whole TP groups of {tp_size}")
-    return Placement(rank=world_rank, world_size=world_size, tp_size=tp_size)
-
-
-def served_model(vllm_config: Any) -> str | None:
-    """The name vLLM serves its model under (the first, where it has several)."""
-    model_config = getattr(vllm_config, "model_config", None)
-    served = getattr(model_config, "served_model_name", None) or getattr(model_config, "model", None)
-    if isinstance(served, (list, tuple)):
-        served = served[0] if served else None
-    return str(served) if served else None
-
-
-def default_engine(vllm_config: Any, host: str, env: Mapping[str, str] = os.environ) -> str:
-    """The engine a vLLM worker joins when ``[agent] engine`` (``WSD_ENGINE``) names none:
-    ``HOST-MODEL``, stable across restarts of the same replica, every other character ``-``.
-
-    Where one host runs several replicas of one model, each on its own GPUs, the first GPU
-    of ``CUDA_VISIBLE_DEVICES`` tells them apart (``-gpu2``); a dense data-parallel replica
-    other than the first adds its index (``-dp1``: vLLM resets each to a world of its own and
-    keeps only ``data_parallel_index``). MoE data parallelism is one engine: its ranks share
-    one world. Anything else on one host (two replicas on the same GPUs) names its engines.
-    """
-    parts = [host, served_model(vllm_config) or "vllm"]
-    visible = env.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-    if visible:
-        parts.append(f"gpu{visible}")
-    parallel = vllm_config.parallel_config
-    index = getattr(parallel, "data_parallel_index", None)
-    if parallel.data_parallel_size == 1 and isinstance(index, int) and index > 0:
-        parts.append(f"dp{index}")
-    return engine_name("-".join(parts))
 
 
 # -- what the patches call ------------------------------------------------------
@@ -246,6 +199,8 @@ class _Engine:
         self.lock = threading.Lock()
         self.warm = False
         self.asleep = False
+        self.steps = 0
+        """Engine steps (``execute_model``, ``execute_dummy_batch``) this process has run."""
 
     @contextmanager
     def busy(self) -> Iterator[None]:
@@ -257,7 +212,7 @@ class _Engine:
         it): commands, a replayed desired state included, may apply from now on."""
         self.warm = True
         attachment = _attachment
-        if attachment is not None:
+        if attachment is not None and attachment.agent is not None:
             attachment.agent.mark_warm()
 
     def sleeping(self, asleep: bool) -> None:
@@ -270,13 +225,16 @@ class _Engine:
         allocate the memory that sleep mode freed. Every rank of a TP group
         sleeps and wakes together, so they skip the same steps.
         """
-        if not agree and not self.warm:
-            self.warmed()  # an engine step comes after any warm-up: never wait for ever
+        if not agree:
+            self.steps += 1
+            if not self.warm:
+                self.warmed()  # an engine step comes after any warm-up: never wait for ever
         attachment = _attachment
-        if attachment is None or self.asleep:
+        agent = None if attachment is None else attachment.agent
+        if agent is None or self.asleep:
             return []
         try:
-            return attachment.agent.step(agree=agree)
+            return agent.step(agree=agree)
         except Exception as e:
             if strict():
                 raise
@@ -299,14 +257,14 @@ class _Engine:
 _engine = _Engine()
 
 
-def _install(config: WsdConfig) -> None:
+def _install(config: WsdConfig, endpoint: str) -> None:
     """The patches, each part checked and applied where vLLM imports what it patches: the
     worker's in worker processes, the engine core's in engine cores; none in an API server."""
-    from wsd.integrations.vllm import patches, workspace
+    from wsd.integrations.vllm import metrics, patches, workspace
 
     patches.install_when_imported(manager_class=workspace.configured(config.workspace),
-                                  attach=lambda worker: _attach(worker, config), detach=_detach,
-                                  engine=_engine, failed=_failed)
+                                  attach=lambda worker: _attach(worker, config, endpoint), detach=_detach,
+                                  engine=_engine, served=metrics.serve_workers, failed=_failed)
 
 
 def _failed(error: BaseException, doing: str) -> None:
@@ -367,41 +325,48 @@ class _Wake:
 
 
 class _Attachment:
-    """A worker's agent and what it needs to stop."""
+    """What a worker attached: its figures for vLLM's /metrics, and its agent where a
+    coordinator steers it; and what they need to stop."""
 
-    def __init__(self, agent: Any, wake: _Wake) -> None:
+    def __init__(self, publisher: Any, agent: Any = None, wake: _Wake | None = None) -> None:
+        self.publisher = publisher
         self.agent = agent
         self.wake = wake
 
     def close(self) -> None:
         try:
-            self.agent.stop()
+            if self.agent is not None:
+                self.agent.stop()
         finally:
-            self.wake.close()
+            try:
+                if self.wake is not None:
+                    self.wake.close()
+            finally:
+                self.publisher.stop()
 
 
-def _attach(worker: Any, config: WsdConfig) -> None:
-    """Join wsd from this worker; an error turns wsd off here (see ``strict``)."""
+def _attach(worker: Any, config: WsdConfig, endpoint: str) -> None:
+    """Attach wsd to this worker, joining the coordinator at ``endpoint`` ("": standalone); an
+    error turns wsd off here (see ``strict``)."""
     try:
-        _join(worker, config)
+        _join(worker, config, endpoint)
     except Exception as e:
         if strict():
             raise
         _off(e, "attaching this vLLM worker")
 
 
-def _join(worker: Any, config: WsdConfig) -> None:
-    """Give this worker a wsd manager (if vLLM built none) and start its agent."""
+def _join(worker: Any, config: WsdConfig, endpoint: str) -> None:
+    """Give this worker a wsd manager (if vLLM built none), say its violations in vLLM's log,
+    write its figures for vLLM's /metrics, and start its agent where a coordinator is set."""
     global _attachment
     import torch
     import vllm.v1.worker.workspace as vllm_workspace
     from vllm.distributed import parallel_state
 
-    from wsd.agent.thread import Agent
-    from wsd.integrations.vllm import workspace
-    from wsd.integrations.vllm.patches import vllm_version
-    from wsd.security import load_agent_token
-    from wsd.wire.curve import agent_keys
+    from wsd.agent.thread import gpu_uuid
+    from wsd.integrations.vllm import metrics, workspace
+    from wsd.manager.violationlog import ViolationLog
 
     with _attach_lock:
         if _attachment is not None:
@@ -418,35 +383,66 @@ def _join(worker: Any, config: WsdConfig) -> None:
             raise TypeError(f"vLLM's workspace manager is a {type(manager).__name__}, not wsd's")
         world = parallel_state.get_world_group()
         place = placement(parallel, world.rank, world.world_size)
-        tp = parallel_state.get_tp_group()
-        token = load_agent_token(config.security)
-        curve = agent_keys(config.security)
-        wake = _Wake(place.rank, place.tp_size)
         engine = config.agent.engine or default_engine(vllm_config, socket.gethostname())
-        try:
-            agent = Agent(
-                manager, endpoint=_endpoint(config), rank=place.rank, world_size=place.world_size,
-                tp_size=place.tp_size, tp_group=tp.cpu_group if place.tp_size > 1 else None,
-                config=dataclasses.replace(config.agent, engine=engine,
-                                           apply_every=config.agent.apply_every or VLLM_APPLY_EVERY),
-                model=served_model(vllm_config),
-                heartbeat_interval=config.coordinator.heartbeat_interval,
-                heartbeat_timeout=config.coordinator.heartbeat_timeout,
-                extra={"engine": "vllm", "vllm_version": vllm_version(),
-                       "local_rank": getattr(worker, "local_rank", None),
-                       "tp_rank": tp.rank_in_group, "dp_rank": parallel.data_parallel_rank,
-                       "dp_index": getattr(parallel, "data_parallel_index", None),
-                       "dp_size": parallel.data_parallel_size,
-                       "executor": str(parallel.distributed_executor_backend)},
-                curve=curve, on_pending=wake, token=token,
-                warm=_engine.warm,  # attached in init_device: warm-up is still to come
-            ).start()
-        except BaseException:
-            wake.close()
-            raise
-        _attachment = _Attachment(agent, wake)
-        logger.info("wsd: rank %d of %d (TP group %d of size %d) of engine %s joined %s with %r", place.rank,
-                    place.world_size, place.tp_group, place.tp_size, engine, _endpoint(config), manager)
+        labels = identity(worker, place, engine=engine, endpoint=endpoint, device=str(manager.device),
+                          gpu_labels=gpu_uuid(manager.device))
+        publisher = metrics.Publisher(manager, labels,
+                                      directory=metrics.share_directory(), step=lambda: _engine.steps)
+        publisher.start()
+        agent = wake = None
+        if endpoint:
+            try:
+                agent, wake = _start_agent(worker, config, manager, place, engine, endpoint)
+            except BaseException:
+                publisher.stop()
+                raise
+        manager.add_violation_listener(ViolationLog(logger, rank=place.rank,
+                                                    policy=config.workspace.on_locked_growth))
+        _attachment = _Attachment(publisher, agent, wake)
+        steered = f"joined {endpoint}" if endpoint else "attached standalone (no coordinator)"
+        logger.info("wsd: rank %d of %d (TP group %d of size %d) of engine %s %s, its figures in vLLM's "
+                    "/metrics, with %r", place.rank, place.world_size, place.tp_group, place.tp_size, engine,
+                    steered, manager)
+
+
+def _start_agent(worker: Any, config: WsdConfig, manager: Any, place: Placement, engine: str,
+                 endpoint: str) -> tuple[Any, _Wake]:
+    """This worker's agent, joining the coordinator at ``endpoint``, and how it wakes its engine."""
+    from vllm.distributed import parallel_state
+
+    from wsd.agent.thread import Agent
+    from wsd.integrations.vllm.patches import vllm_version
+    from wsd.security import load_agent_token
+    from wsd.wire.curve import agent_keys
+
+    vllm_config = worker.vllm_config
+    parallel = vllm_config.parallel_config
+    tp = parallel_state.get_tp_group()
+    token = load_agent_token(config.security)
+    curve = agent_keys(config.security)
+    wake = _Wake(place.rank, place.tp_size)
+    try:
+        agent = Agent(
+            manager, endpoint=endpoint, rank=place.rank, world_size=place.world_size,
+            tp_size=place.tp_size, tp_group=tp.cpu_group if place.tp_size > 1 else None,
+            config=dataclasses.replace(config.agent, engine=engine,
+                                       apply_every=config.agent.apply_every or VLLM_APPLY_EVERY),
+            model=served_model(vllm_config),
+            heartbeat_interval=config.coordinator.heartbeat_interval,
+            heartbeat_timeout=config.coordinator.heartbeat_timeout,
+            extra={"engine": "vllm", "vllm_version": vllm_version(),
+                   "local_rank": getattr(worker, "local_rank", None),
+                   "tp_rank": tp.rank_in_group, "dp_rank": parallel.data_parallel_rank,
+                   "dp_index": getattr(parallel, "data_parallel_index", None),
+                   "dp_size": parallel.data_parallel_size,
+                   "executor": str(parallel.distributed_executor_backend)},
+            curve=curve, on_pending=wake, token=token,
+            warm=_engine.warm,  # attached in init_device: warm-up is still to come
+        ).start()
+    except BaseException:
+        wake.close()
+        raise
+    return agent, wake
 
 
 def _detach() -> None:

@@ -23,7 +23,7 @@ from wsd.config import CoordinatorConfig
 from wsd.coordinator.admission import FRAMES_PER_SECOND
 from wsd.coordinator.core import CLIENT, CoordinatorCore
 from wsd.coordinator.latest import NO_SNAPSHOT, LatestStats
-from wsd.manager.stats import (
+from wsd.slotstats import (
     SLOT_NUMBERS,
     LockViolation,
     ManagerStats,

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from wsd.manager.config import MAX_UBATCHES
+from wsd.slotstats import MAX_UBATCHES
 
 __all__ = ["COMMANDS", "DESIRED_FIELDS", "Argument", "CommandResult", "CommandSpec", "call", "start_actions"]
 

@@ -84,12 +84,12 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, TextIO
 
-from wsd import __version__
 from wsd.commands import COMMANDS as COMMAND_TABLE
 from wsd.commands import CommandSpec
 from wsd.errors import ConfigError
 from wsd.errors import ExitCode as Exit  # one list of exit codes for every wsd command
 from wsd.fmt import printable
+from wsd.version import __version__
 from wsd.wire.protocol import ErrorCode
 from wsd_client import completion, render
 from wsd_client import options as opt

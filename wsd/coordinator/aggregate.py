@@ -6,7 +6,7 @@ JSON, every part of it a table of columns: the ranks, every rank's slots, the
 groups and every group's per-slot summary but a group's of one rank (the ``stats`` answer;
 ``wsd_client.rows.stats_rows`` expands it into rows). Every
 column is read by name and checked against its type, and a group's columns
-are derived, from the schema (``wsd.manager.stats.SLOT_NUMBERS``). No
+are derived, from the schema (``wsd.slotstats.SLOT_NUMBERS``). No
 sockets, no torch.
 
 Each snapshot is checked and read out in one pass as its reply arrives
@@ -25,10 +25,11 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from wsd.manager.config import MAX_LANES, MAX_UBATCHES
-from wsd.manager.stats import (
+from wsd.slotstats import (
     GROUP_COLUMNS,
     GROUP_TABLE,
+    MAX_LANES,
+    MAX_UBATCHES,
     RANK_TABLE,
     SLOT_COLUMNS,
     SLOT_KEY,
@@ -387,7 +388,7 @@ def read_snapshot(rank: int, tp_group: int, step: int, stats: dict[str, Any]) ->
 def read_changes(previous: Snapshot, step: int, stats: dict[str, Any], changed: frozenset[str]) -> Snapshot:
     """``read_snapshot`` of a snapshot that differs from ``previous`` (the same rank's, whose
     checks it passed) only in ``changed``: its own fields, and the slot columns and tables
-    named there (``wsd.manager.stats.apply_snapshot_delta`` made it). Only those are checked
+    named there (``wsd.slotstats.apply_snapshot_delta`` made it). Only those are checked
     and encoded again; ValueError naming the key otherwise."""
     for key, kind in _RANK_FIELDS.items():
         _need(key, stats.get(key, _MISSING), kind)

@@ -14,7 +14,6 @@ never lets another exception out. No pickle anywhere.
 
 from __future__ import annotations
 
-import enum
 import gc
 import math
 import re
@@ -24,7 +23,9 @@ from typing import Any
 import msgpack
 
 from wsd.commands import COMMANDS
-from wsd.errors import ProtocolError  # here too: the wire's error, as p.ProtocolError
+
+# Here too, the wire's error and its codes: p.ProtocolError, p.ErrorCode.
+from wsd.errors import ErrorCode, ProtocolError, StrEnum
 from wsd.names import ENGINE_NAME, MAX_ENGINE_NAME, engine_name_problem
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "Message",
     "Op",
     "ProtocolError",
+    "StrEnum",
     "decode",
     "decode_reply",
     "encode",
@@ -46,13 +48,6 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 1
-
-
-class StrEnum(str, enum.Enum):
-    """``enum.StrEnum`` for Python 3.10 too: members are their string values."""
-
-    def __str__(self) -> str:
-        return str(self.value)
 
 
 class Op(StrEnum):
@@ -86,34 +81,6 @@ class Op(StrEnum):
     STATS_REQUEST = "stats_request"
     STATS_ACK = "stats_ack"
     REJECTED = "rejected"
-
-
-class ErrorCode(StrEnum):
-    BAD_MESSAGE = "bad_message"
-    """Not a msgpack map, or no usable envelope: fix the sender."""
-    BAD_VERSION = "bad_version"
-    """Another protocol version: upgrade the older side."""
-    UNKNOWN_OP = "unknown_op"
-    """No such operation (or not on this socket)."""
-    BAD_FIELD = "bad_field"
-    """A field missing, of the wrong type or out of range: the message names it."""
-    TOO_LARGE = "too_large"
-    """Larger than the socket's message limit."""
-    MISMATCH = "mismatch"
-    """A rank's world does not match the coordinator's: fix the launch."""
-    CONFLICT = "conflict"
-    """Refused by the desired state (e.g. reserve while locked): unlock first."""
-    FORBIDDEN = "forbidden"
-    """This client's key may only read."""
-    TIMEOUT = "timeout"
-    """No reply in time: retry, or check the coordinator."""
-    UNAVAILABLE = "unavailable"
-    """The coordinator cannot be reached: check it runs and the endpoint."""
-    STORAGE = "storage"
-    """The coordinator cannot write its state file (a full disk, permissions): the
-    message names the file. Nothing was numbered or sent; free space and retry."""
-    INTERNAL = "internal"
-    """A bug in wsd: report it with the coordinator's log."""
 
 
 # Every row of the command table is an operation of the same name (ValueError here, at
@@ -299,7 +266,7 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
     Op.STATS_REPLY: (_RANK, _int("request"), _map("stats", 64), _opt(_int("step"), 0)),
     # A changed snapshot, pushed by the agent; also a heartbeat. ``base`` nil: ``stats`` is
     # the whole snapshot; else ``delta`` holds what changed since the acknowledged push
-    # numbered ``base`` (wsd.manager.stats.snapshot_delta).
+    # numbered ``base`` (wsd.slotstats.snapshot_delta).
     Op.STATS_PUSH: (_RANK, _int("version", 1), _opt(_int("base", 1)), _int("step"), _int("applied_seq"),
                     _int("held_seq"), _STATE, _opt(_map("stats", 64)), _opt(_map("delta", 8))),
     Op.EVENT: (_RANK, _str("kind", 64, printable=True), _opt(_map("detail", 32), {})),

@@ -35,7 +35,6 @@ TOO_LONG_FOR_NOW = {
     "wsd/coordinator/aggregate.py",
     "wsd/coordinator/commandlog.py",
     "wsd/manager/core.py",
-    "wsd/wire/protocol.py",
     "clients/wsd_client/wsctl.py",
 }
 

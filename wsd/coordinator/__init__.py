@@ -5,6 +5,7 @@
 - ``registry``: who is registered, live, lost or stopped;
 - ``admission`` and ``ratelimit``: what the agent endpoint lets in, at what cost;
 - ``commandlog``: the numbered, durable command log and desired state;
+- ``statefile``: the bytes of its snapshot and journal, and their durable writes;
 - ``aggregate``: per-rank and per-TP-group statistics from the ranks' snapshots;
 - ``events``: the bounded event log;
 - ``metrics``: the Prometheus families and endpoint;

@@ -32,7 +32,6 @@ TOO_LONG_FOR_NOW = {
     "wsd/coordinator/metrics.py",
     # Each to be split by responsibility in a change of its own.
     "wsd/agent/core.py",
-    "wsd/coordinator/aggregate.py",
     "wsd/manager/core.py",
     "clients/wsd_client/wsctl.py",
 }

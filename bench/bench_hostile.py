@@ -47,7 +47,7 @@ from wsd.agent.core import AgentLink
 from wsd.agent.simulated import SimulatedManager, SimulatedRanks
 from wsd.coordinator.admission import FRAMES_PER_SECOND
 from wsd.launch import CoordinatorProcess
-from wsd.manager.stats import snapshot_delta
+from wsd.slotstats import snapshot_delta
 from wsd.wire import protocol as p
 from wsd.wire.protocol import Op
 from wsd_client.client import Client

@@ -1,4 +1,4 @@
-"""Collectives of msgpack values over gloo (wsd.worker.collectives), used by the agent and the worker.
+"""Collectives of msgpack values over gloo (wsd.agent.collectives), used by the agent and the worker.
 
 Real gloo groups in worker processes (tests/mp.py). ``Tensor.numpy`` is made to
 fail in the workers: a CPU install of torch has no numpy, and the ``*_object``
@@ -14,8 +14,8 @@ import torch
 from mp import Rank, Workers
 
 from wsd import WorkspaceManager, use_ubatch
+from wsd.agent.collectives import all_gather_values
 from wsd.agent.thread import Agent, tp_side_group
-from wsd.worker.collectives import all_gather_values
 from wsd.worker.distributed import broadcast_from_rank0
 
 

@@ -469,11 +469,11 @@ def test_append_writes_the_same_bytes_however_many_commands_are_kept(tmp_path, m
 
 def test_docs_describe_this_format():
     """docs/state-file.md is what an operator repairs by: it must match the code."""
-    from wsd.coordinator import commandlog
+    from wsd.coordinator import statefile
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "state-file.md").read_text()
-    assert f"magic `{commandlog._SNAPSHOT_MAGIC.decode()}`" in doc
-    assert f"| 0-8 | magic `{commandlog._JOURNAL_MAGIC.decode()}` |" in doc
-    assert f"| `format` | {commandlog._FORMAT} |" in doc
-    assert f"a {commandlog._HEAD.size}-byte header" in doc and commandlog._HEAD.size == HEAD
+    assert f"magic `{statefile.SNAPSHOT_MAGIC.decode()}`" in doc
+    assert f"| 0-8 | magic `{statefile.JOURNAL_MAGIC.decode()}` |" in doc
+    assert f"| `format` | {statefile.FORMAT} |" in doc
+    assert f"a {statefile.HEAD.size}-byte header" in doc and statefile.HEAD.size == HEAD
     assert "| 24-32 | records acknowledged (u64) |" in doc  # where counted() reads

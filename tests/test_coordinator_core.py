@@ -23,7 +23,7 @@ from wsd.coordinator.commandlog import CommandLog
 from wsd.coordinator.core import AGENT, CLIENT, CoordinatorCore
 from wsd.coordinator.registry import RankState
 from wsd.errors import StateFileError
-from wsd.manager.stats import (
+from wsd.slotstats import (
     SLOT_KEY,
     SLOT_NUMBERS,
     SPARSE,

@@ -17,7 +17,7 @@ from wsd import (
     use_lane,
     use_ubatch,
 )
-from wsd.manager.stats import RetainedStats
+from wsd.slotstats import RetainedStats
 
 F32 = torch.float32
 

@@ -53,7 +53,7 @@ from wsd.coordinator.metrics import (
 )
 from wsd.coordinator.registry import Registry
 from wsd.errors import ConfigError, WsdError
-from wsd.manager.stats import ManagerStats, SlotStats
+from wsd.slotstats import ManagerStats, SlotStats
 from wsd.wire import protocol as p
 from wsd.wire.protocol import NEVER_REGISTERED, Op
 from wsd_client import wsctl

@@ -58,7 +58,7 @@ from wsd.coordinator.metrics import (
 from wsd.coordinator.metrics_server import HANDSHAKE_TIMEOUT, MAX_CONNECTIONS, WRITE_TIMEOUT, MetricsServer
 from wsd.coordinator.registry import Registry
 from wsd.errors import ConfigError
-from wsd.manager.stats import SLOT_NUMBERS
+from wsd.slotstats import SLOT_NUMBERS
 
 HEARTBEAT = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0}
 

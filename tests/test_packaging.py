@@ -15,7 +15,7 @@ import wsd
 # configuration section, the snapshots, the agent's protocol logic, the
 # simulated ranks, the launchers) must import without it, and so must the clients.
 TORCH_SIDE = {"wsd.manager.core", "wsd.manager.slots", "wsd.manager.demo", "wsd.agent.thread", "wsd.worker.__main__",
-              "wsd.worker.process", "wsd.worker.distributed", "wsd.worker.collectives",
+              "wsd.worker.process", "wsd.worker.distributed", "wsd.agent.collectives",
               "wsd.worker.workload", "wsd.integrations.vllm.plugin", "wsd.integrations.vllm.workspace"}
 
 
@@ -88,8 +88,8 @@ def test_wsctl_starts_with_only_what_its_command_needs():
     """A fresh wsctl once took 3.6 times a bare interpreter for --version (python -m bench
     --only wsctl): ``import wsd`` loaded every configuration section, the client CURVE's
     asyncio-based ZAP thread. Now --version loads nothing of the client, ``import wsd``
-    nothing of wsd's, and a command's parser no configuration loader, ZAP thread nor
-    contexts file reader."""
+    nothing of wsd's but ``wsd.version`` (the release, on the shared floor), and a
+    command's parser no configuration loader, ZAP thread nor contexts file reader."""
     code = (
         "import sys, io, contextlib\n"
         "from wsd_client.cli import main\n"
@@ -102,7 +102,7 @@ def test_wsctl_starts_with_only_what_its_command_needs():
     )
     result = run(sys.executable, "-c", code)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == ["['wsd', 'wsd_client', 'wsd_client.cli']", "[]"]
+    assert result.stdout.splitlines() == ["['wsd', 'wsd.version', 'wsd_client', 'wsd_client.cli']", "[]"]
 
 
 def test_py_typed_is_shipped():

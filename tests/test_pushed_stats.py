@@ -23,7 +23,7 @@ from wsd.config import CoordinatorConfig
 from wsd.coordinator.admission import FRAMES_PER_SECOND
 from wsd.coordinator.core import CLIENT, CoordinatorCore
 from wsd.coordinator.latest import NO_SNAPSHOT, LatestStats
-from wsd.manager.stats import (
+from wsd.slotstats import (
     SLOT_NUMBERS,
     LockViolation,
     ManagerStats,
@@ -232,7 +232,7 @@ def test_numbers_no_manager_makes_are_refused_and_every_other_ranks_stats_still_
     """A pushed 2**64 - 1 once overflowed msgpack in the aggregates: `wsctl stats` answered
     `internal` for every client. Every number of a slot is bounded (MAX_NUMBER), and so is the
     slot count (a manager's most), whole or in a delta; the other ranks' answer is unharmed."""
-    from wsd.coordinator.aggregate import MAX_NUMBER, MAX_SLOTS
+    from wsd.coordinator.snapshotcheck import MAX_NUMBER, MAX_SLOTS
 
     latest = LatestStats()
     body = {"rank": 0, "version": 1, "base": None, "step": 1, "applied_seq": 0, "held_seq": 0, "state": {}}

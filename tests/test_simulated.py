@@ -6,7 +6,7 @@ import pytest
 from conftest import wait_until
 
 from wsd.agent.simulated import SimulatedManager, SimulatedRanks
-from wsd.manager.stats import ManagerStats
+from wsd.slotstats import ManagerStats
 from wsd_client.client import Client
 from wsd_client.rows import group_columns, rank_columns
 
@@ -112,7 +112,7 @@ def test_columnar_wire_form_expands_to_the_row_form():
     manager holds."""
     import msgpack
 
-    from wsd.manager.stats import slot_rows
+    from wsd.slotstats import slot_rows
 
     stats = _sample_stats()
     wire = msgpack.unpackb(msgpack.packb(stats.to_wire()))
@@ -124,7 +124,7 @@ def test_columnar_wire_form_expands_to_the_row_form():
 
 def _sample_stats() -> ManagerStats:
     """Six slots (3 ubatches x 2 lanes) with violations and persistent buffers on some."""
-    from wsd.manager.stats import LockViolation, PersistentStats, SlotStats
+    from wsd.slotstats import LockViolation, PersistentStats, SlotStats
 
     violation = LockViolation("model.py:12:forward", 4096, 1024, 1.5)
     slots = tuple(

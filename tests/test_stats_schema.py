@@ -15,7 +15,7 @@ import pytest
 
 from wsd.coordinator.aggregate import StatsRound, _group_slots, read_changes, read_snapshot
 from wsd.families import FAMILIES, HELP
-from wsd.manager.stats import (
+from wsd.slotstats import (
     GROUP_COLUMNS,
     SLOT_COLUMNS,
     SLOT_KEY,

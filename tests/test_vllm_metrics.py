@@ -22,8 +22,8 @@ from wsd import WorkspaceManager
 from wsd.families import FAMILIES
 from wsd.integrations.vllm import metrics, patches
 from wsd.manager.config import LockedGrowthPolicy
-from wsd.manager.stats import SLOT_NUMBERS
 from wsd.manager.violationlog import ViolationLog
+from wsd.slotstats import SLOT_NUMBERS
 
 IDENTITY = {"model_name": "tiny", "engine": "0", "rank": 1, "tp_group": 0, "wsd_engine": "node-a-tiny",
             "coordinator": "", "host": "node-a", "pid": os.getpid(), "device": "cpu", "rank_pod": "llm-0",

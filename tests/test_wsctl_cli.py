@@ -20,6 +20,7 @@ import pytest
 from wsd import __version__
 from wsd_client import wsctl
 from wsd_client.client import BadEndpoint, Client, ClientError, Unavailable
+from wsd_client.output import CLEAR, Output
 
 # "Fail within 1 s when the port is closed"; the slack is for a loaded test machine.
 FAST = 1.5
@@ -201,11 +202,11 @@ def test_control_characters_from_peers_never_reach_the_terminal_raw():
     or a message come out escaped (they once cleared the screen and retitled the terminal);
     watch's own redraw, first in its frame, is the one sequence sent as it is."""
     stream = io.StringIO()
-    wsctl.Output(False, stream).emit({}, lambda: "rank 0  host-\x1b]0;pwned\x07  \x9b31m\tok")
+    Output(False, stream).emit({}, lambda: "rank 0  host-\x1b]0;pwned\x07  \x9b31m\tok")
     assert stream.getvalue() == "rank 0  host-\\x1b]0;pwned\\x07  \\x9b31m\tok\n"
     stream = io.StringIO()
-    wsctl.Output(False, stream).emit({}, lambda: f"{wsctl._CLEAR}frame \x1b[2J")
-    assert stream.getvalue() == f"{wsctl._CLEAR}frame \\x1b[2J\n"
+    Output(False, stream).emit({}, lambda: f"{CLEAR}frame \x1b[2J")
+    assert stream.getvalue() == f"{CLEAR}frame \\x1b[2J\n"
     stream = io.StringIO()
-    wsctl.Output(True, stream).emit({"host": "a\x1b"}, lambda: "unused")
+    Output(True, stream).emit({"host": "a\x1b"}, lambda: "unused")
     assert stream.getvalue() == '{"host": "a\\u001b"}\n'

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from wsd.version import __version__
 
 # Where each name of the package root lives: imported on first use (PEP 562), so that
 # ``import wsd`` costs nothing (``wsctl`` starts in a fraction of a second), and the
@@ -21,7 +21,7 @@ _LAZY = {
     **dict.fromkeys(("ConfigError", "SlotOutOfRangeError", "WorkspaceCaptureError", "WorkspaceError",
                      "WorkspaceLimitError", "WorkspaceLockedError", "WorkspaceLockHeldError",
                      "WorkspaceNotInitializedError", "WsdError"), "wsd.errors"),
-    **dict.fromkeys(("LockViolation", "ManagerStats", "PersistentStats", "SlotStats"), "wsd.manager.stats"),
+    **dict.fromkeys(("LockViolation", "ManagerStats", "PersistentStats", "SlotStats"), "wsd.slotstats"),
 }
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
         use_lane,
         use_ubatch,
     )
-    from wsd.manager.stats import LockViolation, ManagerStats, PersistentStats, SlotStats
+    from wsd.slotstats import LockViolation, ManagerStats, PersistentStats, SlotStats
 
 
 def __getattr__(name: str) -> Any:

@@ -14,7 +14,7 @@ A command's row says everything the rest of wsd needs to know about it:
 The protocol (schemas), the command log (desired state), the agent and the
 simulated ranks (``call``), the coordinator (refusals), the client (``Client.command``)
 and ``wsctl`` (its subcommands) read this table. A new command is a row here, an
-``Op`` member of the same name (``wsd.wire.protocol``: the wire's vocabulary), and its
+``Op`` member of the same name (``wsd.wire.schemas``: the wire's vocabulary), and its
 method on the manager and on ``wsd.agent.simulated.SimulatedManager`` (plus its tests
 and docs; a new desired-state field also goes in ``DESIRED_FIELDS``).
 ``CommandResult`` is the reply every command gets, built by the coordinator and
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from wsd.manager.config import MAX_UBATCHES
+from wsd.slotstats import MAX_UBATCHES
 
 __all__ = ["COMMANDS", "DESIRED_FIELDS", "Argument", "CommandResult", "CommandSpec", "call", "start_actions"]
 

@@ -1,17 +1,17 @@
-"""The error vocabulary of wsd, in one place.
+"""The error vocabulary of wsd, in one place: the exceptions, the wire's error codes, the exit codes.
 
 Every error says what went wrong and what the caller should do about it. Errors
 from libraries (zmq, msgpack, torch, tomllib) are translated into these at the
 boundary where they happen, chained with ``from``.
+
+A module of the shared floor: it imports nothing of wsd's, so that the wire
+(``wsd.wire.protocol``, which carries ``ErrorCode`` in its error replies) and
+everything above it share one vocabulary without a cycle.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from wsd.wire.protocol import ErrorCode
 
 __all__ = [
     "AgentError",
@@ -19,6 +19,7 @@ __all__ = [
     "BindError",
     "ClientError",
     "ConfigError",
+    "ErrorCode",
     "ExitCode",
     "LaunchError",
     "ProtocolError",
@@ -27,6 +28,7 @@ __all__ = [
     "SimulationError",
     "SlotOutOfRangeError",
     "StateFileError",
+    "StrEnum",
     "TorchrunEnvError",
     "TransportError",
     "Unauthenticated",
@@ -42,6 +44,43 @@ __all__ = [
 ]
 
 _MiB = 1024 * 1024
+
+
+class StrEnum(str, enum.Enum):
+    """``enum.StrEnum`` for Python 3.10 too: members are their string values."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class ErrorCode(StrEnum):
+    """Why a request was refused: the ``code`` of an error reply on the wire."""
+
+    BAD_MESSAGE = "bad_message"
+    """Not a msgpack map, or no usable envelope: fix the sender."""
+    BAD_VERSION = "bad_version"
+    """Another protocol version: upgrade the older side."""
+    UNKNOWN_OP = "unknown_op"
+    """No such operation (or not on this socket)."""
+    BAD_FIELD = "bad_field"
+    """A field missing, of the wrong type or out of range: the message names it."""
+    TOO_LARGE = "too_large"
+    """Larger than the socket's message limit."""
+    MISMATCH = "mismatch"
+    """A rank's world does not match the coordinator's: fix the launch."""
+    CONFLICT = "conflict"
+    """Refused by the desired state (e.g. reserve while locked): unlock first."""
+    FORBIDDEN = "forbidden"
+    """This client's key may only read."""
+    TIMEOUT = "timeout"
+    """No reply in time: retry, or check the coordinator."""
+    UNAVAILABLE = "unavailable"
+    """The coordinator cannot be reached: check it runs and the endpoint."""
+    STORAGE = "storage"
+    """The coordinator cannot write its state file (a full disk, permissions): the
+    message names the file. Nothing was numbered or sent; free space and retry."""
+    INTERNAL = "internal"
+    """A bug in wsd: report it with the coordinator's log."""
 
 
 class ExitCode(enum.IntEnum):

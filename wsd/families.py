@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 
 from wsd import placement
-from wsd.manager.stats import SLOT_NUMBERS
+from wsd.slotstats import SLOT_NUMBERS
 
 __all__ = ["FAMILIES", "HELP", "SLOT_FAMILIES", "ViolationTotals"]
 

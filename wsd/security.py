@@ -1,4 +1,4 @@
-"""``[security]``: the configuration section of CURVE keys, client roles and the agent token.
+"""``[security]``: the configuration section of CURVE keys and the agent token.
 
 ``[security]`` turns on ZeroMQ's CURVE (encryption and authentication by
 public key) on the coordinator's client endpoint, its agent endpoint, or both.
@@ -6,8 +6,8 @@ Keys are ZeroMQ certificate files (``wsctl keygen`` writes them): NAME.key holds
 a public key, NAME.key_secret both halves. The coordinator lists the public
 keys it admits in folders: ``viewer_keys`` (may ping, status, ranks, stats,
 events), ``admin_keys`` (everything) and ``agent_keys``. Everything CURVE
-does, its key files included, is ``wsd.wire.curve``'s; this module is the section,
-and the agent token (read here, checked by ``wsd.coordinator.admission``).
+does, its key files and client roles included, is ``wsd.wire.curve``'s; this module is
+the section, and the agent token (read here, checked by ``wsd.coordinator.admission``).
 
 A token file readable by anyone but its owner is refused at start-up
 (``ConfigError`` naming the file and its mode). Imports neither torch, nor
@@ -16,44 +16,25 @@ ZeroMQ, nor the protocol: ``wsd.config`` loads this section.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import hmac
 import json
 import os
 import secrets
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from wsd.errors import ConfigError
+from wsd.files import read_owned
 
-__all__ = ["AGENT_TOKEN_ENV", "NONCE_BYTES", "Role", "SecurityConfig", "challenge_proof", "command_mac",
-           "load_agent_token", "new_nonce", "read_owned", "registered_proof", "registration_proof", "same_proof",
-           "session_key"]
+__all__ = ["AGENT_TOKEN_ENV", "NONCE_BYTES", "SecurityConfig", "challenge_proof", "command_mac",
+           "load_agent_token", "new_nonce", "registered_proof", "registration_proof", "same_proof", "session_key"]
 
 AGENT_TOKEN_ENV = "WSD_AGENT_TOKEN"
 """The environment variable by which launchers hand the agent token to a coordinator
 and its workers (``wsd up`` and the embedded mode make one up)."""
 _MIN_TOKEN = 16
-
-
-class Role(str, enum.Enum):
-    """What an authenticated client key may do; carried as ZeroMQ's User-Id.
-
-    ``str, Enum`` rather than ``enum.StrEnum``, which Python 3.10 lacks.
-    """
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    VIEWER = "viewer"
-    """Read-only operations: ping, status, ranks, stats, events."""
-    ADMIN = "admin"
-    """Every operation, state-changing ones included."""
-    AGENT = "agent"
-    """An agent on the agent endpoint."""
 
 
 def _check_path(name: str, value: object) -> None:
@@ -101,57 +82,6 @@ class SecurityConfig:
                 self.server_secret_key is None and self.server_public_key is None:
             raise ValueError("curve_clients or curve_agents is true: set server_secret_key "
                              "(the coordinator) or server_public_key (agents)")
-
-
-_SPECIAL = ("/proc/", "/sys/", "/dev/")
-
-
-def read_owned(path: str | os.PathLike[str], what: str, *, private: bool, limit: int = 64 << 10) -> bytes:
-    """The bytes of a file its reader may trust, or ConfigError naming ``what``, the file and the fix.
-
-    A regular file (never a FIFO, which would hang the read, a device, or a link to
-    ``/proc`` such as ``/proc/self/environ``), owned by this user or root (a file of
-    another user's is theirs to rewrite), that group and others may not write
-    (``private``: nor read); at most ``limit`` bytes. Checked on the file opened,
-    not on one put in its place since.
-    """
-    real = os.path.realpath(path)
-    if real.startswith(_SPECIAL) or real in ("/proc", "/sys", "/dev"):
-        raise ConfigError(f"{what}: {path} is {real}, not a file of yours")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ConfigError(f"{what}: file {path} not found") from None
-    except OSError as e:
-        raise ConfigError(f"{what}: cannot read file {path}: {e.strerror or e}") from e
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(f"{what}: {path} is not a regular file")
-        if info.st_uid not in (os.getuid(), 0):
-            raise ConfigError(f"{what}: {path} belongs to uid {info.st_uid}, not to this user (uid {os.getuid()}) "
-                              f"or root: whoever owns it can rewrite it")
-        mode = stat.S_IMODE(info.st_mode)
-        if private and mode & 0o077:
-            raise ConfigError(f"{what}: {path} has mode {mode:04o}: group and others must have no access to it "
-                              f"(chmod 600 {path})")
-        if mode & 0o022:
-            raise ConfigError(f"{what}: {path} has mode {mode:04o}: group and others must not be able to write "
-                              f"it (chmod 644 {path})")
-        chunks, size = [], 0
-        while size <= limit:
-            chunk = os.read(fd, limit + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        if size > limit:
-            raise ConfigError(f"{what}: {path} is over {limit} bytes")
-        return b"".join(chunks)
-    except OSError as e:
-        raise ConfigError(f"{what}: cannot read file {path}: {e.strerror or e}") from e
-    finally:
-        os.close(fd)
 
 
 # -- the agent token ---------------------------------------------------------------------

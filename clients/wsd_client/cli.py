@@ -16,7 +16,7 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args == ["--version"]:  # what argparse's version action prints
-        from wsd import __version__
+        from wsd.version import __version__
 
         print(f"wsctl {__version__}")
         return 0

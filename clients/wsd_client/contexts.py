@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from wsd.errors import ConfigError
-from wsd.security import read_owned
+from wsd.files import read_owned
 from wsd.tomlread import parse_toml
 from wsd_client.client import Client, endpoint_problem
 

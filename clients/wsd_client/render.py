@@ -18,7 +18,7 @@ from typing import Any
 
 from wsd.commands import DESIRED_FIELDS
 from wsd.fmt import format_bytes, format_time, table
-from wsd.manager.stats import SLOT_NUMBERS
+from wsd.slotstats import SLOT_NUMBERS
 from wsd_client.layout import Column, fit
 from wsd_client.results import RankCounts
 from wsd_client.select import complete, ranges

@@ -27,7 +27,7 @@ from __future__ import annotations
 from itertools import groupby
 from typing import Any
 
-from wsd.manager.stats import (
+from wsd.slotstats import (
     GROUP_COLUMNS,
     GROUP_TABLE,
     RANK_TABLE,

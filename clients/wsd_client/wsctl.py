@@ -73,36 +73,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
-import shutil
 import sys
-import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Any, TextIO
+from typing import Any
 
-from wsd import __version__
 from wsd.commands import COMMANDS as COMMAND_TABLE
 from wsd.commands import CommandSpec
 from wsd.errors import ConfigError
 from wsd.errors import ExitCode as Exit  # one list of exit codes for every wsd command
 from wsd.fmt import printable
-from wsd.wire.protocol import ErrorCode
-from wsd_client import completion, render
+from wsd.version import __version__
+from wsd_client import completion, queries, render
 from wsd_client import options as opt
-from wsd_client.client import TAIL, BadEndpoint, Client, ClientError, CommandResult, Events, endpoint_problem
+from wsd_client.client import BadEndpoint, Client, ClientError, CommandResult, endpoint_problem
+from wsd_client.output import Handler, Output
 from wsd_client.results import PerEngine, by_engine
-from wsd_client.select import Selection, complete
 
 __all__ = ["COMMANDS", "Exit", "main"]
 
-# Events asked for per request while reading the log (the protocol allows 10,000).
-_EVENT_PAGE = 1000
-# ANSI: cursor home, clear screen; ``watch`` redraws in place on a terminal.
-_CLEAR = "\x1b[H\x1b[2J"
 _EXAMPLES = """\
 examples:
   wsctl status                        the cluster at a glance (tcp://127.0.0.1:7601)
@@ -118,216 +108,7 @@ Exit codes: 0 ok, 1 error or unreachable, 2 usage, 3 partial, 130 interrupted.
 """
 
 
-class Output:
-    """Where results go: one JSON document per line, or the human rendering."""
-
-    def __init__(self, as_json: bool, stream: TextIO) -> None:
-        self.as_json = as_json
-        self.stream = stream
-        self.closed = False
-        """The reader went away (``wsctl stats | head -1``): nothing more is written, and a
-        command that follows (``watch``, ``events -f``) stops."""
-
-    def emit(self, doc: Any, human: Callable[[], str]) -> None:
-        if self.closed:
-            return
-        if self.as_json:  # JSON escapes control characters itself
-            text = json.dumps(doc, sort_keys=True)
-        else:
-            # Escaped here, once, for every table and line: names and messages from peers
-            # never reach a terminal raw. Only watch's own redraw (first) is sent as it is.
-            text = human()
-            ours = _CLEAR if text.startswith(_CLEAR) else ""
-            text = ours + printable(text[len(ours):])
-        try:
-            print(text, file=self.stream, flush=True)
-        except BrokenPipeError:
-            # The command still ends with the code for what it saw (3 for a partial
-            # answer); Python must not complain again when it flushes at exit.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
-            self.closed = True
-
-
-Handler = Callable[[Client, argparse.Namespace, Output], Exit]
-
-
 # -- read-only commands -------------------------------------------------------------
-
-
-def _ping(client: Client, args: argparse.Namespace, out: Output) -> Exit:
-    start = time.monotonic()
-    result = client.ping()
-    rtt_ms = (time.monotonic() - start) * 1000
-    doc = {"endpoint": client.endpoint, "epoch": result["epoch"], "seq": result["seq"],
-           "time": result["time"], "rtt_ms": round(rtt_ms, 3)}
-    out.emit(doc, lambda: render.ping(doc))
-    return Exit.OK
-
-
-def _titled(name: str | None, several: bool, render_part: Callable[..., str], *args: Any, **kw: Any) -> str:
-    """One engine's part of an answer (``render_part(*args, **kw)``): under a line naming the
-    engine where several engines answered."""
-    text = render_part(*args, **kw)
-    return f"engine {name}\n{text}" if several and name is not None else text
-
-
-def _worst(codes: list[Exit]) -> Exit:
-    """One exit code for several engines' answers: an error first, then a partial answer."""
-    return Exit.ERROR if Exit.ERROR in codes else Exit.PARTIAL if Exit.PARTIAL in codes else Exit.OK
-
-
-def _engines(client: Client, args: argparse.Namespace, out: Output) -> Exit:
-    answer = client.engines()
-    out.emit(answer.doc, lambda: render.engines(answer.doc))
-    return Exit.OK
-
-
-def _status(client: Client, args: argparse.Namespace, out: Output) -> Exit:
-    answers = by_engine(client.status(engine=args.engine, offset=args.offset, limit=args.limit))
-    codes = []
-    for name, status in answers.items():
-        out.emit(status.doc, functools.partial(_titled, name, len(answers) > 1, render.status, status.doc,
-                                               client.endpoint, _width(out.stream)))
-        codes.append(Exit.PARTIAL if status.counts.absent else Exit.OK)  # a stopped rank is absent as a lost one
-    return _worst(codes)
-
-
-def _ranks(client: Client, args: argparse.Namespace, out: Output) -> Exit:
-    answers = by_engine(client.ranks(engine=args.engine))
-    codes = []
-    for name, ranks in answers.items():
-        out.emit(ranks.doc, functools.partial(_titled, name, len(answers) > 1, render.ranks, ranks.doc,
-                                              _width(out.stream)))
-        gone = any(r["state"] != "live" for r in ranks.ranks)  # lost or stopped
-        codes.append(Exit.PARTIAL if gone or ranks.missing else Exit.OK)
-    return _worst(codes)
-
-
-def _width(stream: TextIO) -> int | None:
-    """The terminal's width (``$COLUMNS`` first) when the output goes to one; piped output
-    is not fitted, so that a pipe gets every column."""
-    return shutil.get_terminal_size().columns if stream.isatty() else None
-
-
-def _selected_stats(client: Client, args: argparse.Namespace) -> dict[str | None, dict[str, Any]]:
-    """Each engine's stats answer in rows, with only what ``--rank``, ``--group`` and ``--state``
-    select; an engine's name is in its document (``engine``) where several answered.
-
-    One group alone is asked of the coordinator (it answers for that group only); several are
-    selected from the whole answer.
-    """
-    groups = args.group
-    one = next(iter(groups)) if groups is not None and len(groups) == 1 else None
-    selection = Selection(ranks=args.rank, groups=None if one is not None else groups,
-                          states=args.state or frozenset())
-    answers = by_engine(client.stats(one, fresh=args.fresh, engine=args.engine))
-    docs = {}
-    for name, stats in answers.items():
-        doc = selection.apply(stats.rows())
-        if len(answers) > 1:
-            doc["engine"] = name
-        docs[name] = doc
-    return docs
-
-
-def _stats_exit(doc: dict[str, Any]) -> Exit:
-    """3 when the answer is incomplete; for a selection, when a rank it selects is missing or stale."""
-    return Exit.OK if complete(doc) else Exit.PARTIAL
-
-
-def _stats(client: Client, args: argparse.Namespace, out: Output) -> Exit:
-    docs = _selected_stats(client, args)
-    for name, doc in docs.items():
-        out.emit(doc, functools.partial(_titled, name, len(docs) > 1, render.stats, doc, _width(out.stream),
-                                        grouped=args.grouped))
-    return _worst([_stats_exit(doc) for doc in docs.values()])
-
-
-def _watch(client: Client, args: argparse.Namespace, out: Output) -> Exit:
-    redraw = not out.as_json and out.stream.isatty()
-    previous: dict[str, Any] | None = None
-    code, rounds = Exit.OK, 0
-    try:
-        while True:
-            with client.deadline(args.timeout):  # --timeout bounds each round
-                docs = _selected_stats(client, args)
-            if len(docs) > 1:
-                raise ClientError(ErrorCode.BAD_FIELD, f"watch follows one engine: name one of "
-                                                       f"{', '.join(sorted(map(str, docs)))} with --engine")
-            doc = next(iter(docs.values()))
-            rounds += 1
-            # When the frame was taken, ISO 8601 with the local zone's offset, on the frame and the JSON.
-            doc["time"] = datetime.now(timezone.utc).astimezone().isoformat(timespec="milliseconds")
-            code = _stats_exit(doc)
-            of = f"/{args.count}" if args.count else ""
-            header = f"wsctl watch {client.endpoint}  {doc['time']}  round {rounds}{of} every {args.interval:g} s"
-            if rounds > 1 and not redraw and not out.as_json:
-                print(file=out.stream)  # frames one after the other when not on a terminal
-            out.emit(doc, functools.partial(_frame, doc, previous, header, args.grouped, redraw, out.stream))
-            previous = doc
-            if out.closed or (args.count and rounds >= args.count):
-                break
-            time.sleep(args.interval)  # the refresh pace, not a wait for a condition
-    except KeyboardInterrupt:
-        pass
-    return code  # the last round's
-
-
-def _frame(doc: dict[str, Any], previous: dict[str, Any] | None, header: str, grouped: bool | None,
-           redraw: bool, stream: TextIO) -> str:
-    frame = render.watch(doc, previous, header, _width(stream), grouped=grouped)
-    return _CLEAR + frame if redraw else frame
-
-
-def _read_events(client: Client, cursor: int, engine: str | None) -> tuple[list[dict[str, Any]], Events]:
-    """Every event after ``cursor`` the coordinator still holds, page by page, and the last page."""
-    events: list[dict[str, Any]] = []
-    while True:
-        page = client.events(cursor, _EVENT_PAGE, engine=engine)
-        events += page.events
-        cursor = page.cursor
-        if len(page.events) < _EVENT_PAGE:
-            return events, page
-
-
-def _events(client: Client, args: argparse.Namespace, out: Output) -> Exit:
-    with client.deadline(args.timeout):  # the whole command, or with --follow its first round
-        # No cursor given: the last few, as tail does; ids are consecutive, so they
-        # start --last before the tail (no need to read the whole log for them).
-        start = args.since if args.since is not None else max(client.events(TAIL).cursor - args.last, 0)
-        backlog, last = _read_events(client, start, args.engine)
-    if not args.follow:
-        if args.since is None:  # events that came in meanwhile do not count among the last N
-            backlog = backlog[max(len(backlog) - args.last, 0):]
-        doc = {"events": backlog, "cursor": last.cursor}
-        out.emit(doc, lambda: render.events(backlog))
-        return Exit.OK
-    if not out.as_json:
-        print(render.events_header(), file=out.stream, flush=True)
-    queue, shown, cursor, epoch = deque(backlog), 0, last.cursor, last.epoch
-    try:
-        while args.count is None or shown < args.count:
-            if not queue:
-                with client.deadline(args.timeout):  # --timeout bounds each round
-                    page = client.events(cursor, _EVENT_PAGE, engine=args.engine)
-                if page.epoch != epoch:
-                    # A restarted coordinator numbers its events from 1 again:
-                    # start over from its beginning instead of waiting forever.
-                    epoch, cursor = page.epoch, 0
-                    continue
-                queue.extend(page.events)
-                cursor = page.cursor
-                if not queue:
-                    time.sleep(args.interval)  # the polling pace
-                    continue
-            event = queue.popleft()
-            out.emit(event, functools.partial(render.event_line, event))
-            if out.closed:
-                break
-            shown += 1
-    except KeyboardInterrupt:
-        pass
-    return Exit.OK
 
 
 # -- state-changing commands --------------------------------------------------------
@@ -344,7 +125,7 @@ def _command(call: Callable[[Client, argparse.Namespace], CommandResult | PerEng
             doc = dataclasses.asdict(result)
             if len(results) > 1:
                 doc["engine"] = name
-            out.emit(doc, functools.partial(_titled, name, len(results) > 1, render.command, doc))
+            out.emit(doc, functools.partial(queries.titled, name, len(results) > 1, render.command, doc))
             if result.failed:
                 errors = "; ".join(f"rank {a['rank']}: {a['error']}"
                                    for a in result.acked if not a["ok"])
@@ -354,7 +135,7 @@ def _command(call: Callable[[Client, argparse.Namespace], CommandResult | PerEng
                 codes.append(Exit.ERROR)
             else:
                 codes.append(Exit.PARTIAL if result.waited and not result.complete else Exit.OK)
-        return _worst(codes)
+        return queries.worst(codes)
 
     return run
 
@@ -459,14 +240,14 @@ class Spec:
 
 
 COMMANDS: dict[str, Spec] = {
-    "ping": Spec("round trip to the coordinator", _ping),
-    "engines": Spec("every engine: name, model, ranks, lock, slots, scratch, violations", _engines),
-    "status": Spec("world, desired state and every TP group", _status, (opt.page,)),
-    "ranks": Spec("every rank: state, host, pid, step, lock and slot count", _ranks),
-    "stats": Spec("per rank, slot and TP group: capacity, peak, skew", _stats, (opt.selection, opt.fresh)),
-    "events": Spec("the coordinator's event log", _events,
+    "ping": Spec("round trip to the coordinator", queries.ping),
+    "engines": Spec("every engine: name, model, ranks, lock, slots, scratch, violations", queries.engines),
+    "status": Spec("world, desired state and every TP group", queries.status, (opt.page,)),
+    "ranks": Spec("every rank: state, host, pid, step, lock and slot count", queries.ranks),
+    "stats": Spec("per rank, slot and TP group: capacity, peak, skew", queries.stats, (opt.selection, opt.fresh)),
+    "events": Spec("the coordinator's event log", queries.events,
                    (opt.events, opt.count_interval(0.5, "events")), rounds=True),
-    "watch": Spec("live per-rank, per-slot capacity and peak", _watch,
+    "watch": Spec("live per-rank, per-slot capacity and peak", queries.watch,
                   (opt.selection, opt.fresh, opt.count_interval(1.0, "rounds")), rounds=True),
     # The state-changing commands, from the command table.
     **{spec.cli: Spec(spec.help, _send(spec), (opt.arguments(spec), opt.target)) for spec in COMMAND_TABLE.values()},

@@ -3,6 +3,8 @@
 - ``core``: ``AgentLink``, the protocol logic, with no sockets, threads or torch;
 - ``thread``: ``Agent``, its I/O thread beside a real manager, and ``step()``,
   where the ranks of a TP group agree on the commands to apply (torch);
+- ``collectives``: small msgpack collectives over gloo, by which the ranks of a TP
+  group agree (the worker's start-up uses them too);
 - ``simulated``: many torch-free ranks on the same logic, for scale tests and
   benchmarks (``python -m wsd.agent.simulated``);
 - ``config``: the ``[agent]`` section.

@@ -22,7 +22,6 @@ from typing import Any, Protocol
 
 from wsd.commands import start_actions
 from wsd.fmt import cut
-from wsd.manager.stats import snapshot_delta
 from wsd.security import (
     challenge_proof,
     command_mac,
@@ -32,6 +31,7 @@ from wsd.security import (
     same_proof,
     session_key,
 )
+from wsd.slotstats import snapshot_delta
 from wsd.wire import protocol as p
 from wsd.wire.protocol import Op
 

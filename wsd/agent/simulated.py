@@ -30,9 +30,9 @@ from wsd import commands
 from wsd.agent.core import AgentLink
 from wsd.config import MAX_UBATCHES
 from wsd.errors import ConfigError, SimulationError, WsdError
-from wsd.manager.stats import SLOT_NUMBERS, ManagerStats, PersistentStats, SlotStats
 from wsd.names import engine_name_problem
 from wsd.security import SecurityConfig, load_agent_token
+from wsd.slotstats import SLOT_NUMBERS, ManagerStats, PersistentStats, SlotStats
 from wsd.wire.transport import Waker, answer_waiting, connect, make_socket, raise_fd_limit, send_nowait
 
 __all__ = ["SimulatedManager", "SimulatedRanks", "SimulationError", "main"]

@@ -26,16 +26,16 @@ import torch.distributed as dist
 import zmq
 
 from wsd import commands, placement
+from wsd.agent.collectives import all_gather_values
 from wsd.agent.core import AgentLink
 from wsd.config import AgentConfig, LockedGrowthPolicy
 from wsd.errors import AgentError, WsdError
 from wsd.manager.core import WorkspaceManager
-from wsd.manager.stats import LockViolation, ManagerStats
+from wsd.slotstats import LockViolation, ManagerStats
 from wsd.wire import protocol as p
 from wsd.wire.curve import ClientKeys
 from wsd.wire.protocol import Op
 from wsd.wire.transport import Waker, answer_waiting, connect, make_socket, send_nowait
-from wsd.worker.collectives import all_gather_values
 
 __all__ = ["Agent", "AgentError", "tp_side_group"]
 

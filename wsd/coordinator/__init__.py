@@ -5,7 +5,9 @@
 - ``registry``: who is registered, live, lost or stopped;
 - ``admission`` and ``ratelimit``: what the agent endpoint lets in, at what cost;
 - ``commandlog``: the numbered, durable command log and desired state;
+- ``statefile``: the bytes of its snapshot and journal, and their durable writes;
 - ``aggregate``: per-rank and per-TP-group statistics from the ranks' snapshots;
+- ``snapshotcheck``: what a rank's snapshot must hold before it is aggregated;
 - ``events``: the bounded event log;
 - ``metrics``: the Prometheus families and endpoint;
 - ``config``: the ``[coordinator]`` section.

@@ -25,44 +25,51 @@ one torn anyway fails its CRC and is refused, never guessed.
 
 The journal is folded into a new snapshot when it holds ``2 * capacity``
 records (so a snapshot's bytes are spread over at least ``capacity`` commands)
-and at start-up. No sockets, no torch.
+and at start-up. The bytes of both files, and how they reach the disk, are
+``wsd.coordinator.statefile``'s; this module decides what they hold. No
+sockets, no torch.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import struct
 import zlib
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgpack
 
 from wsd.commands import COMMANDS, DESIRED_FIELDS
+from wsd.coordinator.statefile import (
+    FORMAT,
+    HEAD,
+    MAX_RECORD,
+    OLD_MAGICS,
+    RECORD,
+    SNAPSHOT_MAGIC,
+    JournalHead,
+    datasync,
+    frame,
+    frame_end,
+    frame_problem,
+    is_unborn,
+    pwrite_all,
+    read_state,
+    rename_durably,
+    storage_error,
+    write_temporary,
+)
 from wsd.errors import StateFileError
 
 __all__ = ["Command", "CommandLog"]
 
 logger = logging.getLogger(__name__)
 
-_FORMAT = 3
-_SNAPSHOT_MAGIC = b"WSDSNAP3"
-_JOURNAL_MAGIC = b"WSDJRNL3"
-# Files written by wsd before the journal had a header: refused, not migrated
-# (their journal cannot tell a cut at a record boundary from a shorter history).
-_OLD_MAGICS = (b"WSDSNAP2", b"WSDJRNL2")
-_RECORD = struct.Struct(">II")  # payload length, crc32 of the length field and the payload
-_HEAD = struct.Struct(">8sQQQII")  # magic, generation, base seq, records, chain crc32, crc32 of the rest
-# A command record is a few dozen bytes; a bound on the length tells a damaged
-# length field from a record.
-_MAX_RECORD = 1 << 20
 _DECODE_ERRORS = (ValueError, TypeError, KeyError, AttributeError, struct.error, msgpack.UnpackException)
-# Errors that say the storage cannot take the write (not that wsd is wrong).
-_UNAVAILABLE = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 # What the operator can do, at the end of every refusal (docs/state-file.md).
 _START_AFRESH = "move {files} aside to start afresh, forgetting the desired state and command log"
 
@@ -112,117 +119,6 @@ def _blank() -> dict[str, Any]:
     return dict.fromkeys(DESIRED_FIELDS)
 
 
-def _frame(payload: bytes) -> bytes:
-    length = len(payload).to_bytes(4, "big")
-    return length + zlib.crc32(payload, zlib.crc32(length)).to_bytes(4, "big") + payload
-
-
-def _frame_problem(raw: bytes, pos: int) -> str | None:
-    """What is wrong with the record at ``pos``; None if it is whole and its checksum holds."""
-    if len(raw) - pos < _RECORD.size:
-        return f"{len(raw) - pos} bytes, less than a record header"
-    length, crc = _RECORD.unpack_from(raw, pos)
-    if not 0 < length <= _MAX_RECORD:
-        return f"impossible record length {length}"
-    if pos + _RECORD.size + length > len(raw):
-        return f"record of {length} bytes cut short at {len(raw) - pos - _RECORD.size}"
-    if zlib.crc32(raw[pos + _RECORD.size:pos + _RECORD.size + length], zlib.crc32(raw[pos:pos + 4])) != crc:
-        return "checksum mismatch"
-    return None
-
-
-def _frame_end(raw: bytes, pos: int) -> int:
-    return pos + _RECORD.size + _RECORD.unpack_from(raw, pos)[0]
-
-
-class _Head(NamedTuple):
-    generation: int
-    """The snapshot generation this journal follows."""
-    base: int
-    """That snapshot's sequence number: the first record is ``base + 1``."""
-    records: int
-    """Records acknowledged: appended, fdatasynced and counted here."""
-    chain: int
-    """CRC-32 over those records' bytes, in order."""
-
-    def pack(self) -> bytes:
-        body = _HEAD.pack(_JOURNAL_MAGIC, *self, 0)[:-4]
-        return body + zlib.crc32(body).to_bytes(4, "big")
-
-    @classmethod
-    def unpack(cls, raw: bytes) -> _Head:
-        """The header of journal bytes ``raw``; ValueError saying what is wrong."""
-        if raw.startswith(_OLD_MAGICS):
-            raise ValueError("written by an older wsd (state file format 2), which this one does not read")
-        if len(raw) < _HEAD.size:
-            raise ValueError(f"{len(raw)} bytes, less than the {_HEAD.size}-byte journal header")
-        magic, generation, base, records, chain, crc = _HEAD.unpack_from(raw)
-        if magic != _JOURNAL_MAGIC:
-            raise ValueError(f"does not start with {_JOURNAL_MAGIC!r}")
-        if zlib.crc32(raw[:_HEAD.size - 4]) != crc:
-            raise ValueError("header checksum mismatch")
-        return cls(generation, base, records, chain)
-
-
-def _read(path: str) -> bytes | None:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise StateFileError(f"{path}: cannot read the coordinator state: {e.strerror or e}") from e
-
-
-def _storage_error(path: str, doing: str, e: OSError) -> StateFileError:
-    """``e`` as a StateFileError naming ``path`` (the file the OS names, if any)."""
-    where = e.filename or path
-    if e.errno in _UNAVAILABLE:
-        return StateFileError(f"{where}: storage unavailable ({os.strerror(e.errno).lower()}): cannot {doing}; "
-                              f"nothing was numbered: free space or fix the permissions, then retry")
-    return StateFileError(f"{where}: cannot {doing}: {e.strerror or e}")
-
-
-def _datasync(fd: int) -> None:
-    (os.fdatasync if hasattr(os, "fdatasync") else os.fsync)(fd)
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_temporary(path: str, data: bytes) -> str:
-    """``data`` in ``path + ".tmp"``, synced, for ``_rename`` to put in place."""
-    tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        _pwrite_all(fd, data, 0)
-        os.fsync(fd)
-    except OSError as e:
-        e.filename = e.filename or tmp  # a failed write names no file: say which
-        raise
-    finally:
-        os.close(fd)
-    return tmp
-
-
-def _rename(tmp: str, path: str) -> None:
-    """Replace ``path`` atomically, durably before anything after it (the folder synced)."""
-    os.replace(tmp, path)
-    _fsync_dir(path)
-
-
 class CommandLog:
     """Sequence numbers, the last ``capacity`` commands and the desired state per group."""
 
@@ -249,8 +145,8 @@ class CommandLog:
         # then writes a fresh snapshot and journal first (a fresh log, or a failed
         # append that may have left the journal other than its header says).
         self._journal_ready = False
-        self._head = _Head(0, 0, 0, 0)
-        self._journal_end = _HEAD.size
+        self._head = JournalHead(0, 0, 0, 0)
+        self._journal_end = HEAD.size
         self._compact_after = 2 * capacity
 
     def desired(self, group: int) -> dict[str, Any]:
@@ -291,9 +187,9 @@ class CommandLog:
             self.compact()
         command = Command(self.seq + 1, action, dict(args), group, now)
         payload = msgpack.packb(command.to_row(), use_bin_type=True)
-        if len(payload) > _MAX_RECORD:
+        if len(payload) > MAX_RECORD:
             raise StateFileError(f"{self.journal_path}: a command of {len(payload)} bytes is too large to record")
-        self._append_record(_frame(payload))
+        self._append_record(frame(payload))
         self._apply(command)  # only once it is on disk and counted
         if self._head.records >= self._compact_after:
             try:
@@ -335,56 +231,56 @@ class CommandLog:
         """
         generation = self.generation + 1
         document = {
-            "format": _FORMAT,
+            "format": FORMAT,
             "generation": generation,
             "seq": self.seq,
             "default": self.default,
             "groups": {str(g): s for g, s in self.groups.items()},
             "log": [c.to_row() for c in self.entries],
         }
-        head = _Head(generation, self.seq, 0, 0)
-        writes = [(self.path, _SNAPSHOT_MAGIC + _frame(msgpack.packb(document, use_bin_type=True))),
+        head = JournalHead(generation, self.seq, 0, 0)
+        writes = [(self.path, SNAPSHOT_MAGIC + frame(msgpack.packb(document, use_bin_type=True))),
                   (self.journal_path, head.pack())]
         try:
             # A full disk fails here, with both files as they were: appends go on.
-            renames = [(_write_temporary(path, data), path)
+            renames = [(write_temporary(path, data), path)
                        for path, data in (writes if self.generation else reversed(writes))]
             # From the first rename on, the journal on disk may not follow the
             # snapshot on disk: no record may be appended until both are in place.
             self._journal_ready = False
             for tmp, path in renames:
-                _rename(tmp, path)
+                rename_durably(tmp, path)
         except OSError as e:
-            raise _storage_error(self.path, "write the coordinator state", e) from e
+            raise storage_error(self.path, "write the coordinator state", e) from e
         self.generation = generation
         self._head = head
-        self._journal_end = _HEAD.size
+        self._journal_end = HEAD.size
         self._journal_ready = True
         self._compact_after = 2 * self.capacity
 
     def _append_record(self, record: bytes) -> None:
-        head = _Head(self._head.generation, self._head.base, self._head.records + 1,
+        head = JournalHead(self._head.generation, self._head.base, self._head.records + 1,
                      zlib.crc32(record, self._head.chain))
         try:
             # No O_CREAT: compact() made the journal; if it has gone, say so.
             # No O_APPEND either: Linux's pwrite would append the header too.
             fd = os.open(self.journal_path, os.O_WRONLY)
             try:
-                _pwrite_all(fd, record, self._journal_end)
-                _datasync(fd)
+                pwrite_all(fd, record, self._journal_end)
+                datasync(fd)
                 # Count the record only once it is on disk: counted first, a crash
                 # could leave a header promising a record that is not there, which
                 # load must refuse. Not counted yet, it is a tail load may drop.
                 try:
-                    _pwrite_all(fd, head.pack(), 0)
-                    _datasync(fd)
+                    pwrite_all(fd, head.pack(), 0)
+                    datasync(fd)
                 except OSError:
                     # The new count may be on disk: put the old one back (an
                     # in-place write needs no space), so that a crash now does
                     # not bring back a command its client was told failed.
                     with contextlib.suppress(OSError):
-                        _pwrite_all(fd, self._head.pack(), 0)
-                        _datasync(fd)
+                        pwrite_all(fd, self._head.pack(), 0)
+                        datasync(fd)
                     raise
             finally:
                 os.close(fd)
@@ -392,7 +288,7 @@ class CommandLog:
             # Bytes may lie past the counted records, or the header be either
             # count: start afresh next time rather than append after them.
             self._journal_ready = False
-            raise _storage_error(self.journal_path, "record the command", e) from e
+            raise storage_error(self.journal_path, "record the command", e) from e
         self._head = head
         self._journal_end += len(record)
 
@@ -418,9 +314,9 @@ class CommandLog:
         exactly as they are. Once loaded, the journal is folded into a new
         snapshot, so that no record is ever appended after dropped bytes.
         """
-        snapshot, journal = _read(self.path), _read(self.journal_path)
+        snapshot, journal = read_state(self.path), read_state(self.journal_path)
         if snapshot is None:
-            if journal is None or _is_unborn(journal):
+            if journal is None or is_unborn(journal):
                 return False
             raise StateFileError(f"{self.path}: missing, but its journal {self.journal_path} exists: "
                                  "restore the snapshot, or " + _START_AFRESH.format(files="the journal"))
@@ -441,7 +337,7 @@ class CommandLog:
         self.compact()
         return True
 
-    def _replay(self, journal: bytes, head: _Head) -> None:
+    def _replay(self, journal: bytes, head: JournalHead) -> None:
         if head.generation != self.generation or head.base != self.seq:
             raise self._refuse(f"follows the snapshot of generation {head.generation} at seq {head.base}, "
                                f"but {self.path} is generation {self.generation} at seq {self.seq}")
@@ -461,17 +357,17 @@ class CommandLog:
         try:
             if not raw:
                 raise ValueError("empty file")
-            if raw.startswith(_OLD_MAGICS):
+            if raw.startswith(OLD_MAGICS):
                 raise ValueError("written by an older wsd (state file format 2), which this one does not read")
-            if not raw.startswith(_SNAPSHOT_MAGIC):
-                raise ValueError(f"does not start with {_SNAPSHOT_MAGIC!r}")
-            problem = _frame_problem(raw, len(_SNAPSHOT_MAGIC))
+            if not raw.startswith(SNAPSHOT_MAGIC):
+                raise ValueError(f"does not start with {SNAPSHOT_MAGIC!r}")
+            problem = frame_problem(raw, len(SNAPSHOT_MAGIC))
             if problem is not None:
                 raise ValueError(problem)
-            if _frame_end(raw, len(_SNAPSHOT_MAGIC)) != len(raw):
-                raise ValueError(f"{len(raw) - _frame_end(raw, len(_SNAPSHOT_MAGIC))} bytes after the document")
-            doc = msgpack.unpackb(raw[len(_SNAPSHOT_MAGIC) + _RECORD.size:], raw=False, strict_map_key=False)
-            if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
+            if frame_end(raw, len(SNAPSHOT_MAGIC)) != len(raw):
+                raise ValueError(f"{len(raw) - frame_end(raw, len(SNAPSHOT_MAGIC))} bytes after the document")
+            doc = msgpack.unpackb(raw[len(SNAPSHOT_MAGIC) + RECORD.size:], raw=False, strict_map_key=False)
+            if not isinstance(doc, dict) or doc.get("format") != FORMAT:
                 raise ValueError(f"unknown format {doc.get('format') if isinstance(doc, dict) else doc!r}")
             seq, generation = doc["seq"], doc["generation"]
             if not isinstance(seq, int) or seq < 0:
@@ -493,13 +389,13 @@ class CommandLog:
         return StateFileError(f"{self.journal_path}: not a valid coordinator journal ({problem}): restore it, or "
                               + _START_AFRESH.format(files=f"it and {self.path}"))
 
-    def _read_head(self, raw: bytes) -> _Head:
+    def _read_head(self, raw: bytes) -> JournalHead:
         try:
-            return _Head.unpack(raw)
+            return JournalHead.unpack(raw)
         except ValueError as e:
             raise self._refuse(str(e)) from e
 
-    def _read_journal(self, raw: bytes, head: _Head) -> tuple[list[tuple[int, Command]], int | None]:
+    def _read_journal(self, raw: bytes, head: JournalHead) -> tuple[list[tuple[int, Command]], int | None]:
         """The records the header counts, with their byte offsets, and where bytes after them start.
 
         Every counted record was acknowledged, so each must be there, whole,
@@ -508,19 +404,19 @@ class CommandLog:
         record or part of one, and nothing else.
         """
         records: list[tuple[int, Command]] = []
-        pos, chain = _HEAD.size, 0
+        pos, chain = HEAD.size, 0
         for i in range(head.records):
             if pos == len(raw):
                 first, last = head.base + i + 1, head.base + head.records
                 gone = f"command {first} is" if first == last else f"commands {first} to {last} are"
                 raise self._refuse(f"ends at byte {pos} after {i} of the {head.records} records its header counts: "
                                    f"acknowledged {gone} missing")
-            problem = _frame_problem(raw, pos)
+            problem = frame_problem(raw, pos)
             if problem is not None:
                 raise self._refuse(f"record {i + 1} of {head.records}, at byte {pos}: {problem}")
-            end = _frame_end(raw, pos)
+            end = frame_end(raw, pos)
             try:
-                command = Command.from_row(msgpack.unpackb(raw[pos + _RECORD.size:end], raw=False,
+                command = Command.from_row(msgpack.unpackb(raw[pos + RECORD.size:end], raw=False,
                                                            strict_map_key=False))
             except _DECODE_ERRORS as e:
                 raise self._refuse(f"record {i + 1} of {head.records}, at byte {pos}: {e}") from e
@@ -534,16 +430,8 @@ class CommandLog:
             raise self._refuse("its records do not match the checksum in its header")
         if pos == len(raw):
             return records, None
-        if len(raw) - pos > _RECORD.size + _MAX_RECORD or (
-                _frame_problem(raw, pos) is None and _frame_end(raw, pos) != len(raw)):
+        if len(raw) - pos > RECORD.size + MAX_RECORD or (
+                frame_problem(raw, pos) is None and frame_end(raw, pos) != len(raw)):
             raise self._refuse(f"{len(raw) - pos} bytes after the {head.records} records its header counts, "
                                f"more than one interrupted append leaves")
         return records, pos
-
-
-def _is_unborn(journal: bytes) -> bool:
-    """Whether ``journal`` is the empty one the first compaction writes before any snapshot."""
-    try:
-        return _Head.unpack(journal) == _Head(1, 0, 0, 0) and len(journal) == _HEAD.size
-    except ValueError:
-        return False

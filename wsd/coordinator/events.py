@@ -12,8 +12,8 @@ from typing import Any
 
 import msgpack
 
+from wsd.errors import StrEnum
 from wsd.fmt import cut
-from wsd.wire.protocol import StrEnum
 
 __all__ = ["EventKind", "EventLog"]
 

@@ -31,7 +31,7 @@ from wsd.coordinator.aggregate import (
     read_snapshot,
 )
 from wsd.coordinator.metrics import GroupFigures, RankFigures
-from wsd.manager.stats import apply_snapshot_delta
+from wsd.slotstats import apply_snapshot_delta
 
 __all__ = ["NO_SNAPSHOT", "Latest", "LatestStats"]
 

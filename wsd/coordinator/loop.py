@@ -18,8 +18,8 @@ from wsd.config import CoordinatorConfig
 from wsd.coordinator.core import AGENT, CLIENT, CoordinatorCore, Out
 from wsd.coordinator.metrics_server import MetricsServer
 from wsd.errors import WsdError
-from wsd.security import Role, SecurityConfig, load_agent_token
-from wsd.wire.curve import AGENT_DOMAIN, CLIENT_DOMAIN, CurveGate, is_loopback, refusal
+from wsd.security import SecurityConfig, load_agent_token
+from wsd.wire.curve import AGENT_DOMAIN, CLIENT_DOMAIN, CurveGate, Role, is_loopback, refusal
 from wsd.wire.protocol import ErrorCode, error_reply
 from wsd.wire.transport import bind, make_socket, raise_fd_limit, send_nowait
 

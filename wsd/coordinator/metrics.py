@@ -38,14 +38,14 @@ from typing import Any, NamedTuple
 import zmq
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector, generate_latest
 
-import wsd
 from wsd import placement
 from wsd.commands import COMMANDS
 from wsd.coordinator.admission import REFUSAL_REASONS
 from wsd.coordinator.events import EventKind
 from wsd.coordinator.registry import RankState, Registry
 from wsd.families import FAMILIES, HELP, SLOT_FAMILIES, ViolationTotals
-from wsd.manager.stats import SLOT_NUMBERS
+from wsd.slotstats import SLOT_NUMBERS
+from wsd.version import __version__
 from wsd.wire.protocol import PROTOCOL_VERSION, StrEnum
 
 __all__ = ["COMMAND_BUCKETS", "CONTENT_TYPE", "FAMILIES", "HELP", "RANK_STATES", "SLOT_FAMILIES", "Collector",
@@ -210,7 +210,7 @@ def _rank_row(registry: Registry, rank: int) -> RankRow:
 
 def _build_labels() -> tuple[str, ...]:
     """``wsd_build_info``'s label values: fixed for the life of the process."""
-    return (wsd.__version__, platform.python_version(), zmq.pyzmq_version(), zmq.zmq_version(),
+    return (__version__, platform.python_version(), zmq.pyzmq_version(), zmq.zmq_version(),
             str(PROTOCOL_VERSION))
 
 

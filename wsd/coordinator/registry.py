@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from wsd.errors import RankTaken, RegistrationError
-from wsd.wire.protocol import NEVER_REGISTERED, StrEnum
+from wsd.errors import RankTaken, RegistrationError, StrEnum
+from wsd.wire.protocol import NEVER_REGISTERED
 
 __all__ = ["RankInfo", "RankState", "RankTaken", "RegistrationError", "Registry"]
 

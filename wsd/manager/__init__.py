@@ -2,14 +2,16 @@
 
 - ``core``: ``WorkspaceManager`` and vLLM's module functions (needs torch);
 - ``slots``: one (ubatch, lane) slot's buffer and counters;
-- ``stats``: the immutable snapshots a manager gives out, and the per-slot
-  statistics schema (no torch: the coordinator and the clients read them);
 - ``config``: the ``[workspace]`` section (no torch);
 - ``demo``: a short engine life of one manager, for ``wsd demo``.
 
+The immutable snapshots a manager gives out, and the per-slot statistics schema,
+are ``wsd.slotstats``, on the shared floor: the agent, the coordinator and the
+clients read them without importing the manager.
+
 ``from wsd.manager import WorkspaceManager`` works as it always did: the names
-of ``core`` are imported on first use, so that importing ``wsd.manager.stats``
-or ``wsd.manager.config`` does not import torch.
+of ``core`` are imported on first use, so that importing ``wsd.manager.config``
+does not import torch.
 """
 
 from __future__ import annotations

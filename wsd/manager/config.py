@@ -6,13 +6,9 @@ import enum
 from dataclasses import dataclass
 
 from wsd.sections import check_range, coerce_enum, size_field
+from wsd.slotstats import MAX_LANES, MAX_UBATCHES  # the grid's bounds, on the shared floor
 
 __all__ = ["MAX_LANES", "MAX_UBATCHES", "GrowthPolicy", "LockedGrowthPolicy", "WorkspaceConfig"]
-
-MAX_UBATCHES = 64
-"""Largest ``num_ubatches`` a manager accepts."""
-MAX_LANES = 64
-"""Largest ``num_lanes`` a manager accepts."""
 
 
 class GrowthPolicy(enum.Enum):

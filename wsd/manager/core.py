@@ -55,7 +55,7 @@ from wsd.manager.slots import (
     use_lane,
     use_ubatch,
 )
-from wsd.manager.stats import SLOT_COLUMNS, LockViolation, ManagerStats, PersistentStats, RetainedStats, SlotStats
+from wsd.slotstats import SLOT_COLUMNS, LockViolation, ManagerStats, PersistentStats, RetainedStats, SlotStats
 
 __all__ = [
     "WorkspaceManager",

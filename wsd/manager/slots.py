@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from wsd.manager.stats import LockViolation
+from wsd.slotstats import LockViolation
 
 __all__ = ["Slot", "caller_outside", "current_lane", "current_ubatch", "key_text", "use_lane",
            "use_ubatch"]
@@ -104,7 +104,7 @@ def tensor_bytes(obj: Any) -> int:
 class Slot:
     """One (ubatch, lane) slot: its buffer, the views bound to it, its counters.
 
-    Each number of ``wsd.manager.stats.SLOT_NUMBERS`` is an attribute of the
+    Each number of ``wsd.slotstats.SLOT_NUMBERS`` is an attribute of the
     same name here, which ``WorkspaceManager.stats`` copies into the snapshot.
     """
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from wsd.fmt import format_bytes
 from wsd.manager.config import LockedGrowthPolicy
-from wsd.manager.stats import LockViolation
+from wsd.slotstats import LockViolation
 
 __all__ = ["ViolationLog"]
 

@@ -4,7 +4,8 @@ Key files (``load_secret``, ``load_public``, ``load_folder``) are refused at
 start-up when a secret one is readable or writable by anyone but its owner, or
 a public one writable by others (``ConfigError`` naming the file and its mode).
 The coordinator's ``CurveGate`` loads its keys and the folders of admitted
-public keys (named by ``[security]``, ``wsd.security``), starts pyzmq's ZAP
+public keys (named by ``[security]``, ``wsd.security``, which the role that loaded it
+hands in as ``CurveSettings``), starts pyzmq's ZAP
 thread before any socket binds, and makes its ROUTER sockets CURVE servers. A key listed in no folder
 gets no access at all: ZAP refuses the handshake, so the peer sees nothing
 but a timeout. An admitted client key's role (viewer or admin) travels with
@@ -22,20 +23,20 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 import zmq.auth
 from zmq.utils import z85
 
-from wsd.errors import ConfigError
-from wsd.security import Role, SecurityConfig, read_owned
+from wsd.errors import ConfigError, StrEnum
+from wsd.files import read_owned
 from wsd.wire import protocol as p
 from wsd.wire.protocol import ErrorCode
 from wsd.wire.transport import TransportError
 
-__all__ = ["AGENT_DOMAIN", "CLIENT_DOMAIN", "ClientKeys", "CurveGate", "agent_keys", "is_loopback",
-           "keygen", "load_folder", "load_public", "load_secret", "refusal"]
+__all__ = ["AGENT_DOMAIN", "CLIENT_DOMAIN", "ClientKeys", "CurveGate", "CurveSettings", "Role", "agent_keys",
+           "is_loopback", "keygen", "load_folder", "load_public", "load_secret", "refusal"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,43 @@ AGENT_DOMAIN = "wsd-agents"
 # Keys refused are logged once each (a refused peer reconnects every few
 # hundred milliseconds); past this many, no more are remembered or logged.
 _REFUSED_LOGGED = 1024
+
+
+class Role(StrEnum):
+    """What an authenticated client key may do; carried as ZeroMQ's User-Id."""
+
+    VIEWER = "viewer"
+    """Read-only operations: ping, status, ranks, stats, events."""
+    ADMIN = "admin"
+    """Every operation, state-changing ones included."""
+    AGENT = "agent"
+    """An agent on the agent endpoint."""
+
+
+class CurveSettings(Protocol):
+    """What CURVE reads of the ``[security]`` section (``wsd.security.SecurityConfig``).
+
+    Named here rather than imported: the wire sits below the configuration
+    sections, and is handed the section by the role that loaded it.
+    """
+
+    @property
+    def curve_clients(self) -> bool: ...
+    @property
+    def curve_agents(self) -> bool: ...
+    @property
+    def server_secret_key(self) -> str | None: ...
+    @property
+    def server_public_key(self) -> str | None: ...
+    @property
+    def viewer_keys(self) -> str | None: ...
+    @property
+    def admin_keys(self) -> str | None: ...
+    @property
+    def agent_keys(self) -> str | None: ...
+    @property
+    def agent_secret_key(self) -> str | None: ...
+
 
 # -- key files ---------------------------------------------------------------------------
 
@@ -126,7 +164,7 @@ class CurveGate:
     before any socket binds, so no connection slips in unauthenticated.
     """
 
-    def __init__(self, security: SecurityConfig, context: zmq.Context) -> None:
+    def __init__(self, security: CurveSettings, context: zmq.Context) -> None:
         self.security = security
         self._auth: Any = None  # the ZAP thread (_role_authenticator), once started
         if not (security.curve_clients or security.curve_agents):
@@ -238,7 +276,7 @@ class ClientKeys:
         sock.curve_secretkey = self.secret
 
 
-def agent_keys(security: SecurityConfig) -> ClientKeys | None:
+def agent_keys(security: CurveSettings) -> ClientKeys | None:
     """The agents' CURVE keys when ``curve_agents`` is on, else None; ConfigError when incomplete."""
     if not security.curve_agents:
         return None
@@ -248,7 +286,7 @@ def agent_keys(security: SecurityConfig) -> ClientKeys | None:
     if security.server_public_key is not None:
         server = load_public(security.server_public_key, "[security] server_public_key")
     else:
-        assert security.server_secret_key is not None  # SecurityConfig checks one is set
+        assert security.server_secret_key is not None  # SecurityConfig checks that one is set
         server = load_secret(security.server_secret_key, "[security] server_secret_key")[0]
     return ClientKeys(public, secret, server)
 

@@ -1,5 +1,6 @@
-"""The wire: message types, their fields and validation, msgpack encode/decode.
+"""The wire: message framing, msgpack encode/decode, and what decoding may cost.
 
+The operations and their fields are ``wsd.wire.schemas``' (re-exported here).
 No I/O and no torch. Every message is one msgpack map:
 
     request   {"v": 1, "op": "<Op>", "id": <int>, "body": {...}}
@@ -14,326 +15,68 @@ never lets another exception out. No pickle anywhere.
 
 from __future__ import annotations
 
-import enum
 import gc
-import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
-from wsd.commands import COMMANDS
-from wsd.errors import ProtocolError  # here too: the wire's error, as p.ProtocolError
-from wsd.names import ENGINE_NAME, MAX_ENGINE_NAME, engine_name_problem
+# Here too, the wire's error and its codes (p.ProtocolError, p.ErrorCode), and its vocabulary
+# and schemas (p.Op, p.SCHEMAS, wsd.wire.schemas): every name of the wire reads as p.NAME.
+from wsd.errors import ErrorCode, ProtocolError, StrEnum
+from wsd.wire.schemas import (
+    ACK_MEMORY,
+    ACK_MEMORY_ERROR,
+    AGENT_OPS,
+    CLIENT_OPS,
+    COMMAND_OPS,
+    COORDINATOR_OPS,
+    INT_MAX,
+    MAX_STATUS_GROUPS,
+    NEVER_REGISTERED,
+    READ_ONLY_OPS,
+    REGISTER_BYTES,
+    SCHEMAS,
+    Field,
+    Op,
+    validate_body,
+)
 
 __all__ = [
+    "ACK_MEMORY",
+    "ACK_MEMORY_ERROR",
+    "AGENT_OPS",
     "CLIENT_OPS",
     "COMMAND_OPS",
+    "COORDINATOR_OPS",
+    "LIMITS",
+    "MAX_STATUS_GROUPS",
     "NEVER_REGISTERED",
     "PROTOCOL_VERSION",
     "READ_ONLY_OPS",
+    "REGISTER_BYTES",
+    "SCHEMAS",
+    "SMALL_FRAME",
     "ErrorCode",
+    "Field",
+    "Limits",
     "Message",
     "Op",
     "ProtocolError",
+    "Reply",
+    "StrEnum",
     "decode",
     "decode_reply",
     "encode",
     "error_reply",
     "ok_reply",
     "ok_reply_packed",
+    "peek_op",
+    "spliced",
+    "validate_body",
 ]
 
 PROTOCOL_VERSION = 1
-
-
-class StrEnum(str, enum.Enum):
-    """``enum.StrEnum`` for Python 3.10 too: members are their string values."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-
-class Op(StrEnum):
-    # client -> coordinator: read-only
-    PING = "ping"
-    ENGINES = "engines"
-    STATUS = "status"
-    RANKS = "ranks"
-    STATS = "stats"
-    EVENTS = "events"
-    # client -> coordinator: state-changing commands
-    LOCK = "lock"
-    UNLOCK = "unlock"
-    SET_UBATCHES = "set_ubatches"
-    RESERVE = "reserve"
-    EQUALIZE = "equalize"
-    TRIM = "trim"
-    # agent -> coordinator
-    REGISTER = "register"
-    HEARTBEAT = "heartbeat"
-    ACK = "ack"
-    STATS_REPLY = "stats_reply"
-    STATS_PUSH = "stats_push"
-    EVENT = "event"
-    GOODBYE = "goodbye"
-    # coordinator -> agent
-    REGISTERED = "registered"
-    CHALLENGE = "challenge"
-    PULSE = "pulse"
-    COMMAND = "command"
-    STATS_REQUEST = "stats_request"
-    STATS_ACK = "stats_ack"
-    REJECTED = "rejected"
-
-
-class ErrorCode(StrEnum):
-    BAD_MESSAGE = "bad_message"
-    """Not a msgpack map, or no usable envelope: fix the sender."""
-    BAD_VERSION = "bad_version"
-    """Another protocol version: upgrade the older side."""
-    UNKNOWN_OP = "unknown_op"
-    """No such operation (or not on this socket)."""
-    BAD_FIELD = "bad_field"
-    """A field missing, of the wrong type or out of range: the message names it."""
-    TOO_LARGE = "too_large"
-    """Larger than the socket's message limit."""
-    MISMATCH = "mismatch"
-    """A rank's world does not match the coordinator's: fix the launch."""
-    CONFLICT = "conflict"
-    """Refused by the desired state (e.g. reserve while locked): unlock first."""
-    FORBIDDEN = "forbidden"
-    """This client's key may only read."""
-    TIMEOUT = "timeout"
-    """No reply in time: retry, or check the coordinator."""
-    UNAVAILABLE = "unavailable"
-    """The coordinator cannot be reached: check it runs and the endpoint."""
-    STORAGE = "storage"
-    """The coordinator cannot write its state file (a full disk, permissions): the
-    message names the file. Nothing was numbered or sent; free space and retry."""
-    INTERNAL = "internal"
-    """A bug in wsd: report it with the coordinator's log."""
-
-
-# Every row of the command table is an operation of the same name (ValueError here, at
-# import, for a row without its Op member).
-COMMAND_OPS = frozenset(Op(name) for name in COMMANDS)
-READ_ONLY_OPS = frozenset({Op.PING, Op.ENGINES, Op.STATUS, Op.RANKS, Op.STATS, Op.EVENTS})
-CLIENT_OPS = COMMAND_OPS | READ_ONLY_OPS
-AGENT_OPS = frozenset({Op.REGISTER, Op.HEARTBEAT, Op.ACK, Op.STATS_REPLY, Op.STATS_PUSH, Op.EVENT, Op.GOODBYE})
-COORDINATOR_OPS = frozenset({Op.REGISTERED, Op.CHALLENGE, Op.PULSE, Op.COMMAND, Op.STATS_REQUEST, Op.STATS_ACK,
-                             Op.REJECTED})
-
-_INT_MAX = 2**63 - 1
-MAX_STATUS_GROUPS = 4096
-"""The most TP groups one ``status`` answer lists (``limit``); the rest are further pages."""
-NEVER_REGISTERED = "never registered"
-"""The reason a missing rank reads in ``ranks``, ``status`` and ``stats`` when it has not
-registered since the coordinator started (else ``lost`` or ``stopped``)."""
-# Types whose values Field.check may accept on its fast path.
-_PLAIN = frozenset({int, str, bool, dict, list, bytes})
-_SIZED = frozenset({str, bytes, dict, list})
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-"""C0 and C1 control characters, DEL: never in a host name, a device or an event kind."""
-
-
-@dataclass(frozen=True, slots=True)
-class Field:
-    """One body field: its type(s), whether required, its default and bounds."""
-
-    name: str
-    types: tuple[type, ...]
-    required: bool = True
-    default: Any = None
-    low: float | None = None
-    high: float | None = None
-    nullable: bool = False
-    max_len: int | None = None
-    """The most characters, bytes, items or entries of a string, bytes, list or map."""
-    printable: bool = False
-    """A string that must hold no control character (a host name, a device): one from a peer
-    would otherwise reach an operator's terminal raw (ESC, BEL)."""
-    pattern: re.Pattern[str] | None = None
-    """A string that must match this whole (an engine's name)."""
-
-    def check(self, value: Any, where: str) -> Any:
-        # The common case in one test: exactly a listed type (so never a bool
-        # where a number is meant) and no float (whose finiteness the full
-        # check tests), within bounds. Every agent message passes here.
-        kind = type(value)
-        if kind in self.types and kind in _PLAIN:
-            if kind in _SIZED:
-                if (self.max_len is None or len(value) <= self.max_len) and not (
-                        self.printable and _CONTROL.search(value)) and (
-                        self.pattern is None or self.pattern.fullmatch(value)):
-                    return value
-            elif (self.low is None or self.low <= value) and (self.high is None or value <= self.high):
-                return value
-        if value is None and self.nullable:
-            return None
-        # bool is an int in Python; it is never accepted where a number is meant.
-        if isinstance(value, bool) and bool not in self.types:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{where}{self.name}: expected {self._kind()}, got a boolean")
-        if float in self.types and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, self.types):
-            raise ProtocolError(
-                ErrorCode.BAD_FIELD,
-                f"{where}{self.name}: expected {self._kind()}, got {type(value).__name__}",
-            )
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{where}{self.name}: must be finite")
-        if (isinstance(value, (int, float)) and not isinstance(value, bool)
-                and ((self.low is not None and value < self.low) or (self.high is not None and value > self.high))):
-            raise ProtocolError(
-                ErrorCode.BAD_FIELD,
-                f"{where}{self.name}: must be between {self.low:g} and {self.high:g}, got {value}",
-            )
-        if isinstance(value, (str, bytes, list, dict)) and self.max_len is not None and len(value) > self.max_len:
-            unit = "characters" if isinstance(value, str) else "bytes" if isinstance(value, bytes) else "entries"
-            raise ProtocolError(ErrorCode.BAD_FIELD,
-                                f"{where}{self.name}: at most {self.max_len} {unit}, got {len(value)}")
-        if self.printable and isinstance(value, str) and _CONTROL.search(value):
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{where}{self.name}: must hold no control character, "
-                                                     f"got {_CONTROL.sub('?', value)[:80]!r}")
-        if self.pattern is not None and isinstance(value, str) and not self.pattern.fullmatch(value):
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{where}{self.name}: {engine_name_problem(value)}")
-        return value
-
-    def _kind(self) -> str:
-        names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
-                 dict: "a map", list: "a list", bytes: "bytes"}
-        kind = " or ".join(names[t] for t in self.types)
-        return kind + " or nil" if self.nullable else kind
-
-
-def _f(name: str, *types: type, **kw: Any) -> Field:
-    return Field(name, types, **kw)
-
-
-def _int(name: str, low: int = 0, high: int = _INT_MAX, **kw: Any) -> Field:
-    return Field(name, (int,), low=low, high=high, **kw)
-
-
-def _str(name: str, max_len: int, **kw: Any) -> Field:
-    return Field(name, (str,), max_len=max_len, **kw)
-
-
-def _map(name: str, max_len: int, **kw: Any) -> Field:
-    return Field(name, (dict,), max_len=max_len, **kw)
-
-
-def _opt(field: Field, default: Any = None) -> Field:
-    return Field(field.name, field.types, False, default, field.low, field.high,
-                 field.nullable or default is None, field.max_len, field.printable, field.pattern)
-
-
-# The engine a request is for. None: the only engine the coordinator serves (its default
-# engine while it serves none); with several, every engine, each answering for itself.
-_ENGINE = _opt(Field("engine", (str,), max_len=MAX_ENGINE_NAME, pattern=ENGINE_NAME))
-_TARGET = (
-    _ENGINE,
-    _opt(_int("group", 0, 65535)),
-    _opt(_f("wait", bool), True),
-    _opt(Field("timeout", (float,), low=0.0, high=3600.0)),
-)
-_RANK = _int("rank", 0, 1 << 20)
-# Bounds of what agents send: generous for every legitimate sender, small enough
-# that nothing a peer claims costs the coordinator more than it can afford.
-_HOST = _str("host", 255, printable=True)
-_STATE = _opt(_map("state", 16), {})
-ACK_MEMORY = 64
-"""Acknowledgements an agent keeps to resend when it registers again."""
-ACK_MEMORY_ERROR = 200
-"""Characters of each remembered acknowledgement's error that a registration resends."""
-REGISTER_BYTES = 128 << 10
-"""The largest registration: ACK_MEMORY acks whose errors are ACK_MEMORY_ERROR characters
-of up to 4 bytes each (about 52 KB), its state and config, with room to spare."""
-
-SCHEMAS: dict[Op, tuple[Field, ...]] = {
-    Op.PING: (),
-    Op.ENGINES: (),
-    # ``offset``, ``limit``: the page of TP groups the answer lists (a world of 2**20 ranks of
-    # TP size 1 once made a 185 MB answer); ``groups_total`` says how many there are.
-    Op.STATUS: (_ENGINE, _opt(_int("offset", 0, 1 << 20), 0), _opt(_int("limit", 1, MAX_STATUS_GROUPS), 512)),
-    Op.RANKS: (_ENGINE,),
-    # Answered from the snapshots the ranks pushed; ``fresh``: ask every rank now instead.
-    Op.STATS: (_ENGINE, _opt(_int("group", 0, 65535)), _opt(Field("timeout", (float,), low=0.0, high=3600.0)),
-               _opt(_f("fresh", bool), False)),
-    # ``engine``: only the events of that engine (and those of none, such as the coordinator's start).
-    Op.EVENTS: (_opt(_int("cursor"), 0), _opt(_int("limit", 1, 10_000), 100), _ENGINE),
-    **{Op(spec.name): (*(_int(a.name, a.low, a.high) for a in spec.args), *_TARGET) for spec in COMMANDS.values()},
-    Op.REGISTER: (
-        _RANK,
-        _int("world_size", 1, 1 << 20),
-        _int("tp_size", 1, 1 << 20),
-        _int("tp_group", 0, 1 << 20),
-        _HOST,
-        _int("pid", 0, 1 << 31),
-        _str("device", 64, printable=True),
-        _opt(_int("applied_seq")),
-        _opt(Field("acks", (list,), max_len=ACK_MEMORY), []),
-        _opt(_int("step"), 0),
-        _opt(_f("idle", bool), False),
-        _STATE,
-        _opt(_map("config", 64), {}),
-        # Who is registering: one value per agent process, kept across its
-        # reconnections. Where there is an agent token: the agent's nonce, fresh per
-        # registration; in its second REGISTER the coordinator's CHALLENGE nonce too, and
-        # the proof that the sender holds the token (wsd.security.registration_proof).
-        _opt(_str("instance", 64)),
-        _opt(_str("proof", 128)),
-        _opt(_str("nonce", 64)),
-        _opt(_str("challenge", 64)),
-        # The engine this rank belongs to (None: the coordinator's default engine), and what
-        # it serves (a model's name), shown in ``wsctl engines``.
-        _ENGINE,
-        _opt(_str("model", 256, printable=True)),
-    ),
-    # ``stats_version``: the agent has just found its snapshot unchanged since the push
-    # of that version the coordinator acknowledged (so that version is fresh now).
-    Op.HEARTBEAT: (_RANK, _int("step"), _int("applied_seq"), _int("held_seq"), _STATE,
-                   _opt(_int("stats_version", 1))),
-    Op.ACK: (_RANK, _int("seq", 1), _int("step"), _f("ok", bool), _opt(_str("error", 4096))),
-    Op.STATS_REPLY: (_RANK, _int("request"), _map("stats", 64), _opt(_int("step"), 0)),
-    # A changed snapshot, pushed by the agent; also a heartbeat. ``base`` nil: ``stats`` is
-    # the whole snapshot; else ``delta`` holds what changed since the acknowledged push
-    # numbered ``base`` (wsd.manager.stats.snapshot_delta).
-    Op.STATS_PUSH: (_RANK, _int("version", 1), _opt(_int("base", 1)), _int("step"), _int("applied_seq"),
-                    _int("held_seq"), _STATE, _opt(_map("stats", 64)), _opt(_map("delta", 8))),
-    Op.EVENT: (_RANK, _str("kind", 64, printable=True), _opt(_map("detail", 32), {})),
-    # A worker shutting down cleanly: its rank is stopped, not lost. No answer.
-    Op.GOODBYE: (_RANK, _opt(_int("step"), 0), _opt(_int("applied_seq")), _opt(_int("held_seq")), _STATE),
-    Op.REGISTERED: (_f("epoch", str), _int("baseline_seq"),
-                    Field("heartbeat_interval", (float,), low=0.001, high=3600.0),
-                    Field("heartbeat_timeout", (float,), low=0.001, high=3600.0),
-                    # Seconds between the agent's looks at its snapshot (it pushes what changed).
-                    _opt(Field("stats_interval", (float,), low=0.001, high=3600.0)),
-                    # To a fresh process: its TP group's desired state at baseline_seq
-                    # ({locked, num_ubatches, reserve_bytes}, each nil if never set).
-                    _opt(_f("desired", dict)),
-                    # To a process the kept log cannot bring up to date (it applied less than
-                    # the oldest command kept, or than a resume_seq): start again from
-                    # baseline_seq with the desired state, as a fresh process does.
-                    _opt(_f("rebase", bool), False),
-                    # Where there is an agent token: that this answer is the coordinator's own,
-                    # to this registration (wsd.security.registered_proof).
-                    _opt(_str("proof", 128))),
-    # Where there is an agent token, the answer to a first REGISTER: the coordinator's nonce,
-    # and its proof that it holds the token (wsd.security.challenge_proof).
-    Op.CHALLENGE: (_str("nonce", 64), _str("proof", 128)),
-    Op.PULSE: (_f("epoch", str), _opt(_f("registered", bool), True)),
-    # ``mac``: where there is an agent token, the command authenticated under the registration's
-    # session key (wsd.security.command_mac); an agent applies no command without it.
-    Op.COMMAND: (_int("seq", 1), _f("action", str), _opt(_f("args", dict), {}), _opt(_int("group", 0, 65535)),
-                 _opt(_str("mac", 128))),
-    Op.STATS_REQUEST: (_int("request"),),
-    # The push numbered ``version`` is the coordinator's now (``ok``), or it could not use
-    # it (a delta on another base, or invalid): the agent pushes its whole snapshot next.
-    Op.STATS_ACK: (_int("version", 1), _f("ok", bool)),
-    Op.REJECTED: (_f("code", str), _f("message", str)),
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -377,10 +120,6 @@ _ENVELOPE_KEYS = 8
 
 # What decode looks up for every message, computed once.
 _OPS = {op.value: op for op in Op}
-_KNOWN = {op: frozenset(f.name for f in schema) for op, schema in SCHEMAS.items()}
-_WHERE = {op: f"{op}." for op in Op}  # the prefix naming a body field in errors
-
-
 @dataclass(frozen=True, slots=True)
 class Message:
     """A validated request: its operation, id and body (defaults filled in)."""
@@ -472,7 +211,7 @@ def _unpack(frame: bytes) -> dict[Any, Any]:
 
 def _envelope(data: dict[Any, Any]) -> int:
     request_id = data.get("id")
-    if isinstance(request_id, bool) or not isinstance(request_id, int) or not 0 <= request_id <= _INT_MAX:
+    if isinstance(request_id, bool) or not isinstance(request_id, int) or not 0 <= request_id <= INT_MAX:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"id: expected a non-negative integer, got {request_id!r}")
     version = data.get("v")
     # Exactly the integer: True == 1 and 1.0 == 1 in Python, but neither is a version.
@@ -610,27 +349,6 @@ def decode(frame: bytes, allowed: frozenset[Op] | None = None) -> Message:
     except ProtocolError as e:
         e.request_id = request_id
         raise
-
-
-def validate_body(op: Op, body: dict[Any, Any]) -> dict[str, Any]:
-    schema = SCHEMAS[op]
-    where = _WHERE[op]
-    known = _KNOWN[op]
-    if not known.issuperset(body):
-        key = next(k for k in body if k not in known)
-        allowed = ", ".join(sorted(known)) or "none"
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{where}{key}: unknown field (allowed: {allowed})")
-    out: dict[str, Any] = {}
-    for f in schema:
-        if f.name in body:
-            out[f.name] = f.check(body[f.name], where)
-        elif f.required:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{where}{f.name}: missing required field")
-        else:
-            default = f.default
-            out[f.name] = list(default) if isinstance(default, list) else (
-                dict(default) if isinstance(default, dict) else default)
-    return out
 
 
 @dataclass(frozen=True, slots=True)

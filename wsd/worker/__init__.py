@@ -2,7 +2,6 @@
 
 - ``process``: its main (the torchrun environment, the agent, the loop);
 - ``distributed``: the process groups and the TP groups;
-- ``collectives``: small msgpack collectives over gloo;
 - ``workload``: the built-in engine loop, a tensor-parallel MLP stack;
 - ``config``: the ``[worker]`` and ``[workload]`` sections (no torch).
 """

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from wsd.agent.collectives import broadcast_value
 from wsd.agent.thread import tp_side_group
 from wsd.config import Backend, WorkerConfig
 from wsd.errors import ConfigError, TorchrunEnvError
-from wsd.worker.collectives import broadcast_value
 
 __all__ = ["DistContext", "TorchrunEnv", "any_rank", "init_distributed", "read_torchrun_env"]
 

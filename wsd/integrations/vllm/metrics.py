@@ -48,7 +48,7 @@ from typing import Any
 import msgpack
 
 from wsd.families import FAMILIES, HELP, ViolationTotals
-from wsd.manager.stats import SLOT_COLUMNS, SLOT_NUMBERS, ManagerStats
+from wsd.slotstats import SLOT_COLUMNS, SLOT_NUMBERS, ManagerStats
 
 __all__ = ["DIRECTORY", "EXPORTED", "PUBLISH_INTERVAL", "Publisher", "WorkerCollector", "labels", "serve_workers",
            "share_directory"]

@@ -10,6 +10,12 @@ column. The wire form and its checks, the TP group summaries
 (``wsd.coordinator.aggregate``), the metrics (``wsd.coordinator.metrics``) and
 ``wsctl``'s tables (``wsd_client.render``) are derived from it, by name.
 
+A module of the shared floor, importing nothing of wsd's: it is the contract
+between the manager that fills a snapshot and the agent, the coordinator and the
+clients that read one, none of which imports the manager for it. ``MAX_UBATCHES``
+and ``MAX_LANES`` bound a manager's grid of slots here for the same reason (the
+command table's ``set_ubatches``, the coordinator's checks of a snapshot).
+
 Two plain forms: ``to_dict``/``from_dict``, one map per slot (the documented
 row shape ``wsctl --json`` prints), and ``to_wire``/``from_wire``, the compact
 columnar form agents send and the coordinator passes on: the slots as a map of
@@ -28,11 +34,16 @@ from operator import sub
 from typing import Any, NamedTuple, get_type_hints
 
 __all__ = [
-    "GROUP_COLUMNS", "GROUP_TABLE", "RANK_TABLE", "SLOT_COLUMNS", "SLOT_KEY",
+    "GROUP_COLUMNS", "GROUP_TABLE", "MAX_LANES", "MAX_UBATCHES", "RANK_TABLE", "SLOT_COLUMNS", "SLOT_KEY",
     "SLOT_NUMBERS", "SPARSE", "SPARSE_TABLES", "Combine", "GroupColumn", "LockViolation",
     "ManagerStats", "PersistentStats", "RetainedStats", "SlotNumber", "SlotStats", "SparseTable",
     "apply_snapshot_delta", "one_rank_summary", "slot_rows", "snapshot_delta"
 ]
+
+MAX_UBATCHES = 64
+"""Largest ``num_ubatches`` a manager accepts."""
+MAX_LANES = 64
+"""Largest ``num_lanes`` a manager accepts."""
 
 # -- the per-slot statistics schema --------------------------------------------------
 

@@ -19,9 +19,11 @@ import msgpack
 import zmq
 from zmqkit import Sockets
 
+from wsd.wire.protocol import PROTOCOL_VERSION
+
 
 def nested(size: int) -> bytes:
-    return msgpack.packb({"v": 1, "op": "heartbeat", "id": 0,
+    return msgpack.packb({"v": PROTOCOL_VERSION, "op": "heartbeat", "id": 0,
                           "body": {"rank": 0, "step": 0, "applied_seq": 0, "held_seq": 0,
                                    "state": {"x": [[]] * (size - 80)}}})
 

@@ -120,6 +120,10 @@ _FAULTS = {
     "the engines of one coordinator counted together": (
         "count by (job, instance, namespace, engine, tp_group) (wsd_rank_up == 0)",
         "count by (job, instance, namespace, tp_group) (wsd_rank_up == 0)", "alertname: WsdRankDown"),
+    "a stalled rank alerted without the peer it waits for": (
+        "max by (job, instance, namespace, engine, tp_group, rank, peer) (wsd_rank_waits_for == 1)",
+        "max by (job, instance, namespace, engine, tp_group, rank) (wsd_rank_waits_for == 1)",
+        "alertname: WsdRankStalled"),
     "a violation alert per rank": (
         "sum by (job, instance, namespace, engine, tp_group) (increase(wsd_rank_lock_violations_total[5m])) > 0",
         "increase(wsd_rank_lock_violations_total[5m]) > 0", "alertname: WsdLockViolations"),

@@ -12,7 +12,7 @@ from conftest import wait_until
 
 from wsd import WorkspaceLockedError, WorkspaceManager, use_ubatch
 from wsd.agent.thread import Agent
-from wsd.wire.protocol import ErrorCode
+from wsd.wire.protocol import PROTOCOL_VERSION, ErrorCode
 from wsd_client.client import Client, ClientError, Unavailable
 from wsd_client.rows import rank_columns, rank_slots
 
@@ -121,7 +121,7 @@ def test_a_stopped_agent_says_goodbye_and_is_never_lost(start_coordinator, agent
         [rank1] = [r for r in client.ranks()["ranks"] if r["rank"] == 1]
         assert rank1["stopped_at"] is not None and rank1["lost_at"] is None
         status = client.status()
-        assert status["ranks"] == {"live": 2, "lost": 0, "stopped": 1, "missing": 0}
+        assert status["ranks"] == {"live": 2, "stalled": 0, "lost": 0, "stopped": 1, "missing": 0}
         [missing] = status["groups"][1]["missing"]
         assert missing["rank"] == 1 and missing["reason"].startswith("stopped (said goodbye at ")
         kinds = [(e["kind"], e.get("rank")) for e in client.events()["events"]]
@@ -225,8 +225,8 @@ def test_bad_client_frames_get_error_replies_and_service_goes_on(start_coordinat
     sock = zmq_socket(zmq.DEALER, connect=coordinator.client_endpoint)
     for frame, code in [
         (b"\xc1garbage", ErrorCode.BAD_MESSAGE),
-        (msgpack.packb({"v": 1, "op": "explode", "id": 3}), ErrorCode.UNKNOWN_OP),
-        (msgpack.packb({"v": 1, "op": "set_ubatches", "id": 4, "body": {"n": 0}}), ErrorCode.BAD_FIELD),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "op": "explode", "id": 3}), ErrorCode.UNKNOWN_OP),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "op": "set_ubatches", "id": 4, "body": {"n": 0}}), ErrorCode.BAD_FIELD),
         (b"\x00" * (2 << 20), ErrorCode.TOO_LARGE),
     ]:
         sock.send(frame)

@@ -34,7 +34,7 @@ from wsd.slotstats import (
     SlotStats,
 )
 from wsd.wire import protocol as p
-from wsd.wire.protocol import ErrorCode, Op
+from wsd.wire.protocol import PROTOCOL_VERSION, ErrorCode, Op
 from wsd_client.rows import group_columns, group_slots, rank_columns, table_rows
 
 WALL0 = 1_700_000_000.0
@@ -218,7 +218,7 @@ def test_registration_accepted(h):
     sent = h.register(1, step=7)
     registered = to_agents(sent, Op.REGISTERED)[peer_of(1)]
     assert registered == {"epoch": h.core.epoch, "baseline_seq": 0, "heartbeat_interval": 1.0,
-                          "heartbeat_timeout": 5.0, "stats_interval": 1.0,
+                          "heartbeat_timeout": 5.0, "stats_interval": 1.0, "stall_after": 60.0,
                           "desired": {"locked": None, "num_ubatches": None, "reserve_bytes": None},
                           "rebase": False, "proof": None}  # no agent token: nothing to prove
     info = h.core.engine().registry.ranks[1]
@@ -366,7 +366,7 @@ def test_goodbye_marks_the_rank_stopped_and_silence_never_makes_it_lost(h):
     assert rank0["state"] == "stopped" and rank0["stopped_at"] == stopped_wall and rank0["lost_at"] is None
     assert h.core.engine().registry.missing()[0] == "stopped (said goodbye at 2023-11-14T22:13:22Z, last step 42)"
     status = h.ok(Op.STATUS)
-    assert status["ranks"] == {"live": 1, "lost": 0, "stopped": 1, "missing": 2}
+    assert status["ranks"] == {"live": 1, "stalled": 0, "lost": 0, "stopped": 1, "missing": 2}
     assert status["groups"][0]["live"] == [1]
     assert status["groups"][0]["missing"] == [{"rank": 0, "reason": h.core.engine().registry.missing()[0]}]
     assert peer_of(0) not in to_agents(h.advance(1), Op.PULSE)  # no pulses to a stopped rank
@@ -865,7 +865,7 @@ def test_status(h):
     status = h.ok(Op.STATUS)
     assert status["seq"] == 2 and status["epoch"] == h.core.epoch and status["recovered"] is False
     assert (status["world_size"], status["tp_size"]) == (4, 2)
-    assert status["ranks"] == {"live": 3, "lost": 0, "stopped": 0, "missing": 1}
+    assert status["ranks"] == {"live": 3, "stalled": 0, "lost": 0, "stopped": 0, "missing": 1}
     assert status["desired"]["locked"] is True and status["desired"]["num_ubatches"] is None
     assert status["pending_commands"] == [1, 2]  # unacknowledged, waited for or not
     g0, g1 = status["groups"]
@@ -1179,7 +1179,7 @@ def test_oversized_client_frame(tmp_path):
     h = make(tmp_path, max_message_bytes=1024)
     frame = p.encode(Op.PING, {}, 3)
     assert only_reply(decode_all(h.core.handle_client(CLIENT_ROUTE, frame))).ok
-    big = msgpack.packb({"v": 1, "op": "ping", "id": 4, "body": {"pad": "x" * 2000}})
+    big = msgpack.packb({"v": PROTOCOL_VERSION, "op": "ping", "id": 4, "body": {"pad": "x" * 2000}})
     reply = only_reply(decode_all(h.core.handle_client(CLIENT_ROUTE, big)))
     assert reply.code is ErrorCode.TOO_LARGE and "max_message_bytes=1024" in reply.message
 

@@ -202,7 +202,7 @@ def test_two_ranks_registered(cluster):
     status = wsctl(cluster.endpoint, "status")
     assert status.code == 0, status
     assert status.doc["world_size"] == 2 and status.doc["tp_size"] == 2
-    assert status.doc["ranks"] == {"live": 2, "lost": 0, "stopped": 0, "missing": 0}
+    assert status.doc["ranks"] == {"live": 2, "stalled": 0, "lost": 0, "stopped": 0, "missing": 0}
     groups = status.doc["groups"]
     assert [(g["tp_group"], g["ranks"], g["missing"]) for g in groups] == [(0, [0, 1], [])]
 

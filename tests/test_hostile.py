@@ -218,7 +218,7 @@ def bad_values(f: Field) -> st.SearchStrategy[Any]:
 _GOOD: dict[str, Any] = {
     "rank": 1, "world_size": 2, "tp_size": 1, "tp_group": 1, "host": "h", "pid": 1, "device": "cpu",
     "step": 0, "applied_seq": 0, "held_seq": 0, "seq": 1, "ok": True, "request": 1, "stats": {},
-    "kind": "x", "n": 2, "bytes": 1024, "version": 1,
+    "kind": "x", "n": 2, "bytes": 1024, "version": 1, "threads": [],
 }
 
 
@@ -238,7 +238,7 @@ def ops_with_fields(ops: frozenset[Op]) -> list[Op]:
     return sorted((op for op in ops if SCHEMAS[op]), key=str)
 
 
-def envelope(v: Any = 1, op: Any = "ping", id_: Any = 5, body: Any = None) -> bytes:
+def envelope(v: Any = p.PROTOCOL_VERSION, op: Any = "ping", id_: Any = 5, body: Any = None) -> bytes:
     doc = {"v": v, "op": op, "id": id_}
     if body is not None:
         doc["body"] = body
@@ -295,7 +295,7 @@ def _nested_frame(depth: int, where: str) -> bytes:
     nested = b"\x91" * depth + b"\xc0"  # [[[...[nil]...]]]
     if len(nested) > MAX_MESSAGE - 64:
         nested = nested[: MAX_MESSAGE - 64]  # the nesting, cut short: truncated as well
-    head = {"v": 1, "op": "lock", "id": 4}
+    head = {"v": p.PROTOCOL_VERSION, "op": "lock", "id": 4}
     if where == "bare":
         return nested
     if where == "group":
@@ -319,8 +319,8 @@ def test_deeply_nested_msgpack_is_refused(live, cases):
 
 @seeded
 @FEW
-@given(versions=batch(st.one_of(st.integers(-(2**63), 2**64 - 1).filter(lambda v: v != 1), st.just(True),
-                                st.just(1.0), st.text(max_size=5), st.none())))
+@given(versions=batch(st.one_of(st.integers(-(2**63), 2**64 - 1).filter(lambda v: v != p.PROTOCOL_VERSION),
+                                st.just(True), st.just(float(p.PROTOCOL_VERSION)), st.text(max_size=5), st.none())))
 def test_unknown_versions_are_refused(live, versions):
     for v in versions:
         TRIED["client version"] += 1
@@ -444,7 +444,8 @@ def test_a_wrong_value_in_any_field_of_any_agent_op_is_rejected_naming_it(live, 
 @seeded
 @SOME
 @given(messages=batch(st.lists(st.one_of(st.binary(max_size=256), _messages().map(lambda f: f[:-1]),
-                                         st.sampled_from([envelope(op="lock"), envelope(v=2, op="heartbeat"),
+                                         st.sampled_from([envelope(op="lock"),
+                                                          envelope(v=p.PROTOCOL_VERSION + 1, op="heartbeat"),
                                                           envelope(op="register", body={"rank": "0"})])),
                                min_size=1, max_size=4)))
 def test_garbage_from_an_agent_is_rejected_or_dropped(live, messages):

@@ -24,6 +24,12 @@ class FakeTarget:
     def snapshot(self) -> dict[str, Any]:
         return {}
 
+    def in_step(self) -> tuple[int, float] | None:
+        return None
+
+    def stacks(self) -> list[dict[str, Any]]:
+        return []
+
     def apply(self, action: str, args: dict[str, Any]) -> None:
         self.applied.append((action, args))
 

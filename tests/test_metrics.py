@@ -187,6 +187,8 @@ def test_collector_exports_every_family_with_its_labels_and_values():
     for rank in (0, 1):
         registry.register(b"p%d" % rank, registration(rank, locked=rank == 0), 10.0)
     assert [i.rank for i in registry.expire(12.0)] == [2]  # rank 2 lost, rank 3 never registered
+    registry.ranks[1].in_step_since = 11.0
+    registry.ranks[1].stalled = True  # inside a step that rank 0, between steps, never joined
     commands = CommandStats()
     commands.record("lock", CommandOutcome.COMPLETE, 0.02)
     commands.record("lock", CommandOutcome.PARTIAL, 3.0)
@@ -208,6 +210,9 @@ def test_collector_exports_every_family_with_its_labels_and_values():
 
     assert by(s, "wsd_slot_capacity_bytes", "rank", "ubatch") == {
         ("0", "0"): 4096, ("0", "1"): 8192, ("1", "0"): 4096, ("1", "1"): 0}
+    assert by(s, "wsd_rank_stalled", "rank") == {"0": 0, "1": 1}  # the lost rank 2 has none
+    assert by(s, "wsd_rank_waits_for", "rank", "peer") == {("1", "0"): 1}
+    assert by(s, "wsd_ranks", "state")["stalled"] == 1
     assert by(s, "wsd_slot_peak_requested_bytes", "rank", "ubatch")[("0", "1")] == 8192 + 7
     assert by(s, "wsd_slot_requests_total", "rank", "ubatch")[("1", "1")] == 101
     assert by(s, "wsd_slot_resizes_total", "rank", "ubatch")[("1", "1")] == 1
@@ -225,7 +230,7 @@ def test_collector_exports_every_family_with_its_labels_and_values():
     assert by(s, "wsd_group_workspace_bytes", "tp_group") == {"0": 16384}  # group 1: nobody reported
     assert by(s, "wsd_group_skew_bytes", "tp_group") == {"0": 8192}
     assert by(s, "wsd_group_consistent", "tp_group") == {"0": 1, "1": 0}
-    assert by(s, "wsd_ranks", "state") == {"live": 2, "lost": 1, "stopped": 0, "missing": 1}
+    assert by(s, "wsd_ranks", "state") == {"live": 1, "stalled": 1, "lost": 1, "stopped": 0, "missing": 1}
     # Ranks 2 (lost) and 3 (never registered) have no snapshot in the figures; none is stale.
     assert s["wsd_stats_absent_ranks"] == {E: 2} and s["wsd_stats_stale_ranks"] == {E: 0}
     assert by(s, "wsd_events_total", "kind") == {str(kind): 0 for kind in EventKind}  # none given: all at 0
@@ -388,7 +393,7 @@ def test_every_state_is_missing_not_never_registered_and_there_from_the_start():
     """One name per rank state: a rank that never registered is `missing` in `ranks`, `wsctl
     status` and wsd_ranks alike; every state has its sample before any rank registers."""
     _, s = collect(one_engine(core=core_view(Registry(3, 1, 5.0), seq=0, inconsistent=set())))
-    assert by(s, "wsd_ranks", "state") == {"live": 0, "lost": 0, "stopped": 0, "missing": 3}
+    assert by(s, "wsd_ranks", "state") == {"live": 0, "stalled": 0, "lost": 0, "stopped": 0, "missing": 3}
     assert s["wsd_stats_absent_ranks"] == {E: 3}  # nothing copied yet: every expected rank
 
 
@@ -678,7 +683,7 @@ def test_scrape_of_a_running_cluster_matches_wsctl_stats(start_coordinator, caps
             s, _ = wait_until(lambda: (m := matches_wsctl(url, endpoint, capsys))
                               and by(m[0], "wsd_rank_up", "rank")["4"] == 0 and m, 10, "rank 4 lost in the scrape")
             assert "4" not in by(s, "wsd_slot_capacity_bytes", "rank")
-            assert by(s, "wsd_ranks", "state") == {"live": 4, "lost": 1, "stopped": 0, "missing": 1}
+            assert by(s, "wsd_ranks", "state") == {"live": 4, "stalled": 0, "lost": 1, "stopped": 0, "missing": 1}
             assert s["wsd_heartbeats_total"][()] > 0
     finally:
         if not left:
@@ -718,7 +723,7 @@ def test_every_expected_rank_is_down_from_the_first_scrape_with_world_size_alone
     assert by(first, "wsd_rank_up", "rank") == {"0": 0, "1": 0, "2": 0, "3": 0}
     # The TP group is not known yet: empty, which Prometheus reads as no label.
     assert {dict(labels)["tp_group"] for labels in first["wsd_rank_up"]} == {""}
-    assert by(first, "wsd_ranks", "state") == {"live": 0, "lost": 0, "stopped": 0, "missing": 4}
+    assert by(first, "wsd_ranks", "state") == {"live": 0, "stalled": 0, "lost": 0, "stopped": 0, "missing": 4}
     assert first["wsd_stats_absent_ranks"] == {E: 4}
     with SimulatedRanks(coordinator.agent_endpoint, [0, 1], world_size=4, tp_size=2, num_ubatches=2,
                         **HEARTBEAT) as ranks:
@@ -726,7 +731,7 @@ def test_every_expected_rank_is_down_from_the_first_scrape_with_world_size_alone
         s = wait_until(lambda: (m := scrape(coordinator.metrics_url)) and m["wsd_stats_absent_ranks"] == {E: 2}
                        and m, 10, "ranks 0 and 1 in the scrape")
         assert by(s, "wsd_rank_up", "rank", "tp_group") == {("0", "0"): 1, ("1", "0"): 1, ("2", "1"): 0, ("3", "1"): 0}
-        assert by(s, "wsd_ranks", "state") == {"live": 2, "lost": 0, "stopped": 0, "missing": 2}
+        assert by(s, "wsd_ranks", "state") == {"live": 2, "stalled": 0, "lost": 0, "stopped": 0, "missing": 2}
 
 
 def test_metrics_endpoint_starts_and_stops_with_the_coordinator(tmp_path, start_coordinator):

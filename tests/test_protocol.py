@@ -26,6 +26,7 @@ VALID: dict[Op, dict] = {
     Op.RANKS: {},
     Op.STATS: {"group": 1, "timeout": 2.5, "fresh": True},
     Op.EVENTS: {"cursor": 7, "limit": 50, "engine": "e_2"},
+    Op.STACKS: {"engine": "e_2", "rank": 3, "timeout": 2.0},
     Op.LOCK: {"group": 0, "wait": False, "timeout": 1.0},
     Op.UNLOCK: {},
     Op.SET_UBATCHES: {"n": 4, "wait": True},
@@ -38,20 +39,25 @@ VALID: dict[Op, dict] = {
         "state": {"locked": False, "num_ubatches": 2}, "config": {"num_lanes": 1},
         "engine": "node-a-Llama-3-1-8B", "model": "meta-llama/Llama-3.1-8B",
     },
-    Op.HEARTBEAT: {"rank": 0, "step": 9, "applied_seq": 2, "held_seq": 3, "state": {"locked": True}},
+    Op.HEARTBEAT: {"rank": 0, "step": 9, "applied_seq": 2, "held_seq": 3, "state": {"locked": True},
+                   "in_step": 61.5},
     Op.ACK: {"rank": 1, "seq": 4, "step": 12, "ok": False, "error": "WorkspaceLockedError: ..."},
     Op.STATS_REPLY: {"rank": 2, "request": 9, "stats": {"slots": []}, "step": 3},
     Op.STATS_PUSH: {"rank": 2, "version": 5, "base": 4, "step": 30, "applied_seq": 2, "held_seq": 2,
                     "state": {"locked": True}, "delta": {"columns": {"requests": [[0], [7]]}}},
+    Op.STACKS_REPLY: {"rank": 1, "request": 0, "step": 40, "in_step": 60.25, "threads": [
+        {"name": "MainThread", "ident": 1, "engine": True, "daemon": False, "dropped": 0,
+         "frames": ["worker.py:10:main", "torch/distributed/distributed_c10d.py:2501:all_reduce"]}]},
     Op.EVENT: {"rank": 0, "kind": "lock_violation", "detail": {"slot": 1, "caller": "x.py:1:f"}},
     Op.GOODBYE: {"rank": 3, "step": 120},
     Op.REGISTERED: {"epoch": "abc", "baseline_seq": 0, "heartbeat_interval": 1.0, "heartbeat_timeout": 5.0,
-                    "desired": {"locked": True, "num_ubatches": 3, "reserve_bytes": None}},
+                    "stall_after": 60.0, "desired": {"locked": True, "num_ubatches": 3, "reserve_bytes": None}},
     Op.CHALLENGE: {"nonce": "c0ffee" * 5, "proof": "ab" * 32},
     Op.PULSE: {"epoch": "abc", "registered": False},
     Op.COMMAND: {"seq": 1, "action": "set_ubatches", "args": {"n": 4}, "group": 0, "mac": "cd" * 32},
     Op.STATS_REQUEST: {"request": 1},
     Op.STATS_ACK: {"version": 5, "ok": False},
+    Op.STACKS_REQUEST: {"request": 2},
     Op.REJECTED: {"code": "mismatch", "message": "rank 9 is not below its world_size=4"},
 }
 
@@ -82,12 +88,12 @@ def refused(frame: bytes, code: ErrorCode, *named: str, allowed=None) -> Protoco
 def test_contract_pins_ops_codes_and_socket_sets():
     """A change to the wire vocabulary must be deliberate: agents, clients and
     coordinators of different builds talk to each other only if these agree."""
-    assert p.PROTOCOL_VERSION == 1
+    assert p.PROTOCOL_VERSION == 2
     assert {str(op) for op in Op} == {
-        "ping", "engines", "status", "ranks", "stats", "events",
+        "ping", "engines", "status", "ranks", "stats", "events", "stacks",
         "lock", "unlock", "set_ubatches", "reserve", "equalize", "trim",
-        "register", "heartbeat", "ack", "stats_reply", "stats_push", "event", "goodbye",
-        "registered", "challenge", "pulse", "command", "stats_request", "stats_ack", "rejected",
+        "register", "heartbeat", "ack", "stats_reply", "stats_push", "stacks_reply", "event", "goodbye",
+        "registered", "challenge", "pulse", "command", "stats_request", "stats_ack", "stacks_request", "rejected",
     }
     assert {str(c) for c in ErrorCode} == {
         "bad_message", "bad_version", "unknown_op", "bad_field", "too_large", "mismatch",
@@ -95,11 +101,12 @@ def test_contract_pins_ops_codes_and_socket_sets():
     }
     assert p.READ_ONLY_OPS == {Op.PING, Op.ENGINES, Op.STATUS, Op.RANKS, Op.STATS, Op.EVENTS}
     assert p.COMMAND_OPS == {Op.LOCK, Op.UNLOCK, Op.SET_UBATCHES, Op.RESERVE, Op.EQUALIZE, Op.TRIM}
-    assert p.CLIENT_OPS == p.READ_ONLY_OPS | p.COMMAND_OPS
-    assert p.AGENT_OPS == {Op.REGISTER, Op.HEARTBEAT, Op.ACK, Op.STATS_REPLY, Op.STATS_PUSH, Op.EVENT,
-                           Op.GOODBYE}
+    assert p.OPERATOR_READ_OPS == {Op.STACKS}
+    assert p.CLIENT_OPS == p.READ_ONLY_OPS | p.OPERATOR_READ_OPS | p.COMMAND_OPS
+    assert p.AGENT_OPS == {Op.REGISTER, Op.HEARTBEAT, Op.ACK, Op.STATS_REPLY, Op.STATS_PUSH, Op.STACKS_REPLY,
+                           Op.EVENT, Op.GOODBYE}
     assert p.COORDINATOR_OPS == {Op.REGISTERED, Op.CHALLENGE, Op.PULSE, Op.COMMAND, Op.STATS_REQUEST, Op.STATS_ACK,
-                                 Op.REJECTED}
+                                 Op.STACKS_REQUEST, Op.REJECTED}
     # The sets partition the ops: each op belongs to exactly one socket direction.
     parts = [p.CLIENT_OPS, p.AGENT_OPS, p.COORDINATOR_OPS]
     assert sum(len(s) for s in parts) == len(Op) and set().union(*parts) == set(Op)
@@ -110,8 +117,8 @@ def test_contract_pins_ops_codes_and_socket_sets():
     # interval of its pushes (optional: an older coordinator says none, and takes none).
     registered = {f.name: f.required for f in p.SCHEMAS[Op.REGISTERED]}
     assert registered == {"epoch": True, "baseline_seq": True, "heartbeat_interval": True,
-                          "heartbeat_timeout": True, "stats_interval": False, "desired": False, "rebase": False,
-                          "proof": False}
+                          "heartbeat_timeout": True, "stats_interval": False, "stall_after": False, "desired": False,
+                          "rebase": False, "proof": False}
     assert p.decode(p.encode(Op.REGISTERED, {k: v for k, v in VALID[Op.REGISTERED].items()
                                              if k != "desired"})).body["desired"] is None
 
@@ -196,16 +203,16 @@ def test_error_reply_without_request_id_uses_zero():
 def test_decode_reply_refuses_bad_replies():
     """A client must get a ProtocolError naming the field, not a KeyError."""
     with pytest.raises(ProtocolError, match="ok"):
-        p.decode_reply(raw(v=1, id=1, ok="yes"))
+        p.decode_reply(raw(v=p.PROTOCOL_VERSION, id=1, ok="yes"))
     with pytest.raises(ProtocolError, match="error"):
-        p.decode_reply(raw(v=1, id=1, ok=False))
+        p.decode_reply(raw(v=p.PROTOCOL_VERSION, id=1, ok=False))
     with pytest.raises(ProtocolError, match="error"):
-        p.decode_reply(raw(v=1, id=1, ok=False, error={"code": "internal"}))
+        p.decode_reply(raw(v=p.PROTOCOL_VERSION, id=1, ok=False, error={"code": "internal"}))
     with pytest.raises(ProtocolError) as info:
-        p.decode_reply(raw(v=2, id=1, ok=True))
+        p.decode_reply(raw(v=p.PROTOCOL_VERSION + 1, id=1, ok=True))
     assert info.value.code is ErrorCode.BAD_VERSION
     # An error code from a newer peer is still an error reply, not a crash.
-    reply = p.decode_reply(raw(v=1, id=1, ok=False, error={"code": "from_the_future", "message": "m"}))
+    reply = p.decode_reply(raw(v=p.PROTOCOL_VERSION, id=1, ok=False, error={"code": "from_the_future", "message": "m"}))
     assert reply.code is ErrorCode.INTERNAL and reply.message == "m"
 
 
@@ -238,34 +245,34 @@ def test_non_string_map_keys():
 
 
 def test_missing_envelope_fields():
-    refused(raw(v=1, op="ping", body={}), ErrorCode.BAD_FIELD, "id")
+    refused(raw(v=p.PROTOCOL_VERSION, op="ping", body={}), ErrorCode.BAD_FIELD, "id")
     refused(raw(op="ping", id=1, body={}), ErrorCode.BAD_VERSION, "v:")
-    error = refused(raw(v=1, id=4, body={}), ErrorCode.UNKNOWN_OP, "op")
+    error = refused(raw(v=p.PROTOCOL_VERSION, id=4, body={}), ErrorCode.UNKNOWN_OP, "op")
     assert error.request_id == 4
     # body may be left out: it defaults to an empty map
-    assert p.decode(raw(v=1, op="ping", id=1)).op is Op.PING
+    assert p.decode(raw(v=p.PROTOCOL_VERSION, op="ping", id=1)).op is Op.PING
 
 
 @pytest.mark.parametrize("bad_id", [True, False, -1, "1", 1.0, None, [1], 2**63], ids=repr)
 def test_bad_request_id(bad_id):
     """bool is an int in Python; an id of True must not pass as 1."""
-    refused(raw(v=1, op="ping", id=bad_id, body={}), ErrorCode.BAD_FIELD, "id")
+    refused(raw(v=p.PROTOCOL_VERSION, op="ping", id=bad_id, body={}), ErrorCode.BAD_FIELD, "id")
 
 
 def test_largest_request_id_accepted():
     assert p.decode(p.encode(Op.PING, request_id=2**63 - 1)).id == 2**63 - 1
 
 
-@pytest.mark.parametrize("version", [0, 2, -1, "1", None, 1.5, True, 1.0], ids=repr)
+@pytest.mark.parametrize("version", [0, 1, 3, -1, "2", None, 2.5, True, 2.0], ids=repr)
 def test_unknown_protocol_version(version):
-    """Only the exact integer version is spoken; True and 1.0 are not 1 on the wire."""
+    """Only the exact integer version is spoken (1 is the one before it); True and 2.0 are not 2."""
     error = refused(req(Op.PING, {}, request_id=5, v=version), ErrorCode.BAD_VERSION, "v:", "version")
     assert error.request_id == 5
 
 
 @pytest.mark.parametrize("op", ["nope", "PING", "", 3, None, ["ping"], {"a": 1}], ids=repr)
 def test_unknown_op(op):
-    error = refused(raw(v=1, op=op, id=6, body={}), ErrorCode.UNKNOWN_OP, "op", repr(op))
+    error = refused(raw(v=p.PROTOCOL_VERSION, op=op, id=6, body={}), ErrorCode.UNKNOWN_OP, "op", repr(op))
     assert error.request_id == 6
 
 

@@ -56,6 +56,12 @@ class Target:
     def snapshot(self) -> dict[str, Any]:
         return self.stats.to_wire()
 
+    def in_step(self) -> tuple[int, float] | None:
+        return None
+
+    def stacks(self) -> list[dict[str, Any]]:
+        return []
+
     def apply(self, action: str, args: dict[str, Any]) -> None:
         raise AssertionError("no commands in these tests")
 

@@ -70,7 +70,7 @@ def run_json(capsys, endpoint: str, *argv: str) -> tuple[int, dict]:
 def test_command_set_is_pinned():
     """A command added to or dropped from wsctl must be deliberate: update this list with it."""
     expected = {"status", "ranks", "stats", "events", "watch", "lock", "unlock", "set-ubatches",
-                "reserve", "equalize", "trim", "ping", "engines", "keygen", "config", "completion"}
+                "reserve", "equalize", "trim", "ping", "engines", "keygen", "config", "completion", "stacks"}
     assert set(wsctl.COMMANDS) == expected
     sub = next(a for a in wsctl._parser()._actions if isinstance(a.choices, dict))
     assert set(sub.choices) == expected
@@ -105,7 +105,7 @@ def test_status_and_ranks(cluster, capsys):
     ep = coordinator.client_endpoint
     code, doc = run_json(capsys, ep, "status")
     assert code == 0
-    assert doc["world_size"] == 2 and doc["ranks"] == {"live": 2, "lost": 0, "stopped": 0, "missing": 0}
+    assert doc["world_size"] == 2 and doc["ranks"] == {"live": 2, "stalled": 0, "lost": 0, "stopped": 0, "missing": 0}
     assert [(g["tp_group"], g["live"]) for g in doc["groups"]] == [(0, [0]), (1, [1])]
     code, out, _ = run(capsys, ep, "status")
     assert code == 0 and "2 live, 0 lost, 0 stopped, 0 missing" in out
@@ -231,7 +231,7 @@ def test_a_stopped_rank_is_shown_stopped_and_missing(cluster, capsys):
     a1.stop()
     code, doc = wait_until(lambda: (r := run_json(capsys, ep, "status"))[1]["ranks"]["stopped"] == 1 and r,
                            5, "rank 1 to be stopped")
-    assert code == 3 and doc["ranks"] == {"live": 1, "lost": 0, "stopped": 1, "missing": 0}
+    assert code == 3 and doc["ranks"] == {"live": 1, "stalled": 0, "lost": 0, "stopped": 1, "missing": 0}
     code, out, _ = run(capsys, ep, "status")
     assert code == 3 and "1 live, 0 lost, 1 stopped, 0 missing" in out
     assert "rank 1 (stopped (said goodbye at " in out

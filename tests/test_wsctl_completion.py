@@ -60,8 +60,8 @@ def test_sourcing_registers_the_completion(scripts):
 
 
 @pytest.mark.parametrize("line, offered", [
-    ("wsctl st", ["stats", "status"]),
-    ("wsctl --endpoint tcp://h:1 --timeout 3 st", ["stats", "status"]),  # options and their values skipped
+    ("wsctl st", ["stacks", "stats", "status"]),
+    ("wsctl --endpoint tcp://h:1 --timeout 3 st", ["stacks", "stats", "status"]),  # options and their values skipped
     ("wsctl config u", ["use-context"]),
     ("wsctl completion ", ["bash", "zsh"]),
     ("wsctl stats --st", ["--state"]),

@@ -26,6 +26,8 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     **{n.metric: ("counter" if n.counter else "gauge", _SLOT) for n in SLOT_NUMBERS},
     "wsd_rank_up": ("gauge", _RANK),
     "wsd_rank_info": ("gauge", (*_RANK, "host", "pid", "device", *placement.LABELS)),
+    "wsd_rank_stalled": ("gauge", _RANK),
+    "wsd_rank_waits_for": ("gauge", (*_RANK, "peer")),
     "wsd_rank_locked": ("gauge", _RANK),
     "wsd_rank_ubatches": ("gauge", _RANK),
     "wsd_rank_last_step": ("gauge", _RANK),
@@ -62,6 +64,10 @@ HELP = {
     "wsd_rank_info": "1 for every rank that registered, labelled with what it registered with (host, pid, device) "
                      "and where it runs as vLLM, Kubernetes and DCGM name it (model_name, rank_pod, rank_namespace, "
                      "rank_node, UUID; empty where not known).",
+    "wsd_rank_stalled": "1 if the rank is live but its engine has been inside one step for longer than "
+                        "[coordinator] stall_after (a TP peer froze mid-collective, say); 0 if live and not.",
+    "wsd_rank_waits_for": "1 for each TP peer a stalled rank waits for, where that can be known (a peer lost, "
+                          "stopped or missing, else one not inside the step).",
     "wsd_rank_locked": "1 if the rank's workspace is locked, as its last heartbeat said.",
     "wsd_rank_ubatches": "Micro-batch slots per lane of the rank's workspace, as its last heartbeat said.",
     "wsd_rank_last_step": "The last engine step the rank reported.",

@@ -35,6 +35,7 @@ from wsd.wire import protocol as p
 from wsd.wire import transport
 from wsd.wire.protocol import ErrorCode, Op
 from wsd_client.results import Engines, Events, PerEngine, Pong, Ranks, Stats, Status, per_engine
+from wsd_client.stacks import Stacks
 
 if TYPE_CHECKING:
     from wsd.wire.curve import ClientKeys
@@ -197,7 +198,7 @@ class Client:
         end = time.monotonic() + seconds
         if self._deadline is not None and self._deadline[0] < end:
             end, seconds = self._deadline
-        attempts = 1 + (self.retries if op in p.READ_ONLY_OPS else 0)
+        attempts = 1 + (self.retries if op in p.READ_ONLY_OPS or op in p.OPERATOR_READ_OPS else 0)
         if self._sock is None:  # a new connection: is anything there at all?
             reason = _probe(self.endpoint, min(_PROBE_TIMEOUT, max(end - time.monotonic(), 0.001)))
             if reason is not None:
@@ -292,6 +293,15 @@ class Client:
         if cursor is TAIL:
             return Events(self.call(Op.EVENTS, {"cursor": _PAST_EVERY_ID, "limit": 1, "engine": engine}))
         return Events(self.call(Op.EVENTS, {"cursor": cursor, "limit": limit, "engine": engine}))
+
+    def stacks(self, rank: int | None = None, group: int | None = None, *, timeout: float | None = None,
+               engine: str | None = None) -> Stacks | PerEngine[Stacks]:
+        """Every thread's Python stack of the live ranks asked (``rank``, else ``group``'s, else
+        every one), the engine's thread first, gathered by each agent's own thread; ``missing``
+        names the ranks asked that did not answer within ``timeout`` (default: the
+        coordinator's ``stats_timeout``). Under CURVE, an admin key's only."""
+        return per_engine(self.call(Op.STACKS, {"rank": rank, "group": group, "timeout": timeout,
+                                                "engine": engine}), Stacks)
 
     # -- state-changing ------------------------------------------------------------
 

@@ -70,6 +70,16 @@ def group(p: argparse.ArgumentParser) -> None:
                    help="only this TP group (default: every group)")
 
 
+def stacks(p: argparse.ArgumentParser) -> None:
+    """``stacks``: one rank's worker, or one TP group's, or (neither) every rank's."""
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--rank", metavar="R", default=None,
+                       type=flag_number(int, *wire(Op.STACKS, "rank"), what="a rank"), help="this rank's worker")
+    which.add_argument("--group", metavar="G", default=None,
+                       type=flag_number(int, *wire(Op.STACKS, "group"), what="a TP group number"),
+                       help="every rank of this TP group (default, with neither: every rank)")
+
+
 def selection(p: argparse.ArgumentParser) -> None:
     """``stats`` and ``watch``: which ranks and groups, and how (one line per slot or per group)."""
     p.add_argument("--group", metavar="G", default=None,

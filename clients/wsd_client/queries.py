@@ -24,8 +24,9 @@ from wsd_client.client import TAIL, Client, ClientError, Events
 from wsd_client.output import CLEAR, Output
 from wsd_client.results import by_engine
 from wsd_client.select import Selection, complete
+from wsd_client.stacks import render as render_stacks
 
-__all__ = ["engines", "events", "ping", "ranks", "stats", "status", "titled", "watch", "worst"]
+__all__ = ["engines", "events", "ping", "ranks", "stacks", "stats", "status", "titled", "watch", "worst"]
 
 # Events asked for per request while reading the log (the protocol allows 10,000).
 _EVENT_PAGE = 1000
@@ -77,6 +78,15 @@ def ranks(client: Client, args: argparse.Namespace, out: Output) -> Exit:
                                               _width(out.stream)))
         gone = any(r["state"] != "live" for r in ranks.ranks)  # lost or stopped
         codes.append(Exit.PARTIAL if gone or ranks.missing else Exit.OK)
+    return worst(codes)
+
+
+def stacks(client: Client, args: argparse.Namespace, out: Output) -> Exit:
+    answers = by_engine(client.stacks(rank=args.rank, group=args.group, engine=args.engine))
+    codes = []
+    for name, answer in answers.items():
+        out.emit(answer.doc, functools.partial(titled, name, len(answers) > 1, render_stacks, answer.doc))
+        codes.append(Exit.PARTIAL if answer.missing else Exit.OK)
     return worst(codes)
 
 

@@ -105,8 +105,8 @@ def status(doc: dict[str, Any], endpoint: str, width: int | None = None) -> str:
             f"started {format_time(doc['started'], date=True)}", *(["(state recovered)"] if doc["recovered"] else [])]
     lines = [
         *_spread(head, width),
-        f"{world}{tp}: {counts.live} live, {counts.lost} lost, "
-        f"{counts.stopped} stopped, {counts.missing} missing",
+        f"{world}{tp}: {counts.live} live, " + (f"{counts.stalled} stalled, " if counts.stalled else "")
+        + f"{counts.lost} lost, {counts.stopped} stopped, {counts.missing} missing",
         f"desired (default): {_desired(doc['desired'])}",
         f"pending commands: {_ints(doc['pending_commands'])}",
     ]
@@ -149,7 +149,10 @@ def engines(doc: dict[str, Any]) -> str:
 
 
 def _rank_state(r: dict[str, Any]) -> str:
-    """A live rank whose engine is still warming up reads ``warming``: nothing applies to it yet."""
+    """A live rank whose engine is still warming up reads ``warming``: nothing applies to it yet.
+    A stalled one says for how long its engine has been inside its step."""
+    if r["state"] == "stalled" and r.get("in_step") is not None:
+        return f"stalled {r['in_step']:.0f}s"
     return "warming" if r["state"] == "live" and r.get("warming") else str(r["state"])
 
 

@@ -178,10 +178,13 @@ class RankCounts:
     lost: int
     stopped: int
     missing: int
+    stalled: int = 0
+    """Live ranks (their agents answer) inside one engine step for longer than ``stall_after``."""
 
     @classmethod
     def from_wire(cls, counts: dict[str, int]) -> RankCounts:
-        return cls(live=counts["live"], lost=counts["lost"], stopped=counts["stopped"], missing=counts["missing"])
+        return cls(live=counts["live"], lost=counts["lost"], stopped=counts["stopped"], missing=counts["missing"],
+                   stalled=counts["stalled"])
 
     @property
     def absent(self) -> int:

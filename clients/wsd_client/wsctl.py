@@ -247,6 +247,8 @@ COMMANDS: dict[str, Spec] = {
     "stats": Spec("per rank, slot and TP group: capacity, peak, skew", queries.stats, (opt.selection, opt.fresh)),
     "events": Spec("the coordinator's event log", queries.events,
                    (opt.events, opt.count_interval(0.5, "events")), rounds=True),
+    "stacks": Spec("every thread's Python stack of the workers, the engine's first", queries.stacks,
+                   (opt.stacks,)),
     "watch": Spec("live per-rank, per-slot capacity and peak", queries.watch,
                   (opt.selection, opt.fresh, opt.count_interval(1.0, "rounds")), rounds=True),
     # The state-changing commands, from the command table.

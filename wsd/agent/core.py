@@ -72,6 +72,15 @@ class RankTarget(Protocol):
         """Apply one command; an exception is reported in its acknowledgement."""
         ...
 
+    def in_step(self) -> tuple[int, float] | None:
+        """(which step, seconds inside it) while the engine is inside a step; None between
+        steps (an idle engine is never stalled)."""
+        ...
+
+    def stacks(self) -> list[dict[str, Any]]:
+        """Every thread's stack, the engine's first (``wsd.agent.stacks.thread_stacks``)."""
+        ...
+
 
 def _cut(error: str) -> str:
     """An error as an ack carries it: at most 1,000 characters (the protocol allows 4,096,
@@ -171,6 +180,10 @@ class AgentLink:
         self._acked: tuple[int, dict[str, Any]] | None = None  # (version, snapshot) the coordinator holds
         self._inflight: tuple[int, dict[str, Any], float] | None = None  # (version, snapshot, sent)
         self._last_push = now - _URGENT_GAP
+        # Stalls: after stall_after seconds inside one engine step the stacks go to the
+        # coordinator on their own, once per step (None: the coordinator asks for none).
+        self.stall_after: float | None = None
+        self._stall_said: int | None = None
         self._handlers: dict[Op, Callable[[dict[str, Any], float], list[bytes]]] = {
             Op.REGISTERED: self._on_registered,
             Op.CHALLENGE: self._on_challenge,
@@ -178,6 +191,7 @@ class AgentLink:
             Op.COMMAND: self._on_command,
             Op.STATS_REQUEST: self._on_stats_request,
             Op.STATS_ACK: self._on_stats_ack,
+            Op.STACKS_REQUEST: self._on_stacks_request,
             Op.REJECTED: self._on_rejected,
         }
 
@@ -211,7 +225,7 @@ class AgentLink:
                     self._nonce, self._challenge = new_nonce(), None
                 return [p.encode(Op.REGISTER, self.registration())]
         else:
-            out = self._take_reports()
+            out = self._take_reports() + self._stalled()
             push, unchanged = self._stats_due(now)
             if push is not None:  # a push is a heartbeat too
                 self.next_heartbeat = now + self.interval
@@ -226,8 +240,25 @@ class AgentLink:
         return []
 
     def _heartbeat_body(self) -> dict[str, Any]:
+        inside = self.target.in_step()
         return {"rank": self.rank, "step": self.steps, "applied_seq": self.applied, "held_seq": self.held,
-                "state": self.target.state()}
+                "state": self.target.state(), "in_step": None if inside is None else round(inside[1], 3)}
+
+    def _stalled(self) -> list[bytes]:
+        """The stacks, once per engine step, when the engine has been inside it for stall_after."""
+        inside = self.target.in_step()
+        if self.stall_after is None or inside is None or inside[1] < self.stall_after or inside[0] == self._stall_said:
+            return []
+        self._stall_said = inside[0]
+        logger.warning("rank %d: the engine has been inside one step for %.0f s; its stacks go to the coordinator",
+                       self.rank, inside[1])
+        return [self._stacks_reply(0)]
+
+    def _stacks_reply(self, request: int) -> bytes:
+        inside = self.target.in_step()
+        return p.encode(Op.STACKS_REPLY, {"rank": self.rank, "request": request, "step": self.steps,
+                                          "in_step": None if inside is None else round(inside[1], 3),
+                                          "threads": self.target.stacks()})
 
     def _stats_due(self, now: float) -> tuple[bytes | None, bool]:
         """A push if the snapshot is due to be looked at and changed; or (None, True) if
@@ -363,6 +394,7 @@ class AgentLink:
         self.timeout = body["heartbeat_timeout"]
         # A coordinator older than pushes says no interval: it asks for snapshots instead.
         self.stats_interval = body["stats_interval"]
+        self.stall_after = body["stall_after"]
         self.rejected = None
         self.next_heartbeat = now
         # A registration starts the coordinator's memory of us afresh: push it whole, now.
@@ -401,6 +433,9 @@ class AgentLink:
         if self.idle:  # no engine loop: apply on receipt
             return [ack for _, ack in self.apply_up_to(held)]
         return []
+
+    def _on_stacks_request(self, body: dict[str, Any], now: float) -> list[bytes]:
+        return [self._stacks_reply(body["request"])]
 
     def _on_stats_request(self, body: dict[str, Any], now: float) -> list[bytes]:
         reply = {"rank": self.rank, "request": body["request"], "step": self.steps}

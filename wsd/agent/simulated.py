@@ -28,6 +28,7 @@ import zmq
 
 from wsd import commands
 from wsd.agent.core import AgentLink
+from wsd.agent.stacks import thread_stacks
 from wsd.config import MAX_UBATCHES
 from wsd.errors import ConfigError, SimulationError, WsdError
 from wsd.names import engine_name_problem
@@ -75,6 +76,9 @@ class SimulatedManager:
         # serving engine's do, so that every look finds a change to push.
         self.busy = busy
         self._served = 0
+        # stuck_since: a simulated engine inside one step since then (time.monotonic), as a
+        # rank whose TP peer froze; None: between steps.
+        self.stuck_since: float | None = None
 
     @property
     def num_ubatches(self) -> int:
@@ -108,6 +112,13 @@ class SimulatedManager:
         if self._snapshot is None:
             self._snapshot = self.stats().to_wire()
         return self._snapshot
+
+    def in_step(self) -> tuple[int, float] | None:
+        since = self.stuck_since
+        return None if since is None else (1, max(0.0, time.monotonic() - since))
+
+    def stacks(self) -> list[dict[str, Any]]:
+        return thread_stacks(skip=threading.get_ident())
 
     def _refuse_if_locked(self, action: str) -> None:
         if self.locked:

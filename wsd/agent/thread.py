@@ -18,7 +18,8 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ import zmq
 from wsd import commands, placement
 from wsd.agent.collectives import all_gather_values
 from wsd.agent.core import AgentLink
+from wsd.agent.stacks import StepClock, thread_stacks
 from wsd.config import AgentConfig, LockedGrowthPolicy
 from wsd.errors import AgentError, WsdError
 from wsd.manager.core import WorkspaceManager
@@ -74,10 +76,11 @@ def tp_side_group(rank: int, world_size: int, tp_size: int) -> Any:
 class _ManagerTarget:
     """A WorkspaceManager as the protocol sees it (``wsd.agent.core.RankTarget``)."""
 
-    def __init__(self, manager: WorkspaceManager, warm: threading.Event) -> None:
+    def __init__(self, manager: WorkspaceManager, warm: threading.Event, clock: StepClock) -> None:
         self.manager = manager
         self.device = str(manager.device)
         self.warm = warm
+        self.clock = clock
 
     def state(self) -> dict[str, Any]:
         return {"locked": self.manager.is_locked(), "num_ubatches": self.manager.num_ubatches,
@@ -88,6 +91,14 @@ class _ManagerTarget:
 
     def apply(self, action: str, args: dict[str, Any]) -> None:
         commands.call(self.manager, action, args)  # the manager method of the command's row
+
+    def in_step(self) -> tuple[int, float] | None:
+        inside = self.clock.inside()
+        return None if inside is None else (self.clock.step, inside)
+
+    def stacks(self) -> list[dict[str, Any]]:
+        # Asked on the agent's I/O thread, which is left out: its stack says only that it asked.
+        return thread_stacks(self.clock.thread, skip=threading.get_ident())
 
 
 def gpu_uuid(device: torch.device) -> dict[str, str]:
@@ -144,13 +155,16 @@ class Agent:
         self.warm = threading.Event()
         if warm or idle:
             self.warm.set()
+        # Whether the engine's thread is inside a step, and since when: a rank inside one
+        # step for [coordinator] stall_after is stalled (its stacks go to the coordinator).
+        self.clock = StepClock(time.monotonic)
         # The protocol state, shared with the I/O thread (see AgentLink on who writes what).
         # Where the rank runs, as DCGM, vLLM and Kubernetes name it (wsd.placement), under
         # what the caller registers with.
         where = {**placement.from_env(os.environ), **gpu_uuid(manager.device), **(extra or {})}
         self._link = AgentLink(
-            _ManagerTarget(manager, self.warm), rank=rank, world_size=world_size, tp_size=tp_size, idle=idle,
-            heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout, extra=where,
+            _ManagerTarget(manager, self.warm, self.clock), rank=rank, world_size=world_size, tp_size=tp_size,
+            idle=idle, heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout, extra=where,
             now=time.monotonic(), token=token, engine=self.config.engine, model=model,
         )
         self.registered = self._link.registered
@@ -238,6 +252,16 @@ class Agent:
             self._link.stats_urgent = True  # the coordinator learns it at once
             self._waker.wake()  # a command that waited for this may ask for a step now
 
+    @contextmanager
+    def stepping(self) -> Iterator[None]:
+        """Around each of the engine's steps (its collectives included, not the time it idles
+        between steps): how long it has been inside one is what tells a stalled rank."""
+        self.clock.enter()
+        try:
+            yield
+        finally:
+            self.clock.leave()
+
     def step(self, *, agree: bool = False) -> list[int]:
         """The engine's step boundary: apply the commands the TP group agrees on.
 
@@ -257,7 +281,11 @@ class Agent:
         if self._group is not None:
             # fill_/item rather than [0] indexing: a few microseconds less per step.
             self._seq_tensor.fill_(agreed)
-            dist.all_reduce(self._seq_tensor, op=dist.ReduceOp.MIN, group=self._group)
+            self.clock.enter()  # the agreement waits for every peer: a frozen one stalls this rank
+            try:
+                dist.all_reduce(self._seq_tensor, op=dist.ReduceOp.MIN, group=self._group)
+            finally:
+                self.clock.leave()
             agreed = int(self._seq_tensor.item())  # an int64 tensor: item() is an int already
         if agreed <= link.applied:
             return []

@@ -54,6 +54,9 @@ class CoordinatorConfig:
     JSON and the metrics). None: three ``stats_interval``."""
     stats_timeout: float = 2.0
     """Seconds a fresh stats request (``wsctl stats --fresh``) waits for every live rank's snapshot."""
+    stall_after: float = 60.0
+    """Seconds inside one engine step after which a live rank is stalled (its agent sends its
+    threads' stacks once); an engine idle between steps is never stalled."""
     state_file: str = "wsd-coordinator.state"
     """Desired state, sequence number and command log; written atomically."""
     world_size: int | None = None
@@ -117,6 +120,7 @@ class CoordinatorConfig:
         check_endpoint("client_endpoint", self.client_endpoint, bind=True)
         check_positive("heartbeat_interval", self.heartbeat_interval)
         check_positive("heartbeat_timeout", self.heartbeat_timeout)
+        check_positive("stall_after", self.stall_after, 86400.0)
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError(
                 f"heartbeat_timeout ({self.heartbeat_timeout}) must be larger than "

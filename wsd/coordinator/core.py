@@ -113,6 +113,7 @@ class CoordinatorCore:
             Op.RANKS: self._ranks,
             Op.STATS: self._stats_request,
             Op.EVENTS: self._events,
+            Op.STACKS: self._stacks,
             **{op: self._command for op in p.COMMAND_OPS},
         }
         if self._metrics:  # a scrape before the first tick sees every family too
@@ -359,6 +360,14 @@ class CoordinatorCore:
                                 lambda e, answer: e.snapshots.start(answer, body["group"], timeout))
         return self._answer(route, message, engines,
                             lambda e, answer: answer(e.snapshots.remembered(body["group"])))
+
+    def _stacks(self, route: Route, message: p.Message) -> list[Out]:
+        body = message.body
+        engines = self._addressed(body["engine"])
+        targets = {e.name: e.stack_targets(body["group"], body["rank"]) for e in engines}
+        timeout = body["timeout"] or self.config.stats_timeout
+        return self._answer(route, message, engines,
+                            lambda e, answer: e.stacks.start(answer, targets[e.name], timeout))
 
     def _events(self, route: Route, message: p.Message) -> list[Out]:
         name = message.body["engine"]

@@ -27,6 +27,8 @@ from wsd.coordinator.metrics import CommandStats, CoreView, core_view
 from wsd.coordinator.outbox import AGENT, Out
 from wsd.coordinator.registry import RankInfo, RankState, RankTaken, RegistrationError, Registry
 from wsd.coordinator.snapshots import Snapshots
+from wsd.coordinator.stacks import StackRounds, checked_threads
+from wsd.coordinator.stalls import Stalls
 from wsd.security import registered_proof
 from wsd.wire import protocol as p
 from wsd.wire.protocol import ErrorCode, Op, ProtocolError
@@ -95,6 +97,8 @@ class Engine:
                                  clock=shared.clock, wall=shared.wall, event=self._add)
         self.snapshots = Snapshots(config, self.registry, clock=shared.clock, wall=shared.wall,
                                    allow=shared.gate.allow)
+        self.stacks = StackRounds(self.registry, clock=shared.clock)
+        self.stalls = Stalls(config, self.registry, event=self._event, engine=name)
         # The sequence number fresh processes of a TP group start from, so that
         # members registering a moment apart still see the same commands, with
         # the group's desired state at it (None: older than the log could tell).
@@ -111,6 +115,7 @@ class Engine:
             Op.ACK: self._ack,
             Op.STATS_REPLY: self._stats_reply,
             Op.STATS_PUSH: self._stats_push,
+            Op.STACKS_REPLY: self._stacks_reply,
             Op.EVENT: self._agent_event,
             Op.GOODBYE: self._goodbye,
         }
@@ -142,10 +147,11 @@ class Engine:
             self._add(EventKind.LOST, rank=info.rank, tp_group=info.tp_group,
                       last_step=info.step, silent_for=round(heard - info.last_seen, 3))
             out += self._rank_gone(info, None)
-        return out + self.dispatch.tick(now) + self.snapshots.tick(now)
+        return out + self.dispatch.tick(now) + self.snapshots.tick(now) + self.stacks.tick(now)
 
     def next_deadline(self) -> float:
-        return min(self.registry.next_expiry(), self.dispatch.next_deadline(), self.snapshots.next_deadline())
+        return min(self.registry.next_expiry(), self.dispatch.next_deadline(), self.snapshots.next_deadline(),
+                   self.stacks.next_deadline())
 
     def push_affordable(self, peer: bytes, size: int) -> bool:
         """Whether a ``stats_push`` frame of ``size`` bytes from this registered connection may be
@@ -202,6 +208,7 @@ class Engine:
             "heartbeat_interval": self.config.heartbeat_interval,
             "heartbeat_timeout": self.config.heartbeat_timeout,
             "stats_interval": self.config.pushed_interval,
+            "stall_after": float(self.config.stall_after),
             "desired": desired,  # only to a fresh process: a re-registration keeps what it applied
             "rebase": rebase,
             "proof": None if proven is None or self.gate.token is None else registered_proof(
@@ -270,6 +277,7 @@ class Engine:
         if info is None:  # e.g. we restarted: ask the agent to register again
             return [(AGENT, (peer,), p.encode(Op.PULSE, {"epoch": self.shared.epoch, "registered": False}))]
         self._check_group(info.tp_group, now)
+        self.stalls.check(info, now)
         out: list[Out] = []
         version = body.get("stats_version")
         if version is not None and not self.snapshots.latest.confirm(info.rank, version, now, info.step):
@@ -281,7 +289,8 @@ class Engine:
 
     def _stats_push(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
         """A changed snapshot, which is a heartbeat too; acknowledged with whether it was used."""
-        out = self._heartbeat(peer, {k: body[k] for k in ("rank", "step", "applied_seq", "held_seq", "state")})
+        out = self._heartbeat(peer, {k: body[k] for k in ("rank", "step", "applied_seq", "held_seq", "state",
+                                                          "in_step")})
         info = self.registry.by_peer(peer)
         if info is None or info.state is not RankState.LIVE:
             return out  # the heartbeat's answer asks it to register; its snapshot waits until then
@@ -323,6 +332,37 @@ class Engine:
         info = self.registry.touch(peer, self.clock())
         return [] if info is None else self.snapshots.reply(info, body)
 
+    # -- stalls and stacks -----------------------------------------------------------
+
+    def _stacks_reply(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
+        now = self.clock()
+        info = self.registry.touch(peer, now)
+        if info is None:
+            return []
+        try:
+            threads: list[dict[str, Any]] | None = checked_threads(body["threads"])
+            problem = None
+        except ValueError as e:  # a buggy or hostile agent: its stacks are left out, saying why
+            threads, problem = None, str(e)
+            if self.gate.allow(("bad stacks", info.rank)):
+                logger.warning("rank %d sent invalid stacks: %s", info.rank, e)
+        if body["request"] == 0:  # on its own: its engine has been inside one step for stall_after
+            if threads is not None and body["in_step"] is not None:
+                info.in_step_since = now - body["in_step"]
+                self.stalls.check(info, now, threads)
+            return []
+        return self.stacks.reply(info, body, threads, problem)
+
+    def stack_targets(self, group: int | None, rank: int | None) -> list[int]:
+        """The ranks a stacks request names: ``rank``, else ``group``'s, else every expected one."""
+        if rank is not None:
+            world = self.registry.world_size
+            if world is not None and rank >= world:
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"rank: no rank {rank} (ranks are 0..{world - 1})")
+            return [rank]
+        self.check_group(group)
+        return self.registry.expected(group)
+
     def _agent_event(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
         info = self.registry.touch(peer, self.clock())
         if info is None:
@@ -349,7 +389,9 @@ class Engine:
         """A rank is no longer live: lost (``why`` None) or stopped (``why`` says so). What
         waits for it is answered without it: a lost rank is listed as lost, a stopped one as
         missing with ``why``."""
-        out = self.dispatch.rank_gone(info.rank, why) + self.snapshots.rank_gone(info.rank, why)
+        self.stalls.end(info, "lost" if why is None else "stopped")
+        out = (self.dispatch.rank_gone(info.rank, why) + self.snapshots.rank_gone(info.rank, why)
+               + self.stacks.rank_gone(info.rank, why))
         if not self.registry.live(info.tp_group):  # a fresh group starts from the log again
             self._baselines.pop(info.tp_group, None)
         return out

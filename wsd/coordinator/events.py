@@ -41,6 +41,11 @@ class EventKind(StrEnum):
     """No longer made: such an agent is rebased (below). Kept, as older logs hold it."""
     REBASED = "rebased"
     """An agent the kept log could not bring up to date starts again from the log's seq."""
+    STALLED = "stalled"
+    """A live rank's engine has been inside one step for ``stall_after``: its step, how long,
+    its TP peers' states, the peers it waits for where known, and its threads' stacks."""
+    UNSTALLED = "unstalled"
+    """A stalled rank's engine left the step (or the rank was lost, stopped or registered again)."""
     AGENT_EVENT = "agent_event"
     SUPPRESSED = "suppressed"
     """Events of one source dropped for coming too fast, with their count."""

@@ -112,6 +112,9 @@ class RankRow(NamedTuple):
     registered: tuple[Any, ...] | None
     """(host, pid, device, then ``wsd.placement.LABELS``) it registered with; None for a rank
     that never registered."""
+    stalled: bool = False
+    waits_for: tuple[int, ...] = ()
+    """The TP peers a stalled rank waits for, where known (``Registry.waits_for``)."""
 
 
 @dataclass(frozen=True)
@@ -203,9 +206,11 @@ def _rank_row(registry: Registry, rank: int) -> RankRow:
     if info is None:
         group = None if registry.tp_size is None else rank // registry.tp_size
         return RankRow(rank, group, False, None, None, None, None)
+    stalled = info.shown is RankState.STALLED
     return RankRow(rank, info.tp_group, info.state is RankState.LIVE, info.manager_state.get("locked"),
                    info.manager_state.get("num_ubatches"), info.step,
-                   (info.host, info.pid, info.device, *placement.labels(info.config, info.model)))
+                   (info.host, info.pid, info.device, *placement.labels(info.config, info.model)),
+                   stalled, tuple(registry.waits_for(info)) if stalled else ())
 
 
 def _build_labels() -> tuple[str, ...]:
@@ -374,6 +379,10 @@ class Collector:
             text.add("wsd_rank_up", labels, row.up)
             if row.registered is not None:
                 text.add("wsd_rank_info", (*labels, *row.registered), 1)
+            if row.up:
+                text.add("wsd_rank_stalled", labels, row.stalled)
+                for peer in row.waits_for:
+                    text.add("wsd_rank_waits_for", (*labels, peer), 1)
             if row.locked is not None:
                 text.add("wsd_rank_locked", labels, row.locked)
             if row.num_ubatches is not None:

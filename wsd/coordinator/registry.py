@@ -28,6 +28,9 @@ a wrong WORLD_SIZE (or a peer) once set 2**20, and every ``status`` then blocked
 
 class RankState(StrEnum):
     LIVE = "live"
+    STALLED = "stalled"
+    """Shown, never held: a live rank (its agent answers) whose engine has been inside one step
+    for longer than ``[coordinator] stall_after``, as when a TP peer froze mid-collective."""
     LOST = "lost"
     """Silent for longer than the heartbeat timeout: died, hung or cut off."""
     STOPPED = "stopped"
@@ -56,8 +59,9 @@ def _manager_state(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _note(info: RankInfo, body: dict[str, Any]) -> None:
-    """Where a heartbeat or goodbye says the rank stands (a goodbye may omit the seqs).
+def _note(info: RankInfo, body: dict[str, Any], now: float | None = None) -> None:
+    """Where a heartbeat or goodbye says the rank stands (a goodbye may omit the seqs); a
+    heartbeat (``now``) says too whether the engine is inside a step, and for how long.
 
     An agent's sequence numbers only grow while it stays registered: a claim
     below what it said before is not believed (it would ask for resends of
@@ -70,6 +74,9 @@ def _note(info: RankInfo, body: dict[str, Any]) -> None:
         info.held_seq = max(info.held_seq, body["held_seq"])
     if body["state"]:
         info.manager_state = _manager_state(body["state"])
+    if now is not None:
+        inside = body.get("in_step")
+        info.in_step_since = None if inside is None else now - inside
 
 
 @dataclass
@@ -102,15 +109,32 @@ class RankInfo:
     held_seq: int = 0
     manager_state: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
+    in_step_since: float | None = None
+    """Monotonic time at which its engine entered the step it is inside, as its last heartbeat
+    said; None: between steps (or an agent that does not say)."""
+    stalled: bool = False
+    """Inside one step for longer than ``stall_after`` (set by the engine's ``tick``)."""
+
+    @property
+    def shown(self) -> RankState:
+        """Its state as ``ranks``, ``status`` and the metrics show it: ``stalled`` for a stalled live rank."""
+        return RankState.STALLED if self.stalled and self.state is RankState.LIVE else self.state
+
+    def in_step(self, now: float) -> float | None:
+        """Seconds its engine has been inside the current step (None: between steps, or not live)."""
+        if self.in_step_since is None or self.state is not RankState.LIVE:
+            return None
+        return max(0.0, now - self.in_step_since)
 
     def public(self, now: float, wall_now: float) -> dict[str, Any]:
         """What ``ranks`` shows of this rank; every time in it is wall-clock time.
 
         ``now`` is the monotonic clock that ``last_seen`` was read from.
         """
+        inside = self.in_step(now)
         return {
             "rank": self.rank,
-            "state": str(self.state),
+            "state": str(self.shown),
             "tp_group": self.tp_group,
             "host": self.host,
             "pid": self.pid,
@@ -127,6 +151,8 @@ class RankInfo:
             "model": self.model,
             # Its engine is still warming up: no command applies to it before that ends.
             "warming": self.manager_state.get("warming", False),
+            # Seconds its engine has been inside the current step (None: between steps).
+            "in_step": None if inside is None else round(inside, 3),
         }
 
 
@@ -240,7 +266,7 @@ class Registry:
         if info is None or info.rank != body["rank"] or info.state is RankState.LOST:
             return None
         info.last_seen = now
-        _note(info, body)
+        _note(info, body, now)
         return info
 
     def touch(self, peer: bytes, now: float) -> RankInfo | None:
@@ -342,11 +368,22 @@ class Registry:
         return {"ranks": ranks, "missing": never}
 
     def counts(self) -> dict[str, int]:
-        """Expected ranks by state: live, lost, stopped, missing (never registered)."""
-        states = [i.state for i in self.ranks.values()]
+        """Expected ranks by state: live, stalled, lost, stopped, missing (never registered)."""
+        states = [i.shown for i in self.ranks.values()]
         never = sum(1 for why in self.missing().values() if why == NEVER_REGISTERED)
-        return {"live": states.count(RankState.LIVE), "lost": states.count(RankState.LOST),
-                "stopped": states.count(RankState.STOPPED), "missing": never}
+        return {"live": states.count(RankState.LIVE), "stalled": states.count(RankState.STALLED),
+                "lost": states.count(RankState.LOST), "stopped": states.count(RankState.STOPPED),
+                "missing": never}
+
+    def waits_for(self, info: RankInfo) -> list[int]:
+        """The TP peers a stalled rank waits for, where that can be known: those gone (lost,
+        stopped, never registered), else the live ones not inside a step. Empty: every peer
+        is stuck inside the step too (a hang of the whole group), or none is known."""
+        peers = [r for r in self.expected(info.tp_group) if r != info.rank]
+        gone = [r for r in peers if r not in self.ranks or self.ranks[r].state is not RankState.LIVE]
+        if gone:
+            return gone
+        return [r for r in peers if self.ranks[r].in_step_since is None]
 
     def group_status(self, group: int) -> dict[str, Any]:
         """A TP group as ``status`` shows it: members, live and missing ranks, and what the

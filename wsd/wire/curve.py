@@ -54,7 +54,8 @@ class Role(StrEnum):
     VIEWER = "viewer"
     """Read-only operations: ping, status, ranks, stats, events."""
     ADMIN = "admin"
-    """Every operation, state-changing ones included."""
+    """Every operation, state-changing ones included, and ``stacks`` (which names the code
+    and files each worker runs, and interrupts every worker asked)."""
     AGENT = "agent"
     """An agent on the agent endpoint."""
 
@@ -220,7 +221,8 @@ class CurveGate:
 
 
 def refusal(role: str | None, frame: bytes) -> bytes | None:
-    """The ``forbidden`` reply to a state-changing request from a non-admin key, else None.
+    """The ``forbidden`` reply to a state-changing request, or a stacks request, from a
+    non-admin key, else None.
 
     ``role`` None means no CURVE on the client endpoint: every client is
     admin, as the loopback binding is the protection. Frames that do not
@@ -234,6 +236,11 @@ def refusal(role: str | None, frame: bytes) -> bytes | None:
         return None
     if message.op in p.READ_ONLY_OPS:
         return None
+    if message.op in p.OPERATOR_READ_OPS:
+        return p.error_reply(message.id, ErrorCode.FORBIDDEN,
+                             f"op: {message.op} reads every thread's stack of the workers asked (the code and "
+                             f"files they run) and interrupts each, and this client's key is a {role} key: "
+                             f"only keys in [security] admin_keys may")
     return p.error_reply(message.id, ErrorCode.FORBIDDEN,
                          f"op: {message.op} changes state, and this client's key is a {role} key: "
                          f"only keys in [security] admin_keys may")

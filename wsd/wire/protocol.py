@@ -3,9 +3,9 @@
 The operations and their fields are ``wsd.wire.schemas``' (re-exported here).
 No I/O and no torch. Every message is one msgpack map:
 
-    request   {"v": 1, "op": "<Op>", "id": <int>, "body": {...}}
-    reply     {"v": 1, "id": <int>, "ok": true,  "result": {...}}
-              {"v": 1, "id": <int>, "ok": false, "error": {"code": "<ErrorCode>", "message": "..."}}
+    request   {"v": 2, "op": "<Op>", "id": <int>, "body": {...}}
+    reply     {"v": 2, "id": <int>, "ok": true,  "result": {...}}
+              {"v": 2, "id": <int>, "ok": false, "error": {"code": "<ErrorCode>", "message": "..."}}
 
 Agents and the coordinator also send each other requests that need no reply
 (heartbeat, command, ack, ...); they use the same envelope. ``decode`` turns any
@@ -34,6 +34,7 @@ from wsd.wire.schemas import (
     INT_MAX,
     MAX_STATUS_GROUPS,
     NEVER_REGISTERED,
+    OPERATOR_READ_OPS,
     READ_ONLY_OPS,
     REGISTER_BYTES,
     SCHEMAS,
@@ -52,6 +53,7 @@ __all__ = [
     "LIMITS",
     "MAX_STATUS_GROUPS",
     "NEVER_REGISTERED",
+    "OPERATOR_READ_OPS",
     "PROTOCOL_VERSION",
     "READ_ONLY_OPS",
     "REGISTER_BYTES",
@@ -76,7 +78,7 @@ __all__ = [
     "validate_body",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +108,8 @@ LIMITS: dict[Op, Limits] = {
     Op.EVENT: Limits(16 << 10, str_len=16 << 10),
     Op.STATS_REPLY: Limits(16 << 20, str_len=1 << 16, bin_len=16 << 20, array_len=1 << 16, map_len=1 << 16),
     Op.STATS_PUSH: Limits(16 << 20, str_len=1 << 16, bin_len=16 << 20, array_len=1 << 16, map_len=1 << 16),
+    # 64 threads of 48 frames of 240 characters, with room: about 750 KB at most.
+    Op.STACKS_REPLY: Limits(1 << 20, str_len=1 << 10, array_len=64, map_len=16),
     # Coordinator to agent, which trusts its coordinator's sizes.
     Op.COMMAND: Limits(64 << 10),
     Op.REGISTERED: Limits(64 << 10),

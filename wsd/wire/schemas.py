@@ -48,6 +48,7 @@ class Op(StrEnum):
     RANKS = "ranks"
     STATS = "stats"
     EVENTS = "events"
+    STACKS = "stacks"
     # client -> coordinator: state-changing commands
     LOCK = "lock"
     UNLOCK = "unlock"
@@ -61,6 +62,7 @@ class Op(StrEnum):
     ACK = "ack"
     STATS_REPLY = "stats_reply"
     STATS_PUSH = "stats_push"
+    STACKS_REPLY = "stacks_reply"
     EVENT = "event"
     GOODBYE = "goodbye"
     # coordinator -> agent
@@ -70,6 +72,7 @@ class Op(StrEnum):
     COMMAND = "command"
     STATS_REQUEST = "stats_request"
     STATS_ACK = "stats_ack"
+    STACKS_REQUEST = "stacks_request"
     REJECTED = "rejected"
 
 
@@ -77,10 +80,14 @@ class Op(StrEnum):
 # import, for a row without its Op member).
 COMMAND_OPS = frozenset(Op(name) for name in COMMANDS)
 READ_ONLY_OPS = frozenset({Op.PING, Op.ENGINES, Op.STATUS, Op.RANKS, Op.STATS, Op.EVENTS})
-CLIENT_OPS = COMMAND_OPS | READ_ONLY_OPS
-AGENT_OPS = frozenset({Op.REGISTER, Op.HEARTBEAT, Op.ACK, Op.STATS_REPLY, Op.STATS_PUSH, Op.EVENT, Op.GOODBYE})
+OPERATOR_READ_OPS = frozenset({Op.STACKS})
+"""Requests that change nothing but that a viewer may not make: every thread's stack names the
+code and files a worker runs, and gathering them interrupts every worker asked."""
+CLIENT_OPS = COMMAND_OPS | READ_ONLY_OPS | OPERATOR_READ_OPS
+AGENT_OPS = frozenset({Op.REGISTER, Op.HEARTBEAT, Op.ACK, Op.STATS_REPLY, Op.STATS_PUSH, Op.STACKS_REPLY, Op.EVENT,
+                       Op.GOODBYE})
 COORDINATOR_OPS = frozenset({Op.REGISTERED, Op.CHALLENGE, Op.PULSE, Op.COMMAND, Op.STATS_REQUEST, Op.STATS_ACK,
-                             Op.REJECTED})
+                             Op.STACKS_REQUEST, Op.REJECTED})
 
 INT_MAX = 2**63 - 1
 MAX_STATUS_GROUPS = 4096
@@ -200,6 +207,9 @@ _RANK = _int("rank", 0, 1 << 20)
 # that nothing a peer claims costs the coordinator more than it can afford.
 _HOST = _str("host", 255, printable=True)
 _STATE = _opt(_map("state", 16), {})
+_IN_STEP = _opt(Field("in_step", (float,), low=0.0, high=1e9))
+MAX_STACK_THREADS = 64
+"""The most threads one stacks reply lists (wsd.agent.stacks.MAX_THREADS)."""
 ACK_MEMORY = 64
 """Acknowledgements an agent keeps to resend when it registers again."""
 ACK_MEMORY_ERROR = 200
@@ -220,6 +230,9 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
                _opt(_f("fresh", bool), False)),
     # ``engine``: only the events of that engine (and those of none, such as the coordinator's start).
     Op.EVENTS: (_opt(_int("cursor"), 0), _opt(_int("limit", 1, 10_000), 100), _ENGINE),
+    # Every thread's stack of the live ranks asked for: ``rank``, or ``group``, or (neither) all.
+    Op.STACKS: (_ENGINE, _opt(_int("group", 0, 65535)), _opt(_int("rank", 0, 1 << 20)),
+                _opt(Field("timeout", (float,), low=0.0, high=60.0))),
     **{Op(spec.name): (*(_int(a.name, a.low, a.high) for a in spec.args), *_TARGET) for spec in COMMANDS.values()},
     Op.REGISTER: (
         _RANK,
@@ -250,15 +263,20 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
     ),
     # ``stats_version``: the agent has just found its snapshot unchanged since the push
     # of that version the coordinator acknowledged (so that version is fresh now).
+    # ``in_step``: seconds the engine has been inside its current step (nil: between steps).
     Op.HEARTBEAT: (_RANK, _int("step"), _int("applied_seq"), _int("held_seq"), _STATE,
-                   _opt(_int("stats_version", 1))),
+                   _opt(_int("stats_version", 1)), _IN_STEP),
     Op.ACK: (_RANK, _int("seq", 1), _int("step"), _f("ok", bool), _opt(_str("error", 4096))),
     Op.STATS_REPLY: (_RANK, _int("request"), _map("stats", 64), _opt(_int("step"), 0)),
     # A changed snapshot, pushed by the agent; also a heartbeat. ``base`` nil: ``stats`` is
     # the whole snapshot; else ``delta`` holds what changed since the acknowledged push
     # numbered ``base`` (wsd.slotstats.snapshot_delta).
     Op.STATS_PUSH: (_RANK, _int("version", 1), _opt(_int("base", 1)), _int("step"), _int("applied_seq"),
-                    _int("held_seq"), _STATE, _opt(_map("stats", 64)), _opt(_map("delta", 8))),
+                    _int("held_seq"), _STATE, _opt(_map("stats", 64)), _opt(_map("delta", 8)), _IN_STEP),
+    # Every thread's stack (wsd.agent.stacks), for stacks request ``request``, or (0) sent
+    # on the agent's own when its engine has been inside one step for ``stall_after``.
+    Op.STACKS_REPLY: (_RANK, _int("request"), _int("step"), _IN_STEP,
+                      Field("threads", (list,), max_len=MAX_STACK_THREADS)),
     Op.EVENT: (_RANK, _str("kind", 64, printable=True), _opt(_map("detail", 32), {})),
     # A worker shutting down cleanly: its rank is stopped, not lost. No answer.
     Op.GOODBYE: (_RANK, _opt(_int("step"), 0), _opt(_int("applied_seq")), _opt(_int("held_seq")), _STATE),
@@ -267,6 +285,8 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
                     Field("heartbeat_timeout", (float,), low=0.001, high=3600.0),
                     # Seconds between the agent's looks at its snapshot (it pushes what changed).
                     _opt(Field("stats_interval", (float,), low=0.001, high=3600.0)),
+                    # Seconds inside one engine step after which the agent sends its stacks once.
+                    _opt(Field("stall_after", (float,), low=0.001, high=1e6)),
                     # To a fresh process: its TP group's desired state at baseline_seq
                     # ({locked, num_ubatches, reserve_bytes}, each nil if never set).
                     _opt(_f("desired", dict)),
@@ -286,6 +306,7 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
     Op.COMMAND: (_int("seq", 1), _f("action", str), _opt(_f("args", dict), {}), _opt(_int("group", 0, 65535)),
                  _opt(_str("mac", 128))),
     Op.STATS_REQUEST: (_int("request"),),
+    Op.STACKS_REQUEST: (_int("request", 1),),
     # The push numbered ``version`` is the coordinator's now (``ok``), or it could not use
     # it (a delta on another base, or invalid): the agent pushes its whole snapshot next.
     Op.STATS_ACK: (_int("version", 1), _f("ok", bool)),

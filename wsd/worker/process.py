@@ -170,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 group = ctx.control_group
                 result = run_workload(manager, mlp, config.workload, step_boundary=agent.step,
                                       should_stop=lambda: any_rank(stop.is_set(), group), wait=stop.wait,
-                                      warmed=agent.mark_warm)
+                                      warmed=agent.mark_warm, stepping=agent.stepping)
                 logger.info("stopped cleanly after %d steps, %d lock violations",
                             result.steps, result.violations)
             clean = True

@@ -14,10 +14,12 @@ counted (the agent reports it) instead of killing the worker.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,13 +116,16 @@ def run_workload(
     should_stop: Callable[[], bool],
     wait: Callable[[float], object] = time.sleep,
     warmed: Callable[[], object] = lambda: None,
+    stepping: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
 ) -> WorkloadResult:
     """Warm up, lock (if configured), then run steady steps until done or stopped.
 
     ``step_boundary`` is the agent's ``step()``; ``should_stop`` is called at
     every step boundary on every rank (the worker's stop vote, a collective);
     ``wait`` fills each step up to ``config.pace``; ``warmed`` is called once,
-    when warm-up is over (the agent's ``mark_warm``: commands apply from then on).
+    when warm-up is over (the agent's ``mark_warm``: commands apply from then on);
+    ``stepping()`` is held around each step, not the wait after it (the agent's: a rank
+    inside one step too long, a peer frozen in its collective, is stalled).
     """
     rng = random.Random(config.seed)
     warmup = warmup_tokens(config)
@@ -128,22 +133,24 @@ def run_workload(
     step = violations = 0
     while total is None or step < total:
         started = time.monotonic()
-        tokens = warmup[step] if step < len(warmup) else steady_tokens(rng, config, manager.is_locked())
-        # Read the ubatch count at every step: set_ubatches changes it at a step boundary.
-        for ubatch in range(manager.num_ubatches):
-            with use_ubatch(ubatch), use_lane(step % manager.num_lanes):
-                violations += _forward(manager, mlp, tokens)
-        step += 1
-        if step == len(warmup):
-            if config.lock:
-                manager.lock()
-            logger.info("warm-up done after %d steps at %d tokens: slots %s bytes, %s",
-                        step, tokens, sorted({s.capacity_bytes for s in manager.stats().slots}),
-                        "locked" if manager.is_locked() else "unlocked")
-        if step >= len(warmup):
-            warmed()
-        step_boundary()
-        if should_stop():
+        with stepping():  # the step, its collectives and its agreement; not the wait after it
+            tokens = warmup[step] if step < len(warmup) else steady_tokens(rng, config, manager.is_locked())
+            # Read the ubatch count at every step: set_ubatches changes it at a step boundary.
+            for ubatch in range(manager.num_ubatches):
+                with use_ubatch(ubatch), use_lane(step % manager.num_lanes):
+                    violations += _forward(manager, mlp, tokens)
+            step += 1
+            if step == len(warmup):
+                if config.lock:
+                    manager.lock()
+                logger.info("warm-up done after %d steps at %d tokens: slots %s bytes, %s",
+                            step, tokens, sorted({s.capacity_bytes for s in manager.stats().slots}),
+                            "locked" if manager.is_locked() else "unlocked")
+            if step >= len(warmup):
+                warmed()
+            step_boundary()
+            stopping = should_stop()
+        if stopping:
             break
         left = config.pace - (time.monotonic() - started)
         if left > 0:

@@ -1,0 +1,74 @@
+"""Stalled ranks: live (their agents answer) while their engines stay inside one step.
+
+A TP group hung on one frozen rank looks, from outside, like every rank
+stopped; the rank that froze is lost (its agent froze with it), and each of its
+peers sits inside the collective that waits for it. Each heartbeat says for how
+long the engine has been inside its current step (``in_step``); a rank inside
+one for ``[coordinator] stall_after`` is ``stalled``, until it leaves the step.
+Its ``stalled`` event names its TP peers' states and those it waits for where
+that can be known (``Registry.waits_for``), and holds the threads' stacks its
+agent sends on its own at that moment; it waits two heartbeat intervals for
+them, and is written without them after. Plain logic, no I/O. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from wsd.coordinator.config import CoordinatorConfig
+from wsd.coordinator.events import EventKind
+from wsd.coordinator.registry import RankInfo, Registry
+
+__all__ = ["Stalls"]
+
+logger = logging.getLogger(__name__)
+
+
+class Stalls:
+    """One engine's stalled ranks (``RankInfo.stalled``), and their events."""
+
+    def __init__(self, config: CoordinatorConfig, registry: Registry, *,
+                 event: Callable[..., None], engine: str) -> None:
+        """``event(source, kind, **detail)``: write an event, within the source's budget."""
+        self.config = config
+        self.registry = registry
+        self.event = event
+        self.engine = engine
+        # Stalled ranks whose event waits for their stacks: rank -> when it is written without.
+        self._due: dict[int, float] = {}
+
+    def check(self, info: RankInfo, now: float, stacks: list[dict[str, Any]] | None = None) -> None:
+        """A live rank's heartbeat, or the stacks its agent sent at a stall."""
+        inside = info.in_step(now)
+        stuck = inside is not None and inside >= self.config.stall_after
+        if stuck and not info.stalled:
+            info.stalled = True
+            self._due[info.rank] = now + 2 * self.config.heartbeat_interval
+        elif not stuck and info.stalled:
+            self.end(info, "its engine left the step")
+            return
+        due = self._due.get(info.rank)
+        if info.stalled and due is not None and (stacks is not None or now >= due):
+            del self._due[info.rank]
+            self._write(info, inside or 0.0, stacks)
+
+    def end(self, info: RankInfo, why: str) -> None:
+        """The rank is no longer stalled: ``why`` (its engine left the step, it was lost or stopped)."""
+        if not info.stalled:
+            return
+        info.stalled = False
+        self._due.pop(info.rank, None)
+        self.event(("rank", info.rank), EventKind.UNSTALLED, rank=info.rank, tp_group=info.tp_group,
+                   step=info.step, why=why)
+
+    def _write(self, info: RankInfo, inside: float, stacks: list[dict[str, Any]] | None) -> None:
+        peers = {str(r): str(self.registry.ranks[r].shown) if r in self.registry.ranks else "missing"
+                 for r in self.registry.expected(info.tp_group) if r != info.rank}
+        waits = self.registry.waits_for(info)
+        self.event(("rank", info.rank), EventKind.STALLED, rank=info.rank, tp_group=info.tp_group,
+                   step=info.step, in_step=round(inside, 3), peers=peers, waits_for=waits, stacks=stacks)
+        logger.warning("engine %s: rank %d is stalled, inside one step for %.0f s; TP peers: %s; waits for: %s",
+                       self.engine, info.rank, inside, ", ".join(f"{r} {s}" for r, s in peers.items()) or "none",
+                       ", ".join(map(str, waits)) or "unknown")

@@ -19,6 +19,7 @@ import torch
 from conftest import wait_until
 
 from wsd import WorkspaceManager
+from wsd.agent.stacks import StepClock
 from wsd.agent.thread import Agent
 from wsd.errors import ConfigError
 from wsd.integrations.vllm import layout, metrics, plugin
@@ -460,6 +461,7 @@ def test_a_standalone_worker_has_wsds_manager_its_log_lines_and_its_figures_no_a
 class _FakeAgent:
     def __init__(self) -> None:
         self.steps: list[bool] = []
+        self.clock = StepClock(time.monotonic)
 
     def step(self, *, agree: bool) -> list[int]:
         self.steps.append(agree)
@@ -493,6 +495,8 @@ def test_a_one_rank_group_steps_between_the_engines_own_steps(monkeypatch):
     monkeypatch.setattr(plugin, "_attachment", type("A", (), {"agent": agent})())
     wake = plugin._Wake(rank=0, tp_size=1)
     try:
+        with engine.busy():  # the warm-up: compilation and capture may take minutes, and are no step
+            assert agent.clock.inside() is None
         wake()
         assert agent.steps == [], "stepped before the engine's warm-up returned"
         engine.warmed()
@@ -500,7 +504,9 @@ def test_a_one_rank_group_steps_between_the_engines_own_steps(monkeypatch):
         agent.steps.clear()
         with engine.busy():
             wake()
+            assert agent.clock.inside() is not None, "a warm engine's step is not counted as one"
         assert agent.steps == [], "stepped inside one of the engine's own steps"
+        assert agent.clock.inside() is None
         engine.sleeping(True)
         wake()
         assert agent.steps == [], "stepped while the engine sleeps"

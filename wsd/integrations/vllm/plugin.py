@@ -204,8 +204,21 @@ class _Engine:
 
     @contextmanager
     def busy(self) -> Iterator[None]:
+        """Held for each of the engine's own uses of the workspace. Once warm, that is a step
+        (or sleeping, or waking), and the agent's clock says the engine is inside one: a
+        worker inside one past ``stall_after`` (a TP peer frozen mid-collective) is stalled.
+        Warm-up (compilation, CUDA-graph capture) may take minutes, and is no step."""
         with self.lock:
-            yield
+            attachment = _attachment
+            clock = attachment.agent.clock if self.warm and attachment is not None and attachment.agent else None
+            if clock is None:
+                yield
+                return
+            clock.enter()
+            try:
+                yield
+            finally:
+                clock.leave()
 
     def warmed(self) -> None:
         """vLLM's warm-up returned (its profile run, CUDA-graph capture and the lock after

@@ -929,6 +929,19 @@ def test_ranks_and_ping(h):
     assert h.ok(Op.PING) == {"epoch": h.core.epoch, "time": WALL0, "seq": 0, "engines": {"default": 0}}
 
 
+def test_a_ranks_row_is_the_declared_row_field_for_field(h):
+    """Fails if the registry builds a row of its own beside ``wsd.rankrow.RankRow`` (a key added
+    there alone would reach neither the client's ``RankEntry`` nor docs/wsctl.md)."""
+    from dataclasses import fields
+
+    from wsd.rankrow import RankRow
+
+    h.register_all([0])
+    [row] = h.ok(Op.RANKS)["ranks"]
+    assert list(row) == [f.name for f in fields(RankRow)]
+    assert row["engine"] == "default" and row["state"] == "live"
+
+
 def test_lock_violation_event_from_agent(h):
     h.register_all([0])
     detail = {"slot": 1, "caller": "moe.py:12:fwd", "requested": 2048, "capacity": 1024, "kind": "spoof"}

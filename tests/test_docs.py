@@ -177,6 +177,21 @@ def test_the_command_reply_documented_is_the_reply_type_the_coordinator_builds()
     assert [f.name for f in dataclasses.fields(CommandResult) if not re.search(rf"\b{f.name}\b", reply)] == []
 
 
+def test_a_ranks_row_documented_is_the_row_declared():
+    """``wsd.rankrow.RankRow`` drives the coordinator's ``ranks`` rows and the client's
+    ``RankEntry``: a field added, renamed or retyped there must be so in docs/wsctl.md's table."""
+    from wsd.rankrow import row_fields
+
+    def shown(kind: Any) -> str:
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        return f"`{args[0].__name__}` or null" if args else f"`{kind.__name__}`"
+
+    text = (DOCS / "wsctl.md").read_text()
+    table = _rows(_between(text, "### A rank's row", "### Event kinds"))
+    documented = {name: cells[0] for name, cells in table.items()}
+    assert documented == {name: shown(kind) for name, kind, _ in row_fields()}
+
+
 # -- links --------------------------------------------------------------------------------------
 
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")

@@ -150,6 +150,22 @@ def test_every_family_in_vllms_own_metrics_is_documented_with_its_labels():
         assert tuple(label.strip() for label in cells[0].split(",")) == labels(name), name
 
 
+def test_the_patch_points_documented_are_the_table_that_checks_and_installs_them():
+    """``patches.POINTS`` drives ``check()`` and each part's install: a point added, dropped or
+    changed there must be so in docs/vllm.md's table, which would otherwise list what wsd no
+    longer does (or miss what it does)."""
+    from wsd.integrations.vllm.patches import POINTS
+
+    def row(point: Any) -> str:
+        how = (point.how + (", where vLLM has it" if point.optional else "")
+               + (", and the CPU worker's own" if point.cpu_worker else ""))
+        return f"| `{point.module}.{point.path}` | {how} | {point.why} |"
+
+    text = _between((DOCS / "vllm.md").read_text(), "## Patch points", "## What happens in each worker")
+    documented = [line for line in text.splitlines() if line.startswith("| `")]
+    assert documented == [row(point) for point in POINTS]
+
+
 # -- wsctl --------------------------------------------------------------------------------------
 
 

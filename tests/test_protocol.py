@@ -510,3 +510,15 @@ def test_a_bad_by_is_refused_naming_it(by):
     with pytest.raises(ProtocolError, match=r"^by") as e:
         p.decode(msgpack.packb({"v": p.PROTOCOL_VERSION, "op": "lock", "id": 4, "body": {}, "by": by}), None)
     assert e.value.code is ErrorCode.BAD_FIELD and e.value.request_id == 4
+
+
+def test_the_ack_record_a_registration_resends_is_an_ack_messages_fields_but_its_rank():
+    """Fails if the remembered ack and the ``ack`` message drift apart (a field added to one
+    alone), or if a reader unpacks the record by position instead of through ``AckRecord``."""
+    assert p.AckRecord._fields == tuple(f.name for f in p.SCHEMAS[Op.ACK] if f.name != "rank")
+    record = p.AckRecord(seq=3, step=9, ok=False, error="RuntimeError: no")
+    assert p.AckRecord.from_wire(p.decode(p.encode(Op.REGISTER, {**VALID[Op.REGISTER], "acks": [record.to_wire()]}),
+                                          p.AGENT_OPS).body["acks"][0], 1) == record
+    for bad in ([3, 9, False], [3, "9", False, None], (3, 9, False, None), [0, 9, True, None]):
+        with pytest.raises(p.ProtocolError, match=r"acks|seq|step"):
+            p.AckRecord.from_wire(bad, 1)

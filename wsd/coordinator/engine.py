@@ -36,9 +36,6 @@ __all__ = ["Engine", "Shared", "refuse", "state_path"]
 
 logger = logging.getLogger(__name__)
 
-_ACK_FIELDS = ("seq", "step", "ok", "error")
-"""An acknowledgement a registration resends: ``[seq, step, ok, error]``, an ACK's fields."""
-
 
 def state_path(state_file: str, name: str, default: str) -> str:
     """Where engine ``name`` keeps its command log: the configured state file for the
@@ -250,14 +247,12 @@ class Engine:
         """Acknowledgements a registering agent resends: sent while we could not hear them."""
         out: list[Out] = []
         for ack in acks:
-            try:  # [seq, step, ok, error], checked as an ACK message would be
-                if not (isinstance(ack, list) and len(ack) == len(_ACK_FIELDS)):
-                    raise ProtocolError(ErrorCode.BAD_FIELD, "register.acks: expected [seq, step, ok, error]")
-                a = p.validate_body(Op.ACK, {"rank": info.rank, **dict(zip(_ACK_FIELDS, ack))})
+            try:
+                a = p.AckRecord.from_wire(ack, info.rank)
             except ProtocolError as e:
                 logger.warning("rank %d resent a bad ack %r: %s", info.rank, ack, e)
                 continue
-            out += self.dispatch.ack(info.rank, a["seq"], a["step"], a["ok"], a["error"])
+            out += self.dispatch.ack(info.rank, a.seq, a.step, a.ok, a.error)
         return out
 
     # -- what registered ranks send -------------------------------------------------

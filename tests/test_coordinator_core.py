@@ -921,6 +921,41 @@ def test_malformed_manager_state_does_not_break_status(h):
     assert (ranks[1]["locked"], ranks[1]["num_ubatches"]) == (True, 3)
 
 
+def test_the_manager_state_agents_report_is_the_one_declared_and_read_through_it(h):
+    """``wsd.rankrow.ManagerState`` is the one declaration of what an agent reports of its
+    manager: fails if an agent reports a key it lacks (or misses one), if the coordinator
+    keeps a key of its own, or if a rank's row, a TP group in ``status`` or an engine in
+    ``engines`` shows the agreed keys from a list of their own."""
+    import dataclasses
+    import importlib.util
+    import threading
+    import typing
+
+    from wsd.agent.simulated import SimulatedManager
+    from wsd.rankrow import AGREED, ManagerState, RankRow, read_manager_state
+
+    declared = typing.get_type_hints(ManagerState)
+    reported = [SimulatedManager(num_ubatches=2).state()]
+    if importlib.util.find_spec("torch") is not None:
+        from wsd import WorkspaceManager
+        from wsd.agent.thread import _ManagerTarget
+
+        reported.append(_ManagerTarget(WorkspaceManager("cpu", 2), threading.Event()).state())
+    for state in reported:
+        assert set(state) <= set(declared) and set(AGREED) <= set(state), state
+        assert read_manager_state(state) == state  # every key it sends, of the declared type
+    assert read_manager_state({"locked": True, "num_ubatches": 2, "warming": False, "other": 1}) == {
+        "locked": True, "num_ubatches": 2, "warming": False}
+    assert set(declared) <= {f.name for f in dataclasses.fields(RankRow)}
+    h.register_all([0, 1])
+    h.heartbeat(0, state={"locked": True, "num_ubatches": 3})
+    h.heartbeat(1, state={"locked": True, "num_ubatches": 3})
+    [group] = [g for g in h.ok(Op.STATUS)["groups"] if g["tp_group"] == 0]
+    assert {key: group[key] for key in AGREED} == {"locked": [True], "num_ubatches": [3]}
+    [engine] = h.ok(Op.ENGINES)["engines"]
+    assert {key: engine[key] for key in AGREED} == {"locked": True, "num_ubatches": 3}
+
+
 def test_ranks_and_ping(h):
     h.register_all([1])
     result = h.ok(Op.RANKS)

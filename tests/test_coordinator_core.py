@@ -541,7 +541,9 @@ def test_no_wait_replies_at_once_with_seq(h):
     h.register_all()
     sent = h.client(Op.SET_UBATCHES, {"n": 3, "wait": False}, request_id=8)
     reply = only_reply(sent)
-    assert reply.id == 8 and reply.result == {"seq": 1, "action": "set_ubatches", "group": None, "waited": False}
+    assert reply.id == 8 and reply.result == {"seq": 1, "action": "set_ubatches", "group": None, "waited": False,
+                                              "complete": False, "acked": [], "failed": [], "same_step": None,
+                                              "pending": [], "lost": [], "missing": []}
     assert len(to_agents(sent, Op.COMMAND)) == 4
     for rank in range(4):
         assert replies(h.ack(rank, 1, step=1)) == []

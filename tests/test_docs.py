@@ -122,6 +122,16 @@ def test_every_operation_with_its_fields_and_every_error_code_is_in_the_protocol
     assert sorted(codes) == sorted(code.value for code in ErrorCode)
 
 
+def test_the_protocol_version_documented_is_the_one_spoken_and_its_release():
+    """docs/protocol.md says which release's shapes the protocol version names: a bump (or a
+    release) that leaves the page behind would state a policy the code does not follow."""
+    from wsd.version import __version__
+    from wsd.wire.protocol import PROTOCOL_VERSION
+
+    versions = " ".join(_between((DOCS / "protocol.md").read_text(), "## Versions", "## Operations").split())
+    assert f"version {PROTOCOL_VERSION} is wsd {__version__}'s" in versions
+
+
 # -- metrics ------------------------------------------------------------------------------------
 
 

@@ -212,9 +212,9 @@ class CommandResult:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CommandResult:
-        """Every field by name, sequences as tuples; a key this version does not know is ignored,
-        one it lacks takes its default (``group`` None, ``waited`` true, as before)."""
-        values: dict[str, Any] = {"group": None, "waited": True}
+        """Every field by name, sequences as tuples; a key this version does not know is ignored
+        (a newer coordinator's, docs/protocol.md)."""
+        values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             if f.name in d:
                 value = d[f.name]

@@ -66,7 +66,7 @@ class Answer(Mapping[str, Any]):
 
     @property
     def engine(self) -> str | None:
-        """The engine that answered (None: a coordinator older than engines)."""
+        """The engine that answered (None: the answer names none, as `ping`'s)."""
         return self.doc.get("engine")
 
 
@@ -287,8 +287,8 @@ class Status(Sequenced):
 
     @property
     def groups_total(self) -> int:
-        """The TP groups there are, listed or not (an older coordinator lists them all)."""
-        return int(self.doc.get("groups_total", len(self.doc["groups"])))
+        """The TP groups there are, listed or not."""
+        return int(self.doc["groups_total"])
 
 
 def _row_property(name: str, kind: Any, doc: str) -> property:
@@ -348,13 +348,9 @@ class Ranks(Answer):
 class Stats(Answer):
     """``stats``: per rank, slot and TP group, as the coordinator sends it (every part a table
     of columns, see ``wsd_client.rows``); ``rows()`` gives the one row shape ``wsctl stats
-    --json`` prints. An older coordinator's answer is read in today's shape
-    (``wsd_client.rows.from_older``)."""
+    --json`` prints."""
 
     __slots__ = ()
-
-    def __init__(self, doc: dict[str, Any]) -> None:
-        super().__init__(_rows.from_older(doc))
 
     @property
     def complete(self) -> bool:

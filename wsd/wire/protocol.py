@@ -79,6 +79,11 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 1
+"""The shapes of every message and answer, as wsd 0.1.0 ships them. A change to a shape that a
+released wsd reads (a field renamed, removed or retyped, an answer restructured) makes the
+next release bump it; both sides then refuse the other version (``bad_version``) rather
+than misread it, and no reader of a shape that never shipped in a release is kept
+(docs/protocol.md, "Versions")."""
 
 
 @dataclass(frozen=True, slots=True)

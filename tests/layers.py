@@ -39,6 +39,7 @@ FLOORS: dict[str, int] = {
     "wsd.families": 0,  # the Prometheus families, their types, labels and help
     "wsd.fmt": 0,  # formatting for terminals and logs
     "wsd.version": 0,  # the release
+    "wsd.rankrow": 0,  # a rank's reported manager state and its row in ``ranks``
     # 1: the wire.
     "wsd.wire.*": 1,
     # 2: the sections, each beside its role (a more specific line wins over its package's).

@@ -93,6 +93,28 @@ def test_groups_and_ranks_are_typed_too_and_still_read_as_maps(cluster):
     assert five.idle is True and five.applied_seq == 1  # simulated ranks apply on receipt, as --idle
 
 
+def test_a_rank_entrys_properties_are_derived_from_the_declared_row():
+    """Fails if ``RankEntry`` keeps a hand-written copy of the row (a property written by hand
+    beside ``wsd.rankrow.RankRow``), or lacks a property for one of its fields."""
+    from wsd.rankrow import RankRow, row_fields
+    from wsd_client import results
+
+    names = [name for name, _, _ in row_fields()]
+    assert all(isinstance(getattr(RankEntry, name), property) for name in names)
+    assert {name for name, value in vars(RankEntry).items() if isinstance(value, property)} == set(names)
+    row = RankRow(engine=None, rank=3, state="lost", tp_group=1, host="h", pid=7, device="cpu", idle=False,
+                  step=9, applied_seq=2, registered_at=1.0, last_seen=2.0, lost_at=3.0, stopped_at=None,
+                  locked=None, num_ubatches=4, model=None, warming=False, in_step=12.5).to_wire()
+    entry = RankEntry(row)
+    assert {name: getattr(entry, name) for name in names} == row
+    with pytest.raises(TypeError, match="derived from RankRow"):
+        @results._rank_row_properties
+        class Copy(results.Answer):
+            @property
+            def rank(self) -> int:
+                return 0
+
+
 def test_missing_ranks_are_typed_and_named_missing_only(start_coordinator):
     """Fails if a rank that never registered is not a typed ``MissingRank`` in ``ranks``,
     ``status`` and ``stats``, or if the client still falls back to the old key name

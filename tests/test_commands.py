@@ -83,7 +83,10 @@ def test_the_reply_type_is_shared_and_keeps_every_field_it_is_given():
     assert CommandResult.from_dict(full.to_dict()) == full
     assert CommandResult.from_dict({**full.to_dict(), "a_later_field": 1}) == full  # a newer coordinator's
     numbered = CommandResult(seq=5, action="trim", group=None, waited=False)
-    assert numbered.to_dict() == {"seq": 5, "action": "trim", "group": None, "waited": False}
+    assert numbered.to_dict() == {"seq": 5, "action": "trim", "group": None, "waited": False, "complete": False,
+                                  "acked": (), "failed": (), "same_step": None, "pending": (), "lost": (),
+                                  "missing": ()}
+    assert CommandResult.from_dict(numbered.to_dict()) == numbered
 
 
 def test_argparse_namespace_has_each_argument_under_its_wire_name():

@@ -541,7 +541,9 @@ def test_no_wait_replies_at_once_with_seq(h):
     h.register_all()
     sent = h.client(Op.SET_UBATCHES, {"n": 3, "wait": False}, request_id=8)
     reply = only_reply(sent)
-    assert reply.id == 8 and reply.result == {"seq": 1, "action": "set_ubatches", "group": None, "waited": False}
+    assert reply.id == 8 and reply.result == {"seq": 1, "action": "set_ubatches", "group": None, "waited": False,
+                                              "complete": False, "acked": [], "failed": [], "same_step": None,
+                                              "pending": [], "lost": [], "missing": []}
     assert len(to_agents(sent, Op.COMMAND)) == 4
     for rank in range(4):
         assert replies(h.ack(rank, 1, step=1)) == []
@@ -921,12 +923,63 @@ def test_malformed_manager_state_does_not_break_status(h):
     assert (ranks[1]["locked"], ranks[1]["num_ubatches"]) == (True, 3)
 
 
+def test_the_manager_state_agents_report_is_the_one_declared_and_read_through_it(h):
+    """``wsd.rankrow.ManagerState`` is the one declaration of what an agent reports of its
+    manager: fails if an agent reports a key it lacks (or misses one), if the coordinator
+    keeps a key of its own, or if a rank's row, a TP group in ``status`` or an engine in
+    ``engines`` shows the agreed keys from a list of their own."""
+    import dataclasses
+    import importlib.util
+    import threading
+    import time
+    import typing
+
+    from wsd.agent.simulated import SimulatedManager
+    from wsd.rankrow import AGREED, ManagerState, RankRow, read_manager_state
+
+    declared = typing.get_type_hints(ManagerState)
+    reported = [SimulatedManager(num_ubatches=2).state()]
+    if importlib.util.find_spec("torch") is not None:
+        from wsd import WorkspaceManager
+        from wsd.agent.stacks import StepClock
+        from wsd.agent.thread import _ManagerTarget
+
+        target = _ManagerTarget(WorkspaceManager("cpu", 2), threading.Event(), StepClock(time.monotonic))
+        reported.append(target.state())
+    for state in reported:
+        assert set(state) <= set(declared) and set(AGREED) <= set(state), state
+        assert read_manager_state(state) == state  # every key it sends, of the declared type
+    assert read_manager_state({"locked": True, "num_ubatches": 2, "warming": False, "other": 1}) == {
+        "locked": True, "num_ubatches": 2, "warming": False}
+    assert set(declared) <= {f.name for f in dataclasses.fields(RankRow)}
+    h.register_all([0, 1])
+    h.heartbeat(0, state={"locked": True, "num_ubatches": 3})
+    h.heartbeat(1, state={"locked": True, "num_ubatches": 3})
+    [group] = [g for g in h.ok(Op.STATUS)["groups"] if g["tp_group"] == 0]
+    assert {key: group[key] for key in AGREED} == {"locked": [True], "num_ubatches": [3]}
+    [engine] = h.ok(Op.ENGINES)["engines"]
+    assert {key: engine[key] for key in AGREED} == {"locked": True, "num_ubatches": 3}
+
+
 def test_ranks_and_ping(h):
     h.register_all([1])
     result = h.ok(Op.RANKS)
     assert [(r["rank"], r["state"], r["tp_group"], r["pid"]) for r in result["ranks"]] == [(1, "live", 0, 1001)]
     assert [m["rank"] for m in result["missing"]] == [0, 2, 3]
     assert h.ok(Op.PING) == {"epoch": h.core.epoch, "time": WALL0, "seq": 0, "engines": {"default": 0}}
+
+
+def test_a_ranks_row_is_the_declared_row_field_for_field(h):
+    """Fails if the registry builds a row of its own beside ``wsd.rankrow.RankRow`` (a key added
+    there alone would reach neither the client's ``RankEntry`` nor docs/wsctl.md)."""
+    from dataclasses import fields
+
+    from wsd.rankrow import RankRow
+
+    h.register_all([0])
+    [row] = h.ok(Op.RANKS)["ranks"]
+    assert list(row) == [f.name for f in fields(RankRow)]
+    assert row["engine"] == "default" and row["state"] == "live"
 
 
 def test_lock_violation_event_from_agent(h):

@@ -122,6 +122,16 @@ def test_every_operation_with_its_fields_and_every_error_code_is_in_the_protocol
     assert sorted(codes) == sorted(code.value for code in ErrorCode)
 
 
+def test_the_protocol_version_documented_is_the_one_spoken_and_its_release():
+    """docs/protocol.md says which release's shapes the protocol version names: a bump (or a
+    release) that leaves the page behind would state a policy the code does not follow."""
+    from wsd.version import __version__
+    from wsd.wire.protocol import PROTOCOL_VERSION
+
+    versions = " ".join(_between((DOCS / "protocol.md").read_text(), "## Versions", "## Operations").split())
+    assert f"version {PROTOCOL_VERSION} is wsd {__version__}'s" in versions
+
+
 # -- metrics ------------------------------------------------------------------------------------
 
 
@@ -150,6 +160,22 @@ def test_every_family_in_vllms_own_metrics_is_documented_with_its_labels():
         assert tuple(label.strip() for label in cells[0].split(",")) == labels(name), name
 
 
+def test_the_patch_points_documented_are_the_table_that_checks_and_installs_them():
+    """``patches.POINTS`` drives ``check()`` and each part's install: a point added, dropped or
+    changed there must be so in docs/vllm.md's table, which would otherwise list what wsd no
+    longer does (or miss what it does)."""
+    from wsd.integrations.vllm.patches import POINTS
+
+    def row(point: Any) -> str:
+        how = (point.how + (", where vLLM has it" if point.optional else "")
+               + (", and the CPU worker's own" if point.cpu_worker else ""))
+        return f"| `{point.module}.{point.path}` | {how} | {point.why} |"
+
+    text = _between((DOCS / "vllm.md").read_text(), "## Patch points", "## What happens in each worker")
+    documented = [line for line in text.splitlines() if line.startswith("| `")]
+    assert documented == [row(point) for point in POINTS]
+
+
 # -- wsctl --------------------------------------------------------------------------------------
 
 
@@ -175,6 +201,21 @@ def test_the_command_reply_documented_is_the_reply_type_the_coordinator_builds()
     start = text.index("- `lock`, `unlock`, `set-ubatches`")
     reply = text[start:text.index("`complete` is true", start)]
     assert [f.name for f in dataclasses.fields(CommandResult) if not re.search(rf"\b{f.name}\b", reply)] == []
+
+
+def test_a_ranks_row_documented_is_the_row_declared():
+    """``wsd.rankrow.RankRow`` drives the coordinator's ``ranks`` rows and the client's
+    ``RankEntry``: a field added, renamed or retyped there must be so in docs/wsctl.md's table."""
+    from wsd.rankrow import row_fields
+
+    def shown(kind: Any) -> str:
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        return f"`{args[0].__name__}` or null" if args else f"`{kind.__name__}`"
+
+    text = (DOCS / "wsctl.md").read_text()
+    table = _rows(_between(text, "### A rank's row", "### Event kinds"))
+    documented = {name: cells[0] for name, cells in table.items()}
+    assert documented == {name: shown(kind) for name, kind, _ in row_fields()}
 
 
 # -- links --------------------------------------------------------------------------------------

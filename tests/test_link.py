@@ -264,7 +264,8 @@ def test_a_registration_resending_64_acks_of_long_failures_fits_its_bounds():
     assert len(frame) <= p.REGISTER_BYTES
     message = p.decode(frame, p.AGENT_OPS)
     assert len(message.body["acks"]) == p.ACK_MEMORY
-    assert all(len(a[3]) == p.ACK_MEMORY_ERROR for a in message.body["acks"])
+    acks = [p.AckRecord.from_wire(a, 0) for a in message.body["acks"]]
+    assert all(a.error is not None and len(a.error) == p.ACK_MEMORY_ERROR for a in acks)
 
 
 def test_a_rank_still_live_on_an_older_connection_is_asked_for_again_each_interval():

@@ -32,7 +32,6 @@ from wsd.slotstats import (
     snapshot_delta,
 )
 from wsd_client import render
-from wsd_client.results import Stats
 from wsd_client.rows import group_columns, group_slots, rank_slots, stats_rows, table_rows
 
 
@@ -156,27 +155,6 @@ def test_persistent_names_travel_once_and_read_back_per_rank():
     for rank, snapshot in snapshots.items():
         assert [s["persistent"] for s in rank_slots(answer, rank)] == [
             [{"key": p.key, "kind": p.kind, "nbytes": p.nbytes} for p in slot.persistent] for slot in snapshot.slots]
-
-
-def test_an_older_coordinators_answer_reads_as_todays():
-    """A client upgraded before its coordinator: an answer with a map per rank and group and
-    the buffers' names in full (before every part was a table) gives the same rows."""
-    rng = random.Random(7)
-    snapshots = {rank: ManagerStats("cpu", 2, 1, rank == 1, tuple(
-        SlotStats.of(i, **{n.name: rng.randrange(1 << 20) for n in SLOT_NUMBERS},
-                     persistent=(PersistentStats(f"buf{rank}", "tensor", 64),))
-        for i in range(2))) for rank in range(3)}
-    today = _answer(snapshots)
-    strings = today["strings"]
-    older = {k: v for k, v in today.items() if k != "strings"} | {
-        "ranks": table_rows(today["ranks"]), "groups": table_rows(today["groups"]),
-        "persistent": {name: [strings[i] for i in column] if name in ("key", "kind") else column
-                       for name, column in today["persistent"].items()}}
-    assert Stats(older).rows() == Stats(today).rows()
-    assert Stats(older).reporting == [0, 1, 2] and Stats(older).ages() == Stats(today).ages()
-    # One with no rank reporting and no group in scope: empty tables of today's columns.
-    none = Stats({**older, "ranks": [], "groups": [], "missing": []})
-    assert none.group_columns() == {} and none.rows()["ranks"] == [] and none.rows()["groups"] == []
 
 
 def _record(table, rng: random.Random, names: list[str]):

@@ -113,6 +113,32 @@ def test_a_changed_signature_fails_loudly(monkeypatch):
         patches.check()
 
 
+def test_each_part_patches_exactly_the_points_its_table_names(monkeypatch):
+    """Fails if an install keeps its own list of what it patches beside ``patches.POINTS``: a
+    wrapper or object for a point the table lacks, or a point of the table left unpatched."""
+    from wsd.integrations.vllm import patches
+
+    applied: dict[str, tuple[set[str], set[str]]] = {}
+    monkeypatch.setattr(patches, "_apply", lambda part, wrappers, objects, module: applied.setdefault(
+        part, (set(wrappers), set(objects))))
+    hooks = SimpleNamespace(step=lambda agree: [], busy=None, warmed=None, sleeping=None)
+    patches._install_worker(None, manager_class=WorkspaceManager, attach=print, detach=print, engine=hooks)
+    patches._install_engine_core(None)
+    patches._install_api_server(None, print)
+    expected = {part: ({p.name for p in patches.POINTS if p.part == part and p.how == "wrapped"},
+                       {p.name for p in patches.POINTS if p.part == part and p.how in ("replaced", "added")})
+                for part in (patches.WORKER, patches.ENGINE_CORE, patches.API_SERVER)}
+    assert applied == expected
+    assert {p.name for p in patches.POINTS if p.cpu_worker} <= expected[patches.WORKER][0]
+
+
+def test_a_patch_table_and_an_install_that_differ_patch_nothing():
+    from wsd.integrations.vllm import patches
+
+    with pytest.raises(ValueError, match="are not POINTS'"):
+        patches._apply(patches.API_SERVER, {"get_prometheus_registry": print, "attach_router": print}, {}, None)
+
+
 def test_wrap_wraps_once():
     class Owner:
         def method(self):

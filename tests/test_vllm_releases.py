@@ -40,9 +40,11 @@ def test_the_releases_checked_at_source_level_are_the_verified_ones_but_the_inst
 
 
 @pytest.mark.parametrize("release", SOURCE_RELEASES)
-@pytest.mark.parametrize("point", POINTS, ids=lambda p: f"{p.module}.{p.path}")
+@pytest.mark.parametrize("point", [p for p in POINTS if p.vllms], ids=lambda p: f"{p.module}.{p.path}")
 def test_every_patch_point_is_in_the_release_with_the_parameters_wsd_relies_on(release, point):
     params = compat.source_params(_root(release), point.module, point.path)
+    if point.optional and params is None:
+        return  # wrapped where vLLM has it: this release has not
     if point.kind == "contextvar":
         assert params is None, f"{point.path} is defined, not assigned: not a context variable"
     else:

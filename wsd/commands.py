@@ -199,13 +199,12 @@ class CommandResult:
     missing: tuple[dict[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        """The reply's result on the wire: only what was numbered when it did not wait.
+        """The one encoding of a result: the reply's result on the wire, and the document
+        ``wsctl --json`` prints (every field; with ``waited`` false, the rest empty).
 
         Shallow, not ``dataclasses.asdict``: that deep-copies every ack, 35 times the
         cost at 1,024 ranks, on the coordinator's loop. msgpack writes tuples as arrays.
         """
-        if not self.waited:
-            return {"seq": self.seq, "action": self.action, "group": self.group, "waited": False}
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if self.same_step is not None:
             out["same_step"] = {str(g): same for g, same in self.same_step.items()}
@@ -213,9 +212,9 @@ class CommandResult:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CommandResult:
-        """Every field by name, sequences as tuples; a key this version does not know is ignored,
-        one it lacks takes its default (``group`` None, ``waited`` true, as before)."""
-        values: dict[str, Any] = {"group": None, "waited": True}
+        """Every field by name, sequences as tuples; a key this version does not know is ignored
+        (a newer coordinator's, docs/protocol.md)."""
+        values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             if f.name in d:
                 value = d[f.name]

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from wsd.rankrow import RankRow, row_fields
 from wsd_client import rows as _rows
 
 __all__ = [
@@ -65,7 +66,7 @@ class Answer(Mapping[str, Any]):
 
     @property
     def engine(self) -> str | None:
-        """The engine that answered (None: a coordinator older than engines)."""
+        """The engine that answered (None: the answer names none, as `ping`'s)."""
         return self.doc.get("engine")
 
 
@@ -289,86 +290,46 @@ class Status(Sequenced):
 
     @property
     def groups_total(self) -> int:
-        """The TP groups there are, listed or not (an older coordinator lists them all)."""
-        return int(self.doc.get("groups_total", len(self.doc["groups"])))
+        """The TP groups there are, listed or not."""
+        return int(self.doc["groups_total"])
 
 
-class RankEntry(Answer):
-    """One rank of ``ranks`` that registered."""
+def _row_property(name: str, kind: Any, doc: str) -> property:
+    """A typed property reading ``name`` of a row's document: converted to ``kind`` where it is
+    a plain type, as it came where it may be null."""
+    if kind in (int, float, str, bool):
+        def read(self: Answer) -> Any:
+            return kind(self.doc[name])
+    else:
+        def read(self: Answer) -> Any:
+            return self.doc[name]
+    read.__name__ = name
+    return property(read, doc=doc)
+
+
+def _rank_row_properties(cls: type[Answer]) -> type[Answer]:
+    """Give ``cls`` one typed property per field of ``wsd.rankrow.RankRow``: the row is
+    declared once, and the class writes none of its properties by hand."""
+    for name, kind, doc in row_fields():
+        if name in vars(cls):
+            raise TypeError(f"{cls.__name__}.{name} is derived from RankRow: not written by hand")
+        setattr(cls, name, _row_property(name, kind, doc))
+    return cls
+
+
+if TYPE_CHECKING:
+    class _RankEntryBase(Answer, RankRow):  # what the derived properties give, for the type checker
+        ...
+else:
+    _RankEntryBase = Answer
+
+
+@_rank_row_properties
+class RankEntry(_RankEntryBase):
+    """One rank of ``ranks`` that registered: a property per field of ``wsd.rankrow.RankRow``
+    (``rank``, ``state``, ``tp_group``, ...; the table in docs/wsctl.md)."""
 
     __slots__ = ()
-
-    @property
-    def rank(self) -> int:
-        return int(self.doc["rank"])
-
-    @property
-    def state(self) -> str:
-        """``live``, ``lost`` or ``stopped``."""
-        return str(self.doc["state"])
-
-    @property
-    def tp_group(self) -> int:
-        return int(self.doc["tp_group"])
-
-    @property
-    def host(self) -> str:
-        return str(self.doc["host"])
-
-    @property
-    def pid(self) -> int:
-        return int(self.doc["pid"])
-
-    @property
-    def device(self) -> str:
-        return str(self.doc["device"])
-
-    @property
-    def step(self) -> int:
-        return int(self.doc["step"])
-
-    @property
-    def applied_seq(self) -> int:
-        return int(self.doc["applied_seq"])
-
-    @property
-    def locked(self) -> bool | None:
-        """As the rank last reported; None before its first report."""
-        return self.doc["locked"]
-
-    @property
-    def num_ubatches(self) -> int | None:
-        return self.doc["num_ubatches"]
-
-    @property
-    def idle(self) -> bool:
-        """The worker serves the manager only (``--idle``): an engine drives it."""
-        return bool(self.doc["idle"])
-
-    @property
-    def warming(self) -> bool:
-        """Its engine is still warming up: no command applies to it before that ends
-        (False from a coordinator that does not say)."""
-        return bool(self.doc.get("warming", False))
-
-    @property
-    def registered_at(self) -> float:
-        """Wall-clock Unix seconds, as every time of a rank."""
-        return float(self.doc["registered_at"])
-
-    @property
-    def last_seen(self) -> float:
-        return float(self.doc["last_seen"])
-
-    @property
-    def lost_at(self) -> float | None:
-        """None unless the rank is (or was) lost."""
-        return self.doc["lost_at"]
-
-    @property
-    def stopped_at(self) -> float | None:
-        """None unless the rank said goodbye."""
-        return self.doc["stopped_at"]
 
 
 class Ranks(Answer):
@@ -378,8 +339,7 @@ class Ranks(Answer):
 
     @property
     def ranks(self) -> list[RankEntry]:
-        """Per rank that registered, typed and readable as a map (``{rank, state, tp_group, host,
-        pid, device, idle, step, applied_seq, ...}``)."""
+        """Per rank that registered, typed and readable as a map (``wsd.rankrow.RankRow``)."""
         return [RankEntry(r) for r in self.doc["ranks"]]
 
     @property
@@ -391,13 +351,9 @@ class Ranks(Answer):
 class Stats(Answer):
     """``stats``: per rank, slot and TP group, as the coordinator sends it (every part a table
     of columns, see ``wsd_client.rows``); ``rows()`` gives the one row shape ``wsctl stats
-    --json`` prints. An older coordinator's answer is read in today's shape
-    (``wsd_client.rows.from_older``)."""
+    --json`` prints."""
 
     __slots__ = ()
-
-    def __init__(self, doc: dict[str, Any]) -> None:
-        super().__init__(_rows.from_older(doc))
 
     @property
     def complete(self) -> bool:

@@ -29,8 +29,6 @@ from typing import Any
 
 from wsd.slotstats import (
     GROUP_COLUMNS,
-    GROUP_TABLE,
-    RANK_TABLE,
     SLOT_COLUMNS,
     SLOT_KEY,
     SPARSE_TABLES,
@@ -38,24 +36,10 @@ from wsd.slotstats import (
     slot_rows,
 )
 
-__all__ = ["ages", "from_older", "group_columns", "group_slots", "rank_columns", "rank_slots", "stats_rows",
+__all__ = ["ages", "group_columns", "group_slots", "rank_columns", "rank_slots", "stats_rows",
            "table_rows"]
 
 _TABLES = ("slots", *(table.name for table in SPARSE_TABLES), "group_slots", "strings")
-
-
-def from_older(doc: dict[str, Any]) -> dict[str, Any]:
-    """An answer of a coordinator older than tables of ranks and groups (``ranks`` and
-    ``groups`` a list of maps, the buffers' names in full) in the shape of today's;
-    today's as it is."""
-    if not isinstance(doc.get("ranks"), list):
-        return doc
-    tables = {}
-    for name, columns in (("ranks", RANK_TABLE), ("groups", GROUP_TABLE)):
-        rows = doc[name]
-        names = list(rows[0]) if rows else columns  # none: today's columns, each empty
-        tables[name] = {column: [row.get(column) for row in rows] for column in names}
-    return {**doc, **tables}
 
 
 def table_rows(table: dict[str, list[Any]]) -> list[dict[str, Any]]:
@@ -78,11 +62,10 @@ def _split(table: dict[str, list[Any]], owner: str = "rank") -> dict[int, dict[s
     return out
 
 
-def _decoded(table: dict[str, list[Any]], coded: tuple[str, ...], strings: list[str] | None,
-             ) -> dict[str, list[Any]]:
+def _decoded(table: dict[str, list[Any]], coded: tuple[str, ...], strings: list[str]) -> dict[str, list[Any]]:
     """A sparse table with its ``coded`` columns as strings: the answer sends them as indices
-    into its ``strings`` (an older coordinator, without ``strings``, in full)."""
-    if strings is None or not coded:
+    into its ``strings``."""
+    if not coded:
         return table
     return {name: [strings[i] for i in column] if name in coded else column for name, column in table.items()}
 
@@ -91,7 +74,7 @@ def rank_columns(doc: dict[str, Any]) -> dict[int, dict[str, Any]]:
     """Each rank's slots as one rank's snapshot holds them (``ManagerStats.to_wire()["slots"]``:
     columns, with each sparse table's entries as a table keyed by slot index)."""
     slots = _split(doc.get("slots") or {})
-    sparse = {table.name: _split(_decoded(doc.get(table.name) or {}, table.coded, doc.get("strings")))
+    sparse = {table.name: _split(_decoded(doc.get(table.name) or {}, table.coded, doc["strings"]))
               for table in SPARSE_TABLES}
     empty: dict[str, list[Any]] = {c: [] for c in SLOT_COLUMNS}
     return {r: {**slots.get(r, empty), **{name: tables.get(r, {}) for name, tables in sparse.items()}}

@@ -122,7 +122,7 @@ def _command(call: Callable[[Client, argparse.Namespace], CommandResult | PerEng
         results = by_engine(call(client, args))
         codes = []
         for name, result in results.items():
-            doc = dataclasses.asdict(result)
+            doc = result.to_dict()
             if len(results) > 1:
                 doc["engine"] = name
             out.emit(doc, functools.partial(queries.titled, name, len(results) > 1, render.command, doc))

@@ -29,6 +29,7 @@ from wsd.coordinator.registry import RankInfo, RankState, RankTaken, Registratio
 from wsd.coordinator.snapshots import Snapshots
 from wsd.coordinator.stacks import StackRounds, checked_threads
 from wsd.coordinator.stalls import Stalls
+from wsd.rankrow import AGREED
 from wsd.security import registered_proof
 from wsd.wire import protocol as p
 from wsd.wire.protocol import ErrorCode, Op, ProtocolError
@@ -36,9 +37,6 @@ from wsd.wire.protocol import ErrorCode, Op, ProtocolError
 __all__ = ["Engine", "Shared", "refuse", "state_path"]
 
 logger = logging.getLogger(__name__)
-
-_ACK_FIELDS = ("seq", "step", "ok", "error")
-"""An acknowledgement a registration resends: ``[seq, step, ok, error]``, an ACK's fields."""
 
 
 def state_path(state_file: str, name: str, default: str) -> str:
@@ -256,14 +254,12 @@ class Engine:
         """Acknowledgements a registering agent resends: sent while we could not hear them."""
         out: list[Out] = []
         for ack in acks:
-            try:  # [seq, step, ok, error], checked as an ACK message would be
-                if not (isinstance(ack, list) and len(ack) == len(_ACK_FIELDS)):
-                    raise ProtocolError(ErrorCode.BAD_FIELD, "register.acks: expected [seq, step, ok, error]")
-                a = p.validate_body(Op.ACK, {"rank": info.rank, **dict(zip(_ACK_FIELDS, ack))})
+            try:
+                a = p.AckRecord.from_wire(ack, info.rank)
             except ProtocolError as e:
                 logger.warning("rank %d resent a bad ack %r: %s", info.rank, ack, e)
                 continue
-            out += self.dispatch.ack(info.rank, a["seq"], a["step"], a["ok"], a["error"])
+            out += self.dispatch.ack(info.rank, a.seq, a.step, a.ok, a.error)
         return out
 
     # -- what registered ranks send -------------------------------------------------
@@ -302,7 +298,7 @@ class Engine:
         clear the flag once they agree), each flip once it has held a heartbeat interval."""
         members = self.registry.live(group)
         settled = len({i.applied_seq for i in members}) == 1
-        states = {(i.manager_state.get("locked"), i.manager_state.get("num_ubatches")) for i in members}
+        states = {tuple(i.manager_state.get(key) for key in AGREED) for i in members}
         flagged = group in self._inconsistent
         flips = (settled and len(states) > 1) if not flagged else len(states) <= 1
         if not flips:
@@ -316,8 +312,7 @@ class Engine:
         if not flagged:
             self._inconsistent.add(group)
             self._event(("group", group), EventKind.GROUP_INCONSISTENT, tp_group=group, ranks={
-                str(i.rank): {"locked": i.manager_state.get("locked"),
-                              "num_ubatches": i.manager_state.get("num_ubatches")} for i in members})
+                str(i.rank): {key: i.manager_state.get(key) for key in AGREED} for i in members})
         else:
             self._inconsistent.discard(group)
             self._event(("group", group), EventKind.GROUP_CONSISTENT, tp_group=group)
@@ -420,7 +415,7 @@ class Engine:
         if not desired or not live or any(i.applied_seq != self.log.seq for i in live):
             return []
         out = []
-        for key in ("locked", "num_ubatches"):
+        for key in AGREED:
             want = desired.get(key)
             seen = sorted({i.manager_state.get(key) for i in live}, key=str)
             if want is not None and seen != [want]:
@@ -428,10 +423,7 @@ class Engine:
         return out
 
     def ranks(self) -> dict[str, Any]:
-        result = self.registry.public(self.clock(), self.wall())
-        for row in result["ranks"]:
-            row["engine"] = self.name
-        return result
+        return self.registry.public(self.clock(), self.wall(), self.name)
 
     def status(self, offset: int = 0, limit: int = 512) -> dict[str, Any]:
         """The world, the desired state, and the TP groups ``offset`` to ``offset + limit``."""
@@ -462,8 +454,8 @@ class Engine:
     def summary(self) -> dict[str, Any]:
         """This engine in one row of ``wsctl engines``."""
         live = self.registry.live()
-        locked = sorted({i.manager_state.get("locked") for i in live}, key=str)
-        ubatches = sorted({i.manager_state.get("num_ubatches") for i in live}, key=str)
+        # Each of AGREED, where the live ranks agree on it: null where they differ.
+        agreed = {key: sorted({i.manager_state.get(key) for i in live}, key=str) for key in AGREED}
         models = sorted({i.model for i in live if i.model})
         latest = self.snapshots.latest
         return {
@@ -473,8 +465,7 @@ class Engine:
             "world_size": self.registry.world_size,
             "tp_size": self.registry.tp_size,
             "seq": self.log.seq,
-            "locked": locked[0] if len(locked) == 1 else None,
-            "num_ubatches": ubatches[0] if len(ubatches) == 1 else None,
+            **{key: seen[0] if len(seen) == 1 else None for key, seen in agreed.items()},
             "workspace_bytes": latest.total_bytes(),
             "lock_violations": latest.violations(),
             "desired": self.log.default,

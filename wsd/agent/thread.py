@@ -26,18 +26,17 @@ import torch.distributed as dist
 import zmq
 
 from wsd import commands, placement
-from wsd.agent.collectives import all_gather_values
 from wsd.agent.core import AgentLink
 from wsd.config import AgentConfig, LockedGrowthPolicy
 from wsd.errors import AgentError, WsdError
 from wsd.manager.core import WorkspaceManager
-from wsd.slotstats import LockViolation, ManagerStats
+from wsd.slotstats import LockViolation
 from wsd.wire import protocol as p
 from wsd.wire.curve import ClientKeys
 from wsd.wire.protocol import Op
 from wsd.wire.transport import Waker, answer_waiting, connect, make_socket, send_nowait
 
-__all__ = ["Agent", "AgentError", "tp_side_group"]
+__all__ = ["Agent", "AgentError"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,22 +52,6 @@ _VIOLATION_FLUSH = 0.5
 # How long a closed socket may go on delivering the goodbye (ms): a coordinator
 # that is slow or gone must not hold the process's exit up for longer.
 _GOODBYE_LINGER_MS = 500
-
-
-def tp_side_group(rank: int, world_size: int, tp_size: int) -> Any:
-    """The gloo group of ``rank``'s TP group (contiguous ranks), or None when tp_size is 1.
-
-    Collective: every rank must call it, in the same order, since
-    ``new_group`` is.
-    """
-    if tp_size == 1:
-        return None
-    mine = None
-    for first in range(0, world_size, tp_size):
-        group = dist.new_group(list(range(first, first + tp_size)), backend="gloo")
-        if first <= rank < first + tp_size:
-            mine = group
-    return mine
 
 
 class _ManagerTarget:
@@ -266,13 +249,6 @@ class Agent:
             self._put(ack)
         self._waker.wake()
         return [seq for seq, _ in done]
-
-    def gather_tp_stats(self) -> list[ManagerStats]:
-        """Every TP-group member's snapshot, by rank order; collective on the side group."""
-        mine = self.manager.stats().to_dict()
-        if self._group is None:
-            return [ManagerStats.from_dict(mine)]
-        return [ManagerStats.from_dict(d) for d in all_gather_values(mine, self._group)]
 
     def _put(self, frame: bytes) -> int:
         """Queue a frame for the I/O thread (engine thread); returns its ticket."""

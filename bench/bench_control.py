@@ -45,7 +45,7 @@ import msgpack
 import zmq
 
 from bench.helpers import START_TIMEOUT, Helper, Row, run_coordinator, timed_us
-from wsd.agent.core import AgentLink
+from wsd.agent.core import AgentCore
 from wsd.agent.simulated import SimulatedManager, SimulatedRanks
 from wsd.config import AgentConfig
 from wsd.coordinator.commandlog import CommandLog
@@ -198,7 +198,7 @@ def _request(size: int, reply_size: int) -> bytes:
 def frame_sizes() -> dict[str, tuple[int, int]]:
     """(request, reply) bytes of one rank's leg of a stats round and of a command."""
     # The reply exactly as a simulated rank sends it (a rank number of the same width).
-    link = AgentLink(SimulatedManager(SLOTS), rank=1, world_size=2, idle=True)
+    link = AgentCore(SimulatedManager(SLOTS), rank=1, world_size=2, idle=True)
     request = p.encode(Op.STATS_REQUEST, {"request": 1})
     [reply] = link.on_frame(request, 0.0)
     stats = (len(request), len(reply))

@@ -1,6 +1,6 @@
 """The agent: one rank's side of the coordinator's protocol.
 
-- ``core``: ``AgentLink``, the protocol logic, with no sockets, threads or torch;
+- ``core``: ``AgentCore``, the protocol logic, with no sockets, threads or torch;
 - ``push``: ``StatsPush``, when the rank's snapshot is pushed and what the coordinator holds;
 - ``thread``: ``Agent``, its I/O thread beside a real manager, and ``step()``,
   where the ranks of a TP group agree on the commands to apply (torch);

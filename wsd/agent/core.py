@@ -1,6 +1,6 @@
 """One rank's side of the agent protocol: no sockets, no threads of its own, no torch.
 
-``AgentLink`` holds what a rank has registered, received and applied, and turns
+``AgentCore`` holds what a rank has registered, received and applied, and turns
 each frame from the coordinator, and the passing of time, into the frames to
 send back. The real agent (``wsd.agent.thread``) drives one from its I/O thread beside
 a ``WorkspaceManager``; simulated ranks (``wsd.agent.simulated``) drive many from one
@@ -35,7 +35,7 @@ from wsd.security import (
 from wsd.wire import protocol as p
 from wsd.wire.protocol import Op
 
-__all__ = ["AgentLink", "RankTarget"]
+__all__ = ["AgentCore", "RankTarget"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def _cut(error: str) -> str:
     return cut(error, 1000)
 
 
-class AgentLink:
+class AgentCore:
     """One rank's registration, timers and command bookkeeping.
 
     Thread use: ``on_frame`` and ``on_time`` run on one I/O thread;

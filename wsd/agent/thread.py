@@ -26,7 +26,7 @@ import torch.distributed as dist
 import zmq
 
 from wsd import commands, placement
-from wsd.agent.core import AgentLink
+from wsd.agent.core import AgentCore
 from wsd.config import AgentConfig, LockedGrowthPolicy
 from wsd.errors import AgentError, WsdError
 from wsd.manager.core import WorkspaceManager
@@ -127,11 +127,11 @@ class Agent:
         self.warm = threading.Event()
         if warm or idle:
             self.warm.set()
-        # The protocol state, shared with the I/O thread (see AgentLink on who writes what).
+        # The protocol state, shared with the I/O thread (see AgentCore on who writes what).
         # Where the rank runs, as DCGM, vLLM and Kubernetes name it (wsd.placement), under
         # what the caller registers with.
         where = {**placement.from_env(os.environ), **gpu_uuid(manager.device), **(extra or {})}
-        self._link = AgentLink(
+        self._link = AgentCore(
             _ManagerTarget(manager, self.warm), rank=rank, world_size=world_size, tp_size=tp_size, idle=idle,
             heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout, extra=where,
             now=time.monotonic(), token=token, engine=self.config.engine, model=model,

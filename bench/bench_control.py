@@ -45,7 +45,7 @@ import msgpack
 import zmq
 
 from bench.helpers import START_TIMEOUT, Helper, Row, run_coordinator, timed_us
-from wsd.agent.core import AgentLink
+from wsd.agent.core import AgentCore
 from wsd.agent.simulated import SimulatedManager, SimulatedRanks
 from wsd.config import AgentConfig
 from wsd.coordinator.commandlog import CommandLog
@@ -198,7 +198,7 @@ def _request(size: int, reply_size: int) -> bytes:
 def frame_sizes() -> dict[str, tuple[int, int]]:
     """(request, reply) bytes of one rank's leg of a stats round and of a command."""
     # The reply exactly as a simulated rank sends it (a rank number of the same width).
-    link = AgentLink(SimulatedManager(SLOTS), rank=1, world_size=2, idle=True)
+    link = AgentCore(SimulatedManager(SLOTS), rank=1, world_size=2, idle=True)
     request = p.encode(Op.STATS_REQUEST, {"request": 1})
     [reply] = link.on_frame(request, 0.0)
     stats = (len(request), len(reply))
@@ -301,11 +301,12 @@ def _agreement_rank(rank: int, world: int, init_file: str, endpoint: str, rounds
     import torch.distributed as dist
 
     from wsd import WorkspaceManager
-    from wsd.agent.thread import Agent, tp_side_group
+    from wsd.agent.collectives import tp_groups
+    from wsd.agent.thread import Agent
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    group = tp_side_group(rank, world, world)
+    _, group = tp_groups(rank, world, world, None)
     agent = Agent(WorkspaceManager("cpu", 2), endpoint=endpoint, rank=rank, world_size=world,
                   tp_size=world, tp_group=group, config=AgentConfig(apply_every=1)).start()
     try:
@@ -369,7 +370,7 @@ def _stepping_rank(endpoint: str, rounds: int, window: float, results: Any) -> N
     try:
         if not agent.wait_registered(START_TIMEOUT):
             raise SystemExit("the agent did not register")
-        interval = link.stats_interval
+        interval = link.push.interval
         weights = torch.randn(64, 64)
 
         def step() -> None:  # an engine step: every ubatch slot's scratch, a little compute, the agreement
@@ -390,9 +391,9 @@ def _stepping_rank(endpoint: str, rounds: int, window: float, results: Any) -> N
         samples: dict[str, list[float]] = {"on": [], "off": []}
         for r in range(rounds):
             for name in (("on", "off") if r % 2 == 0 else ("off", "on")):
-                link.stats_interval = interval if name == "on" else None  # None: pushes off
+                link.push.interval = interval if name == "on" else None  # None: pushes off
                 samples[name].append(steps_in_window())
-        link.stats_interval = interval
+        link.push.interval = interval
         results.put({k: statistics.median(v) for k, v in samples.items()})
     finally:
         agent.stop()

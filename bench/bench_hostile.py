@@ -43,7 +43,7 @@ import zmq
 
 from bench.bench_scale import cpu_seconds
 from bench.helpers import Row
-from wsd.agent.core import AgentLink
+from wsd.agent.core import AgentCore
 from wsd.agent.simulated import SimulatedManager, SimulatedRanks
 from wsd.coordinator.admission import FRAMES_PER_SECOND
 from wsd.launch import CoordinatorProcess
@@ -78,7 +78,7 @@ def attacker(endpoint: str, conn: Connection) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 100_000)
     sock.connect(endpoint)
-    link = AgentLink(Target(), rank=0, world_size=2, tp_size=1, idle=True, heartbeat_interval=1.0,
+    link = AgentCore(Target(), rank=0, world_size=2, tp_size=1, idle=True, heartbeat_interval=1.0,
                      heartbeat_timeout=5.0, token=TOKEN)
     base = manager.snapshot()
 

@@ -1,7 +1,7 @@
 """``python -m bench.soak_worker --config FILE``: the real ``wsd.worker.process``, with its applications recorded.
 
 Run by ``torchrun`` for ``bench/soak.py``. It runs ``wsd.worker.process.main``
-unchanged, except that every call of ``AgentLink.apply_up_to`` (the one place
+unchanged, except that every call of ``AgentCore.apply_up_to`` (the one place
 where a rank applies or skips commands, from its engine's step boundary) also
 appends one JSON line to ``$WSD_SOAK_RECORD/rank<R>.<pid>.jsonl``:
 
@@ -27,7 +27,7 @@ import os
 import sys
 from typing import Any
 
-from wsd.agent.core import AgentLink
+from wsd.agent.core import AgentCore
 from wsd.worker import process as worker
 
 RECORD_ENV = "WSD_SOAK_RECORD"
@@ -39,7 +39,7 @@ def _recording(original: Any, directory: str) -> Any:
     path = os.path.join(directory, f"rank{rank}.{os.getpid()}.jsonl")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
-    def apply_up_to(self: AgentLink, agreed: int) -> list[tuple[int, bytes]]:
+    def apply_up_to(self: AgentCore, agreed: int) -> list[tuple[int, bytes]]:
         # A fresh process stands at its baseline from registration on: the
         # group's desired state it takes on there covers every seq up to it.
         before = max(self.applied, self.baseline)
@@ -62,7 +62,7 @@ def main() -> int:
         print(f"bench.soak_worker: {RECORD_ENV} must name an existing folder, got {directory!r}",
               file=sys.stderr)
         return 2
-    AgentLink.apply_up_to = _recording(AgentLink.apply_up_to, directory)  # type: ignore[method-assign]
+    AgentCore.apply_up_to = _recording(AgentCore.apply_up_to, directory)  # type: ignore[method-assign]
     return worker.main(sys.argv[1:])
 
 

@@ -35,7 +35,7 @@ _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "wsd.agent.thread"])
 
 # Rendezvous and collectives on the default group give up after this long, so
-# that a rank whose peers are gone fails instead of hanging. (tp_side_group's
+# that a rank whose peers are gone fails instead of hanging. (tp_groups's
 # groups keep torch's default timeout; a peer's death fails them at once
 # anyway, since gloo sees its connection drop.)
 GLOO_TIMEOUT = datetime.timedelta(seconds=20)

@@ -24,7 +24,7 @@ from conftest import coordinator_config, wait_until
 from test_coordinator_core import Harness, make, ops, to_agents
 from test_link import FakeTarget
 
-from wsd.agent.core import AgentLink
+from wsd.agent.core import AgentCore
 from wsd.agent.simulated import SimulatedRanks
 from wsd.coordinator.core import CoordinatorCore
 from wsd.coordinator.loop import Coordinator
@@ -106,7 +106,7 @@ def test_an_agent_believes_only_a_coordinator_that_proves_it_holds_the_token():
     """Standing in for the coordinator without the token: no challenge it sends gets a proof,
     no answer registers the agent, and no command applies."""
     target = FakeTarget()
-    link = AgentLink(target, rank=0, world_size=1, heartbeat_interval=1.0, token=TOKEN)
+    link = AgentCore(target, rank=0, world_size=1, heartbeat_interval=1.0, token=TOKEN)
     [first] = link.on_time(0.0)
     nonce = p.decode(first).body["nonce"]
     assert nonce and p.decode(first).body["proof"] is None  # nothing to replay in a first registration

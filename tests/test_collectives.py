@@ -14,8 +14,8 @@ import torch
 from mp import Rank, Workers
 
 from wsd import WorkspaceManager, use_ubatch
-from wsd.agent.collectives import all_gather_values
-from wsd.agent.thread import Agent, tp_side_group
+from wsd.agent.collectives import all_gather_values, tp_groups
+from wsd.slotstats import ManagerStats
 from wsd.worker.distributed import broadcast_from_rank0
 
 
@@ -28,17 +28,15 @@ def gather_worker(me: Rank) -> None:
     manager = WorkspaceManager("cpu", 2)
     with use_ubatch(1):
         manager.get_simultaneous((((me.rank + 1) * 1024,), torch.uint8))
-    group = tp_side_group(me.rank, me.world_size, me.world_size)
-    agent = Agent(manager, endpoint="tcp://127.0.0.1:1", rank=me.rank, world_size=me.world_size,
-                  tp_size=me.world_size, tp_group=group)  # never started: no coordinator needed
-    stats = agent.gather_tp_stats()
+    _, group = tp_groups(me.rank, me.world_size, me.world_size, None)
+    stats = [ManagerStats.from_dict(d) for d in all_gather_values(manager.stats().to_dict(), group)]
     endpoint = broadcast_from_rank0("tcp://node0:7600" if me.rank == 0 else None, group)
     mixed = all_gather_values({"rank": me.rank, "blob": bytes(range(me.rank * 3))}, group)
     me.report("done", capacities=[[s.capacity_bytes for s in m.slots] for m in stats],
               same=stats[me.rank] == manager.stats(), endpoint=endpoint, mixed=mixed)
 
 
-def test_gather_tp_stats_and_broadcast_without_numpy_or_pickle(tmp_path):
+def test_gather_snapshots_and_broadcast_without_numpy_or_pickle(tmp_path):
     """Every rank gets every TP member's snapshot in rank order, and rank 0's value."""
     with Workers(tmp_path, 3, gather_worker) as workers:
         results = [workers.expect(rank, "done", 60) for rank in range(3)]

@@ -23,7 +23,8 @@ from conftest import wait_until
 from mp import Rank, Workers, recording_manager
 from procs import COORDINATOR_READY, coordinator_section, python, spawn, write_config  # noqa: F401
 
-from wsd.agent.thread import Agent, tp_side_group
+from wsd.agent.collectives import tp_groups
+from wsd.agent.thread import Agent
 from wsd_client.client import Client
 
 HEARTBEAT_INTERVAL = 0.2
@@ -55,7 +56,7 @@ def paced_engine(me: Rank, endpoint: str, tp_size: int) -> None:
     """
     manager, calls = recording_manager()
     agent = Agent(manager, endpoint=endpoint, rank=me.rank, world_size=me.world_size, tp_size=tp_size,
-                  tp_group=tp_side_group(me.rank, me.world_size, tp_size), idle=False,
+                  tp_group=tp_groups(me.rank, me.world_size, tp_size, None)[1], idle=False,
                   heartbeat_interval=HEARTBEAT_INTERVAL, heartbeat_timeout=HEARTBEAT_TIMEOUT).start()
     applied: list[list[int]] = []
     paused = False

@@ -1,4 +1,4 @@
-"""The agent's protocol logic (wsd.agent.core.AgentLink) driven directly: no sockets, a clock we pass."""
+"""The agent's protocol logic (wsd.agent.core.AgentCore) driven directly: no sockets, a clock we pass."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import msgpack
 
-from wsd.agent.core import AgentLink
+from wsd.agent.core import AgentCore
 from wsd.wire import protocol as p
 from wsd.wire.protocol import Op
 
@@ -50,7 +50,7 @@ def command(seq: int, action: str = "equalize", group: int | None = None, **args
 LOCKED_3 = {"locked": True, "num_ubatches": 3, "reserve_bytes": 4096}
 
 
-def register_times(link: AgentLink, count: int, *, unsent: int = 0) -> list[float]:
+def register_times(link: AgentCore, count: int, *, unsent: int = 0) -> list[float]:
     """The times at which the link sends its first ``count`` REGISTERs, each asked at ``due()``;
     the driver reports the first ``unsent`` of them as not sent (no connection yet)."""
     times, now = [], 0.0
@@ -70,19 +70,19 @@ def gaps(times: list[float]) -> list[float]:
 
 def test_an_unsent_registration_is_retried_soon():
     """A first REGISTER refused before the connection is up must not delay start-up by an interval."""
-    link = AgentLink(FakeTarget(), rank=0, world_size=1, heartbeat_interval=1.0)
+    link = AgentCore(FakeTarget(), rank=0, world_size=1, heartbeat_interval=1.0)
     assert gaps(register_times(link, 5, unsent=3)) == [0.05, 0.05, 0.05, 1.0]
 
 
 def test_a_sent_registration_waits_an_interval_for_its_answer():
     """Retrying a sent registration sooner would only add to a busy coordinator's start-up storm
     (and show up as a rank registering twice)."""
-    link = AgentLink(FakeTarget(), rank=0, world_size=1, heartbeat_interval=1.0)
+    link = AgentCore(FakeTarget(), rank=0, world_size=1, heartbeat_interval=1.0)
     assert gaps(register_times(link, 4)) == [1.0, 1.0, 1.0]
 
 
 def test_quick_retries_start_again_after_the_coordinator_forgets_us():
-    link = AgentLink(FakeTarget(), rank=0, world_size=1, heartbeat_interval=1.0)
+    link = AgentCore(FakeTarget(), rank=0, world_size=1, heartbeat_interval=1.0)
     link.on_time(0.0)
     link.on_frame(registered(), 0.06)
     assert link.registered.is_set()
@@ -98,7 +98,7 @@ def test_quick_retries_start_again_after_the_coordinator_forgets_us():
 def test_commands_held_in_order_and_applied_once_in_idle_mode():
     """Replays of a seq already held or applied are dropped: a command is applied at most once."""
     target = FakeTarget()
-    link = AgentLink(target, rank=0, world_size=1, idle=True)
+    link = AgentCore(target, rank=0, world_size=1, idle=True)
     link.on_frame(registered(), 0.0)
     command = {"seq": 2, "action": "lock", "args": {}, "group": None}
     assert link.on_frame(p.encode(Op.COMMAND, command), 0.1) == []  # seq 1 missing: held back
@@ -144,7 +144,7 @@ def test_fresh_process_takes_on_the_desired_state_when_its_group_agrees():
     apply it in a safe order before any later command, jump to the baseline, and
     never apply it twice."""
     target = FakeTarget()
-    link = AgentLink(target, rank=1, world_size=2, tp_size=2)
+    link = AgentCore(target, rank=1, world_size=2, tp_size=2)
     assert link.registration()["applied_seq"] is None  # fresh
     link.on_frame(registered(baseline=4, desired=LOCKED_3), 0.0)
     link.on_frame(command(5, "set_ubatches", n=2), 0.1)
@@ -162,7 +162,7 @@ def test_fresh_process_takes_on_the_desired_state_when_its_group_agrees():
 
 def test_start_applies_at_the_baseline_even_with_nothing_after_it():
     target = FakeTarget()
-    link = AgentLink(target, rank=0, world_size=1)
+    link = AgentCore(target, rank=0, world_size=1)
     link.on_frame(registered(baseline=2, desired={"locked": False, "num_ubatches": 3, "reserve_bytes": 512}), 0.0)
     assert link.apply_up_to(2) == []
     # Unlocked wanted: the unlock comes first, so that the reserve applies even if
@@ -174,7 +174,7 @@ def test_start_applies_at_the_baseline_even_with_nothing_after_it():
 def test_idle_process_takes_on_the_desired_state_on_receipt():
     """An idle worker has no step boundary: it must apply the start when registered."""
     target = FakeTarget()
-    link = AgentLink(target, rank=0, world_size=1, idle=True)
+    link = AgentCore(target, rank=0, world_size=1, idle=True)
     link.on_frame(registered(baseline=7, desired={"locked": True, "num_ubatches": None, "reserve_bytes": None}), 0.0)
     assert target.applied == [("lock", {})] and link.applied == link.held == 7
 
@@ -184,7 +184,7 @@ def test_re_registration_never_applies_the_start_again():
     baseline, and a desired state in the new REGISTERED (which a coordinator should
     not send) is ignored, or the process would apply it a second time."""
     target = FakeTarget()
-    link = AgentLink(target, rank=0, world_size=1)
+    link = AgentCore(target, rank=0, world_size=1)
     link.on_frame(registered(baseline=3, desired=LOCKED_3), 0.0)
     assert link.registration()["applied_seq"] == 3  # registered, not yet agreed: it will reach 3
     link.on_frame(p.encode(Op.PULSE, {"epoch": "e2"}), 1.0)  # the coordinator restarted
@@ -209,7 +209,7 @@ def test_a_failing_start_action_is_reported_not_raised():
     """A failure must reach the coordinator as an agent event, and the engine must
     never see the exception; the other actions still apply."""
     target = FailingReserve()
-    link = AgentLink(target, rank=0, world_size=1)
+    link = AgentCore(target, rank=0, world_size=1)
     link.on_frame(registered(baseline=1, desired=LOCKED_3), 0.0)
     link.apply_up_to(1)
     assert target.applied == [("set_ubatches", {"n": 3}), ("lock", {})] and link.applied == 1
@@ -224,7 +224,7 @@ def test_goodbye_only_once_registered_and_names_the_rank_and_step():
     """A rank the coordinator never accepted has nothing to take leave of; a registered one
     names itself, its last step, seqs and state, which the coordinator shows for the
     stopped rank."""
-    link = AgentLink(FakeTarget(), rank=3, world_size=4)
+    link = AgentCore(FakeTarget(), rank=3, world_size=4)
     assert link.goodbye() is None
     link.on_frame(registered(), 0.0)
     link.steps = 17
@@ -242,7 +242,7 @@ class FailingLoudly(FakeTarget):
 def test_an_ack_of_a_command_failing_with_a_long_message_is_one_the_coordinator_accepts():
     """Found by the hostile barrage: an error of any length went into the ack, past the
     ack's size bound, so the coordinator refused it and the command stayed pending."""
-    link = AgentLink(FailingLoudly(), rank=0, world_size=1)
+    link = AgentCore(FailingLoudly(), rank=0, world_size=1)
     link.on_frame(registered(), 0.0)
     link.on_frame(command(1, "equalize"), 0.1)
     [(_seq, frame)] = link.apply_up_to(1)
@@ -255,7 +255,7 @@ def test_a_registration_resending_64_acks_of_long_failures_fits_its_bounds():
     """With 64 remembered acks of 1,000-character errors a registration outgrew its own
     bound: after any reconnect the coordinator dropped it unread, and the rank never
     registered again."""
-    link = AgentLink(FailingLoudly(), rank=0, world_size=1)
+    link = AgentCore(FailingLoudly(), rank=0, world_size=1)
     link.on_frame(registered(), 0.0)
     for seq in range(1, p.ACK_MEMORY + 1):
         link.on_frame(command(seq, "equalize"), 0.1)
@@ -271,7 +271,7 @@ def test_a_registration_resending_64_acks_of_long_failures_fits_its_bounds():
 def test_a_rank_still_live_on_an_older_connection_is_asked_for_again_each_interval():
     """A restarted worker whose old process the coordinator has not missed yet is refused
     (conflict) until then: it asks again each heartbeat interval, not each timeout."""
-    link = AgentLink(FakeTarget(), rank=0, world_size=1, heartbeat_interval=1.0, heartbeat_timeout=5.0)
+    link = AgentCore(FakeTarget(), rank=0, world_size=1, heartbeat_interval=1.0, heartbeat_timeout=5.0)
     assert sent_ops(link.on_time(0.0)) == [Op.REGISTER]
     link.on_frame(p.encode(Op.REJECTED, {"code": "conflict", "message": "rank 0 is live elsewhere"}), 0.5)
     assert link.due() == 1.5
@@ -282,14 +282,14 @@ def test_a_rank_still_live_on_an_older_connection_is_asked_for_again_each_interv
 def test_a_coordinator_older_than_pushes_is_sent_heartbeats_only():
     """A REGISTERED without stats_interval comes from a coordinator that asks for snapshots
     (stats_request) instead: a push or a stats_version would be refused there."""
-    link = AgentLink(FakeTarget(), rank=0, world_size=1, heartbeat_interval=1.0)
+    link = AgentCore(FakeTarget(), rank=0, world_size=1, heartbeat_interval=1.0)
     link.on_frame(p.encode(Op.REGISTERED, {"epoch": "old", "baseline_seq": 0, "heartbeat_interval": 1.0,
                                            "heartbeat_timeout": 5.0}), 0.0)
     for now in (0.0, 1.0, 2.0):
         (frame,) = link.on_time(now)
         message = p.decode(frame)
         assert message.op is Op.HEARTBEAT and "stats_version" not in msgpack.unpackb(frame)["body"]
-    link.stats_urgent = True
+    link.push.urgent = True
     assert link.due() == 3.0
     assert sent_ops(link.on_frame(p.encode(Op.STATS_REQUEST, {"request": 4}), 2.5)) == [Op.STATS_REPLY]
 
@@ -299,7 +299,7 @@ def test_a_silent_coordinator_is_given_up_on_at_the_very_time_due_says():
     was "later than"), so due() stayed where it was: the simulator's timer loop, which calls
     on_time at the due time, spun at 100% of a core for ever after any outage longer than the
     timeout, and its stop() failed. Every due time must make progress."""
-    link = AgentLink(FakeTarget(), rank=0, world_size=1, heartbeat_interval=1.0, heartbeat_timeout=5.0)
+    link = AgentCore(FakeTarget(), rank=0, world_size=1, heartbeat_interval=1.0, heartbeat_timeout=5.0)
     link.on_time(0.0)
     link.on_frame(registered(), 0.0)
     now, seen = 0.0, set()
@@ -320,7 +320,7 @@ def test_a_rebase_starts_again_from_the_coordinators_baseline_with_the_desired_s
     waited for ever for commands that do not exist. It takes on the desired state at the new
     baseline, once, then the commands after it."""
     target = FakeTarget()
-    link = AgentLink(target, rank=0, world_size=1)
+    link = AgentCore(target, rank=0, world_size=1)
     link.on_frame(registered(baseline=0), 0.0)
     link.on_frame(command(1, "equalize"), 0.1)
     link.on_frame(command(3, "trim"), 0.1)  # seq 2 never comes

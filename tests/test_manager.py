@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -208,6 +209,23 @@ def test_views_taken_before_a_resize_keep_their_data():
     new.fill_(-1)
     assert torch.equal(old, torch.arange(16, dtype=F32))
     assert new.data_ptr() != old.data_ptr()
+
+
+def test_a_lock_violations_caller_is_outside_the_manager_and_the_vllm_stand_in():
+    """The vLLM stand-in counts its own frames as the manager's (it registers its file
+    when it loads; the manager knows no integration by path): without that, a request
+    passing through it would name the stand-in instead of the kernel that asked."""
+    import wsd.integrations.vllm.workspace as stand_in
+
+    through: dict[str, Any] = {}  # a function whose frame is the stand-in's file
+    exec(compile("def ask(m, r):\n    return m.get_simultaneous(r)\n", stand_in.__file__, "exec"), through)
+    manager = stand_in.WorkspaceManager("cpu", 1)
+    manager.get_simultaneous(((256,), F32))
+    manager.lock()
+    with pytest.raises(WorkspaceLockedError) as info:
+        through["ask"](manager, ((1024,), F32))
+    assert info.value.caller.startswith(__file__), info.value.caller
+    assert info.value.caller.endswith(":test_a_lock_violations_caller_is_outside_the_manager_and_the_vllm_stand_in")
 
 
 def test_locked_growth_raises_with_caller_slot_and_sizes_and_unlocked_succeeds():

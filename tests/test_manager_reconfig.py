@@ -324,8 +324,8 @@ def test_under_capture_a_kernel_grows_but_an_operator_moves_nothing(monkeypatch)
 
     manager = WorkspaceManager("cpu", 1, on_locked_growth="fallback")
     emptied = []
-    monkeypatch.setattr(manager, "_empty_cache", lambda: emptied.append(1))
-    monkeypatch.setattr(manager, "_capturing", lambda: True)
+    monkeypatch.setattr(manager._buffers, "empty_cache", lambda: emptied.append(1))
+    monkeypatch.setattr(manager._buffers, "capturing", lambda: True)
     (view,) = manager.get_simultaneous(((1024,), torch.uint8))
     assert view.numel() == 1024 and emptied == []
     for command in (lambda: manager.reserve_bytes(1 << 20), manager.equalize, manager.trim,
@@ -335,7 +335,7 @@ def test_under_capture_a_kernel_grows_but_an_operator_moves_nothing(monkeypatch)
     manager.lock()
     with pytest.raises(WorkspaceLockedError):
         manager.get_simultaneous(((4096,), torch.uint8))
-    monkeypatch.setattr(manager, "_capturing", lambda: False)
+    monkeypatch.setattr(manager._buffers, "capturing", lambda: False)
     manager.unlock()
     manager.get_simultaneous(((8192,), torch.uint8))
     assert emptied == [1]

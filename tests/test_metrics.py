@@ -33,7 +33,6 @@ from wsd.config import CoordinatorConfig, load_config
 from wsd.coordinator.admission import REFUSAL_REASONS
 from wsd.coordinator.core import CLIENT, CoordinatorCore
 from wsd.coordinator.events import EventKind
-from wsd.coordinator.latest import LatestStats
 from wsd.coordinator.loop import Coordinator
 from wsd.coordinator.metrics import (
     COMMAND_BUCKETS,
@@ -51,6 +50,7 @@ from wsd.coordinator.metrics import (
     ViolationTotals,
     core_view,
 )
+from wsd.coordinator.pushed import LatestStats
 from wsd.coordinator.registry import Registry
 from wsd.errors import ConfigError, WsdError
 from wsd.slotstats import ManagerStats, SlotStats

@@ -19,7 +19,8 @@ from mp import Rank, WorkerFailed, Workers, recording_manager
 from procs import processes, python
 
 from wsd import use_ubatch
-from wsd.agent.thread import Agent, tp_side_group
+from wsd.agent.collectives import tp_groups
+from wsd.agent.thread import Agent
 from wsd_client.client import Client
 from wsd_client.rows import stats_rows
 
@@ -48,7 +49,7 @@ def engine(me: Rank, endpoint: str, tp_size: int, first_rank: int = 0, world_siz
     processes in the coordinator's larger world (a TP group restarted whole).
     """
     manager, calls = recording_manager()
-    group = tp_side_group(me.rank, me.world_size, tp_size)
+    _, group = tp_groups(me.rank, me.world_size, tp_size, None)
     agent = Agent(manager, endpoint=endpoint, rank=first_rank + me.rank, world_size=world_size or me.world_size,
                   tp_size=tp_size, tp_group=group, idle=False,
                   heartbeat_interval=HEARTBEAT_INTERVAL, heartbeat_timeout=HEARTBEAT_TIMEOUT)

@@ -1,6 +1,6 @@
 """Stats pushed, not gathered: what the agents push rebuilds their snapshots in the coordinator.
 
-The I/O-free tier drives an agent's protocol logic (``AgentLink``) against
+The I/O-free tier drives an agent's protocol logic (``AgentCore``) against
 the coordinator's memory (``LatestStats``) and core directly, with a clock we
 pass, through reconnections, lost pushes, lost acknowledgements and a
 coordinator that forgot. The real tier runs a coordinator on random loopback
@@ -17,12 +17,12 @@ from conftest import wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wsd.agent.core import AgentLink
+from wsd.agent.core import AgentCore
 from wsd.agent.simulated import SimulatedRanks
 from wsd.config import CoordinatorConfig
 from wsd.coordinator.admission import FRAMES_PER_SECOND
 from wsd.coordinator.core import CLIENT, CoordinatorCore
-from wsd.coordinator.latest import NO_SNAPSHOT, LatestStats
+from wsd.coordinator.pushed import NO_SNAPSHOT, LatestStats
 from wsd.slotstats import (
     SLOT_NUMBERS,
     LockViolation,
@@ -98,7 +98,7 @@ class Pair:
     def __init__(self, stats: ManagerStats) -> None:
         self.now = 0.0
         self.target = Target(stats)
-        self.link = AgentLink(self.target, rank=0, world_size=1, heartbeat_interval=INTERVAL,
+        self.link = AgentCore(self.target, rank=0, world_size=1, heartbeat_interval=INTERVAL,
                               heartbeat_timeout=TIMEOUT)
         self.latest = LatestStats()
         self.registered()
@@ -228,7 +228,7 @@ def test_a_command_applied_is_pushed_at_once_not_at_the_next_interval():
     pair.step()
     pair.now += 0.2
     pair.target.stats = ManagerStats("cpu", 1, 1, True, stats.slots)
-    pair.link.stats_urgent = True  # what apply_up_to and a lock violation set
+    pair.link.push.urgent = True  # what apply_up_to and a lock violation set
     assert pair.link.due() <= pair.now
     pair.step()
     assert pair.now < INTERVAL and pair.held().locked

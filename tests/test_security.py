@@ -14,6 +14,7 @@ import os
 import shutil
 import stat
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import zmq
@@ -397,3 +398,28 @@ def test_a_key_file_of_another_user_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="belongs to uid 65534"):
         load_public(str(public), "[security] server_key")
     assert load_secret(str(secret), "[security] key")[1]
+
+
+def test_a_viewers_frame_is_decoded_once(monkeypatch):
+    """Fails if the loop decodes a viewer's read-only request before the core decodes it
+    again (two decodes of every query), or passes a viewer's command on to the core."""
+    decoded: list[bytes] = []
+    real_decode = p.decode
+    monkeypatch.setattr(p, "decode", lambda frame, *a, **k: (decoded.append(frame), real_decode(frame, *a, **k))[1])
+    reached: list[bytes] = []
+
+    class Core:  # the core decodes what reaches it (CoordinatorCore.handle_client does)
+        def handle_client(self, route: tuple[bytes, ...], frame: bytes, role: str | None) -> list:
+            reached.append(frame)
+            p.decode(frame, p.CLIENT_OPS)
+            return []
+
+    loop = SimpleNamespace(core=Core())
+    query, command = p.encode(Op.STATUS, {}, 7), p.encode(Op.LOCK, {"group": None}, 8)
+    assert Coordinator._client_frame(loop, (b"peer",), query, "viewer") == []  # type: ignore[arg-type]
+    assert (decoded, reached) == ([query], [query])
+    decoded.clear()
+    ((_, _, reply),) = Coordinator._client_frame(loop, (b"peer",), command, "viewer")  # type: ignore[arg-type]
+    answer = p.decode_reply(reply)
+    assert (answer.id, answer.code) == (8, ErrorCode.FORBIDDEN)
+    assert (decoded, reached) == ([command], [query])

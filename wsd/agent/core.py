@@ -1,6 +1,6 @@
 """One rank's side of the agent protocol: no sockets, no threads of its own, no torch.
 
-``AgentLink`` holds what a rank has registered, received and applied, and turns
+``AgentCore`` holds what a rank has registered, received and applied, and turns
 each frame from the coordinator, and the passing of time, into the frames to
 send back. The real agent (``wsd.agent.thread``) drives one from its I/O thread beside
 a ``WorkspaceManager``; simulated ranks (``wsd.agent.simulated``) drive many from one
@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from wsd.agent.push import StatsPush
 from wsd.commands import start_actions
 from wsd.fmt import cut
 from wsd.security import (
@@ -31,11 +32,10 @@ from wsd.security import (
     same_proof,
     session_key,
 )
-from wsd.slotstats import snapshot_delta
 from wsd.wire import protocol as p
 from wsd.wire.protocol import Op
 
-__all__ = ["AgentLink", "RankTarget"]
+__all__ = ["AgentCore", "RankTarget"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +48,6 @@ _ACK_MEMORY = p.ACK_MEMORY
 # every start-up. One that was sent waits an interval for its answer: retrying it
 # sooner would only add registrations to a busy coordinator's start-up storm.
 _UNSENT_RETRY = 0.05
-# Least seconds between two pushes that a command or a lock violation brings forward,
-# so that a violation at every engine step costs a bounded number of frames.
-_URGENT_GAP = 0.05
 _UNPROVEN_WARNING_EVERY = 60.0  # seconds between warnings of frames that do not prove the token
 
 
@@ -88,7 +85,7 @@ def _cut(error: str) -> str:
     return cut(error, 1000)
 
 
-class AgentLink:
+class AgentCore:
     """One rank's registration, timers and command bookkeeping.
 
     Thread use: ``on_frame`` and ``on_time`` run on one I/O thread;
@@ -170,16 +167,9 @@ class AgentLink:
         self.last_heard = now
         self.next_heartbeat = now
         self.next_register = now
-        # Pushing the snapshot (see on_time): every stats_interval, the snapshot is looked
-        # at; if it differs from the one the coordinator acknowledged, what changed is
-        # pushed, else the next heartbeat confirms it. One push is out at a time.
-        self.stats_interval: float | None = None  # None: the coordinator takes no pushes (older than them)
-        self.next_stats = now
-        self.stats_urgent = False  # set from any thread: push at once (a command, a violation)
-        self._stats_version = 0
-        self._acked: tuple[int, dict[str, Any]] | None = None  # (version, snapshot) the coordinator holds
-        self._inflight: tuple[int, dict[str, Any], float] | None = None  # (version, snapshot, sent)
-        self._last_push = now - _URGENT_GAP
+        # Pushing the snapshot (see on_time and wsd.agent.push): ``push.urgent`` may be set
+        # from any thread, to push at once (a command, a lock violation).
+        self.push = StatsPush(now)
         # Stalls: after stall_after seconds inside one engine step the stacks go to the
         # coordinator on their own, once per step (None: the coordinator asks for none).
         self.stall_after: float | None = None
@@ -200,15 +190,7 @@ class AgentLink:
     def due(self) -> float:
         """When ``on_time`` next has something to do (same clock as ``now``)."""
         if self.registered.is_set():
-            if self.stats_interval is None:
-                stats = math.inf
-            elif self._inflight is not None:  # its acknowledgement, or giving up on it
-                stats = self._inflight[2] + self.timeout
-            elif self.stats_urgent:
-                stats = self._last_push + _URGENT_GAP
-            else:
-                stats = self.next_stats
-            return min(self.next_heartbeat, self.last_heard + self.timeout, stats)
+            return min(self.next_heartbeat, self.last_heard + self.timeout, self.push.due(self.timeout))
         return self.next_register
 
     def on_time(self, now: float) -> list[bytes]:
@@ -234,7 +216,7 @@ class AgentLink:
                 self.next_heartbeat = now + self.interval
                 heartbeat = self._heartbeat_body()
                 if unchanged:  # the acknowledged snapshot is current as of now
-                    heartbeat["stats_version"] = self._acked[0] if self._acked else None
+                    heartbeat["stats_version"] = self.push.acked_version()
                 out.append(p.encode(Op.HEARTBEAT, heartbeat))
             return out
         return []
@@ -263,31 +245,10 @@ class AgentLink:
     def _stats_due(self, now: float) -> tuple[bytes | None, bool]:
         """A push if the snapshot is due to be looked at and changed; or (None, True) if
         it was looked at and is the acknowledged one still; else (None, False)."""
-        if self.stats_interval is None:
-            return None, False
-        if self._inflight is not None:
-            if now < self._inflight[2] + self.timeout:
-                return None, False  # waiting for its acknowledgement
-            self._inflight = None  # lost with a connection: push it whole
-            self._acked = None
-        urgent = self.stats_urgent and now >= self._last_push + _URGENT_GAP
-        if not urgent and now < self.next_stats:
-            return None, False
-        self.stats_urgent = False  # before looking: a change from now on sets it again
-        self.next_stats = now + self.stats_interval
-        snapshot = self.target.snapshot()
-        if self._acked is not None and snapshot == self._acked[1]:
-            return None, True
-        self._stats_version += 1
-        body = {**self._heartbeat_body(), "version": self._stats_version}
-        delta = None if self._acked is None else snapshot_delta(self._acked[1], snapshot)
-        if delta is None:
-            body.update(base=None, stats=snapshot)
-        else:
-            body.update(base=self._acked[0] if self._acked else None, delta=delta)
-        self._inflight = (self._stats_version, snapshot, now)
-        self._last_push = now
-        return p.encode(Op.STATS_PUSH, body), False
+        push, unchanged = self.push.poll(now, self.timeout, self.target.snapshot)
+        if push is None:
+            return None, unchanged
+        return p.encode(Op.STATS_PUSH, {**self._heartbeat_body(), **push}), False
 
     def unsent(self, now: float) -> None:
         """The driver could not send what ``on_time`` returned (no connection yet)."""
@@ -392,15 +353,12 @@ class AgentLink:
         self.epoch = body["epoch"]
         self.interval = body["heartbeat_interval"]
         self.timeout = body["heartbeat_timeout"]
-        # A coordinator older than pushes says no interval: it asks for snapshots instead.
-        self.stats_interval = body["stats_interval"]
         self.stall_after = body["stall_after"]
         self.rejected = None
         self.next_heartbeat = now
         # A registration starts the coordinator's memory of us afresh: push it whole, now.
-        self._acked = self._inflight = None
-        self.stats_urgent = True
-        self._last_push = now - _URGENT_GAP
+        # A coordinator older than pushes says no interval: it asks for snapshots instead.
+        self.push.restart(body["stats_interval"], now)
         self.registered.set()
         logger.info("rank %d: registered with coordinator %s at seq %d", self.rank,
                     self.epoch[:8], body["baseline_seq"])
@@ -442,20 +400,7 @@ class AgentLink:
         return [p.encode(Op.STATS_REPLY, {**reply, "stats": self.target.snapshot()})]
 
     def _on_stats_ack(self, body: dict[str, Any], now: float) -> list[bytes]:
-        inflight = self._inflight
-        if inflight is None:
-            if not body["ok"] and self._acked is not None and body["version"] == self._acked[0]:
-                self._acked = None  # the coordinator does not hold what we confirmed: push it whole
-                self.stats_urgent = True
-            return []
-        if body["version"] != inflight[0]:
-            return []  # an answer to a push given up on
-        self._inflight = None
-        if body["ok"]:
-            self._acked = inflight[0], inflight[1]
-        else:  # a delta on a version the coordinator does not hold: push it whole, now
-            self._acked = None
-            self.stats_urgent = True
+        self.push.on_ack(body)
         return []
 
     def _on_rejected(self, body: dict[str, Any], now: float) -> list[bytes]:
@@ -497,7 +442,7 @@ class AgentLink:
                 return acks  # some member of the group has not registered yet
             self._start()
             self.applied = self.baseline
-            self.stats_urgent = True
+            self.push.urgent = True
         while self.applied < agreed:
             seq = self.applied + 1
             with self._lock:
@@ -517,7 +462,7 @@ class AgentLink:
                                                     "ok": error is None, "error": error})))
             self.applied = seq
         if acks:
-            self.stats_urgent = True  # the coordinator learns what the commands did at once
+            self.push.urgent = True  # the coordinator learns what the commands did at once
         return acks
 
     def _start(self) -> None:

@@ -1,7 +1,7 @@
 """Simulated ranks: many lightweight agents speaking the real protocol, without torch.
 
 For scale tests and benchmarks of the coordinator. Each simulated rank is an
-``AgentLink`` (the same protocol logic as the real agent) over a
+``AgentCore`` (the same protocol logic as the real agent) over a
 ``SimulatedManager`` (a torch-free stand-in for a warmed-up ``WorkspaceManager``
 whose snapshot is a real ``ManagerStats``), with its own DEALER socket. All the
 ranks of a ``SimulatedRanks`` run on one thread with one poller, so one process
@@ -27,7 +27,7 @@ from typing import Any
 import zmq
 
 from wsd import commands
-from wsd.agent.core import AgentLink
+from wsd.agent.core import AgentCore
 from wsd.agent.stacks import thread_stacks
 from wsd.config import MAX_UBATCHES
 from wsd.errors import ConfigError, SimulationError, WsdError
@@ -193,7 +193,7 @@ class SimulatedRanks:
         self.managers = [SimulatedManager(num_ubatches, num_lanes, slot_bytes=slot_bytes, busy=busy)
                          for _ in self.ranks]
         self.links = [
-            AgentLink(m, rank=r, world_size=world_size, tp_size=tp_size, idle=True,
+            AgentCore(m, rank=r, world_size=world_size, tp_size=tp_size, idle=True,
                       heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
                       extra={"simulated": True}, now=now, token=token, engine=engine, model=model)
             for r, m in zip(self.ranks, self.managers)
@@ -321,7 +321,7 @@ class SimulatedRanks:
                     heapq.heappush(timers, (due, ready))
 
 
-def _receiver(link: AgentLink) -> Callable[[bytes], list[bytes]]:
+def _receiver(link: AgentCore) -> Callable[[bytes], list[bytes]]:
     """``link``'s frame handler, each frame stamped with the time it is read.
 
     A function rather than a lambda in the loop, so that the handler binds this

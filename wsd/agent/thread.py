@@ -27,19 +27,18 @@ import torch.distributed as dist
 import zmq
 
 from wsd import commands, placement
-from wsd.agent.collectives import all_gather_values
-from wsd.agent.core import AgentLink
+from wsd.agent.core import AgentCore
 from wsd.agent.stacks import StepClock, thread_stacks
 from wsd.config import AgentConfig, LockedGrowthPolicy
 from wsd.errors import AgentError, WsdError
 from wsd.manager.core import WorkspaceManager
-from wsd.slotstats import LockViolation, ManagerStats
+from wsd.slotstats import LockViolation
 from wsd.wire import protocol as p
 from wsd.wire.curve import ClientKeys
 from wsd.wire.protocol import Op
 from wsd.wire.transport import Waker, answer_waiting, connect, make_socket, send_nowait
 
-__all__ = ["Agent", "AgentError", "tp_side_group"]
+__all__ = ["Agent", "AgentError"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,22 +54,6 @@ _VIOLATION_FLUSH = 0.5
 # How long a closed socket may go on delivering the goodbye (ms): a coordinator
 # that is slow or gone must not hold the process's exit up for longer.
 _GOODBYE_LINGER_MS = 500
-
-
-def tp_side_group(rank: int, world_size: int, tp_size: int) -> Any:
-    """The gloo group of ``rank``'s TP group (contiguous ranks), or None when tp_size is 1.
-
-    Collective: every rank must call it, in the same order, since
-    ``new_group`` is.
-    """
-    if tp_size == 1:
-        return None
-    mine = None
-    for first in range(0, world_size, tp_size):
-        group = dist.new_group(list(range(first, first + tp_size)), backend="gloo")
-        if first <= rank < first + tp_size:
-            mine = group
-    return mine
 
 
 class _ManagerTarget:
@@ -158,11 +141,11 @@ class Agent:
         # Whether the engine's thread is inside a step, and since when: a rank inside one
         # step for [coordinator] stall_after is stalled (its stacks go to the coordinator).
         self.clock = StepClock(time.monotonic)
-        # The protocol state, shared with the I/O thread (see AgentLink on who writes what).
+        # The protocol state, shared with the I/O thread (see AgentCore on who writes what).
         # Where the rank runs, as DCGM, vLLM and Kubernetes name it (wsd.placement), under
         # what the caller registers with.
         where = {**placement.from_env(os.environ), **gpu_uuid(manager.device), **(extra or {})}
-        self._link = AgentLink(
+        self._link = AgentCore(
             _ManagerTarget(manager, self.warm, self.clock), rank=rank, world_size=world_size, tp_size=tp_size,
             idle=idle, heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout, extra=where,
             now=time.monotonic(), token=token, engine=self.config.engine, model=model,
@@ -249,7 +232,7 @@ class Agent:
         next agreement on. Any thread; once is enough."""
         if not self.warm.is_set():
             self.warm.set()
-            self._link.stats_urgent = True  # the coordinator learns it at once
+            self._link.push.urgent = True  # the coordinator learns it at once
             self._waker.wake()  # a command that waited for this may ask for a step now
 
     @contextmanager
@@ -295,13 +278,6 @@ class Agent:
         self._waker.wake()
         return [seq for seq, _ in done]
 
-    def gather_tp_stats(self) -> list[ManagerStats]:
-        """Every TP-group member's snapshot, by rank order; collective on the side group."""
-        mine = self.manager.stats().to_dict()
-        if self._group is None:
-            return [ManagerStats.from_dict(mine)]
-        return [ManagerStats.from_dict(d) for d in all_gather_values(mine, self._group)]
-
     def _put(self, frame: bytes) -> int:
         """Queue a frame for the I/O thread (engine thread); returns its ticket."""
         self._queued += 1
@@ -315,7 +291,7 @@ class Agent:
             "requested": violation.requested, "capacity": violation.capacity,
             "step": self._link.steps, "policy": policy.value,
         }}))
-        self._link.stats_urgent = True  # the coordinator's copy of our counters is behind now
+        self._link.push.urgent = True  # the coordinator's copy of our counters is behind now
         self._waker.wake()
         if policy is LockedGrowthPolicy.RAISE:
             # The refusal is about to propagate and may end the process (vLLM's

@@ -7,6 +7,7 @@
 - ``commandlog``: the numbered, durable command log and desired state;
 - ``statefile``: the bytes of its snapshot and journal, and their durable writes;
 - ``aggregate``: per-rank and per-TP-group statistics from the ranks' snapshots;
+- ``pushed``: each rank's latest snapshot as its agent pushed it, and the answers built from them;
 - ``snapshotcheck``: what a rank's snapshot must hold before it is aggregated;
 - ``events``: the bounded event log;
 - ``metrics``: the Prometheus families and endpoint;

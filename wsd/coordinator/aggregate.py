@@ -36,15 +36,24 @@ from wsd.slotstats import (
     SPARSE_TABLES,
 )
 
-__all__ = ["AnswerBody", "GroupPart", "Snapshot", "StatsRound", "answer_body",
-           "group_part", "packed_answer", "read_changes", "read_snapshot"]
+__all__ = [
+    "AnswerBody",
+    "CheckedSnapshot",
+    "GroupPart",
+    "StatsRound",
+    "answer_body",
+    "group_part",
+    "packed_answer",
+    "read_changes",
+    "read_snapshot",
+]
 
 _CODED_TABLES = tuple(table for table in SPARSE_TABLES if table.coded)
 # One packer for the whole process: the coordinator's core runs on one thread.
 _packer = msgpack.Packer(use_bin_type=True)
 
 
-class Snapshot:
+class CheckedSnapshot:
     """One rank's checked snapshot, the columns aggregation reads, and its encoded parts.
 
     ``columns`` maps each of ``SLOT_COLUMNS`` to its column. ``entry`` is the
@@ -61,7 +70,7 @@ class Snapshot:
                  "total_bytes", "tp_group")
 
     def __init__(self, rank: int, tp_group: int, step: int, stats: dict[str, Any],
-                 columns: dict[str, list[Any]], *, previous: Snapshot | None = None,
+                 columns: dict[str, list[Any]], *, previous: CheckedSnapshot | None = None,
                  changed: frozenset[str] = frozenset()) -> None:
         self.rank = rank
         self.tp_group = tp_group
@@ -156,7 +165,7 @@ class GroupPart(NamedTuple):
     rows: tuple[int, tuple[bytes, ...]]
 
 
-def group_part(group: int, members: list[Snapshot], expected: list[int], missing: dict[int, str]) -> GroupPart:
+def group_part(group: int, members: list[CheckedSnapshot], expected: list[int], missing: dict[int, str]) -> GroupPart:
     """A TP group's part of the ``stats`` answer: its summary and its per-slot rows, none for
     a group of one rank reporting (its summary is that rank's slots: see ``answer_body``)."""
     summary = _group_summary(group, members, expected, missing)
@@ -183,7 +192,7 @@ _STEP_KEY, _CONFIRMED_KEY = (_packer.pack(c) for c in RANK_TABLE[-2:])
 _BODY_KEYS = 2 + len(_TABLES) + 4  # the map entries of an AnswerBody: see answer_body
 
 
-def answer_body(members: list[Snapshot], groups: list[GroupPart], missing: dict[int, str]) -> AnswerBody:
+def answer_body(members: list[CheckedSnapshot], groups: list[GroupPart], missing: dict[int, str]) -> AnswerBody:
     """The parts of a ``stats`` answer that stand until a snapshot or the membership changes,
     from ``members``, by rank.
 
@@ -252,7 +261,7 @@ def packed_answer(body: AnswerBody, *, fresh: bool, as_of: float, step: bytes, c
     ))
 
 
-def read_snapshot(rank: int, tp_group: int, step: int, stats: dict[str, Any]) -> Snapshot:
+def read_snapshot(rank: int, tp_group: int, step: int, stats: dict[str, Any]) -> CheckedSnapshot:
     """Check ``stats`` (a ``to_wire`` snapshot) and read it out, in one pass.
 
     Raises ValueError naming the key otherwise (``slots.requests[3]: expected
@@ -260,19 +269,20 @@ def read_snapshot(rank: int, tp_group: int, step: int, stats: dict[str, Any]) ->
     snapshot cannot break the aggregation of everyone else's, nor a client's
     expansion of the answer into rows.
     """
-    return Snapshot(rank, tp_group, step, stats, checked_columns(stats))
+    return CheckedSnapshot(rank, tp_group, step, stats, checked_columns(stats))
 
 
-def read_changes(previous: Snapshot, step: int, stats: dict[str, Any], changed: frozenset[str]) -> Snapshot:
+def read_changes(previous: CheckedSnapshot, step: int, stats: dict[str, Any],
+                 changed: frozenset[str]) -> CheckedSnapshot:
     """``read_snapshot`` of a snapshot that differs from ``previous`` (the same rank's, whose
     checks it passed) only in ``changed``: its own fields, and the slot columns and tables
     named there (``wsd.slotstats.apply_snapshot_delta`` made it). Only those are checked
     and encoded again; ValueError naming the key otherwise."""
     columns = checked_changes(previous.columns, stats, changed)
-    return Snapshot(previous.rank, previous.tp_group, step, stats, columns, previous=previous, changed=changed)
+    return CheckedSnapshot(previous.rank, previous.tp_group, step, stats, columns, previous=previous, changed=changed)
 
 
-def _group_slots(members: list[Snapshot]) -> dict[str, list[Any]]:
+def _group_slots(members: list[CheckedSnapshot]) -> dict[str, list[Any]]:
     """Per (ubatch, lane) of a TP group: each ``GROUP_COLUMNS`` entry, by its number's ``Combine``.
 
     The usual case (every member has the same slots in the same order) is a
@@ -305,7 +315,7 @@ def _group_slots(members: list[Snapshot]) -> dict[str, list[Any]]:
     return out
 
 
-def _group_summary(group: int, members: list[Snapshot], expected: list[int],
+def _group_summary(group: int, members: list[CheckedSnapshot], expected: list[int],
                    missing: dict[int, str]) -> dict[str, Any]:
     totals = [m.total_bytes for m in members]
     return {
@@ -334,11 +344,11 @@ class StatsRound:
 
     def __init__(self, expected: dict[int, list[int]]) -> None:
         self.expected = expected
-        self.replies: dict[int, Snapshot] = {}
+        self.replies: dict[int, CheckedSnapshot] = {}
         self._owed = {g: set(ranks) for g, ranks in expected.items()}
         self._packed: dict[int, GroupPart] = {}
 
-    def add(self, snapshot: Snapshot) -> None:
+    def add(self, snapshot: CheckedSnapshot) -> None:
         self.replies[snapshot.rank] = snapshot
         group = snapshot.tp_group
         owed = self._owed.get(group)
@@ -359,7 +369,7 @@ class StatsRound:
         """
         replies = self.replies
         ordered = [replies[rank] for rank in sorted(replies)]
-        by_group: dict[int, list[Snapshot]] = {g: [] for g in expected}
+        by_group: dict[int, list[CheckedSnapshot]] = {g: [] for g in expected}
         for snapshot in ordered:
             by_group.setdefault(snapshot.tp_group, []).append(snapshot)
         groups = []

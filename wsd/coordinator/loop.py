@@ -20,7 +20,7 @@ from wsd.coordinator.metrics_server import MetricsServer
 from wsd.errors import WsdError
 from wsd.security import SecurityConfig, load_agent_token
 from wsd.wire.curve import AGENT_DOMAIN, CLIENT_DOMAIN, CurveGate, Role, is_loopback, refusal
-from wsd.wire.protocol import ErrorCode, error_reply
+from wsd.wire.protocol import READ_ONLY_OPS, ErrorCode, error_reply, peek_op
 from wsd.wire.transport import bind, make_socket, raise_fd_limit, send_nowait
 
 __all__ = ["Coordinator"]
@@ -175,9 +175,13 @@ class Coordinator:
             # Neither DEALER ([id, msg]) nor REQ ([id, "", msg]) framing.
             reply = error_reply(None, ErrorCode.BAD_MESSAGE, "expected one frame per message")
             return [(CLIENT, route[:1], reply)]
-        refused = refusal(role, frame)
-        if refused is not None:  # a viewer's command: answered here, so it consumes no seq
-            return [(CLIENT, route, refused)]
+        # A viewer's frame is decoded once: a read-only op (the op alone peeked, its body
+        # untouched) goes to the core, which decodes it; only what may be a command is
+        # decoded here, and refused before the core sees it.
+        if role is not None and role != Role.ADMIN and peek_op(frame) not in READ_ONLY_OPS:
+            refused = refusal(role, frame)
+            if refused is not None:  # a viewer's command: answered here, so it consumes no seq
+                return [(CLIENT, route, refused)]
         return self.core.handle_client(route, frame, role)
 
     def _drain_clients(self) -> list[tuple[tuple[bytes, ...], bytes, str | None]]:

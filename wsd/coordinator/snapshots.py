@@ -16,9 +16,9 @@ from typing import Any
 from wsd.coordinator.aggregate import StatsRound, read_snapshot
 from wsd.coordinator.awaited import Awaited, expired, rank_gone
 from wsd.coordinator.config import CoordinatorConfig
-from wsd.coordinator.latest import LatestStats
 from wsd.coordinator.metrics import StatsView
 from wsd.coordinator.outbox import AGENT, Answer, Out
+from wsd.coordinator.pushed import LatestStats
 from wsd.coordinator.registry import RankInfo, Registry
 from wsd.wire import protocol as p
 from wsd.wire.protocol import Op

@@ -1,7 +1,12 @@
 """The per-rank workspace manager: vLLM's ``WorkspaceManager``, sized from configuration.
 
 - ``core``: ``WorkspaceManager`` and vLLM's module functions (needs torch);
-- ``slots``: one (ubatch, lane) slot's buffer and counters;
+- ``slots``: one (ubatch, lane) slot's buffer and counters, and who called the manager;
+- ``buffers``: how a request is laid out in a slot's buffer, and how one is made;
+- ``refusals``: a locked slot's refusals, recorded and told to the listeners;
+- ``persistent``: persistent buffers and resources, made once per slot;
+- ``operator_commands``: reserve, equalize, trim, ``set_num_ubatches``;
+- ``violationlog``: lock violations in the process's own log;
 - ``config``: the ``[workspace]`` section (no torch);
 - ``demo``: a short engine life of one manager, for ``wsd demo``.
 

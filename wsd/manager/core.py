@@ -12,6 +12,12 @@ locked, nothing grows: a request that does not fit raises
 
 This is the hot path. No I/O, no locks, no logging per call. Another thread (the
 agent) may call ``stats()`` at any time: it only reads.
+
+The class keeps the hot path, the slot table it reads and the lock; the rest is
+done by its parts: ``buffers`` (a request's layout, and how a buffer is made),
+``refusals`` (a locked slot's refusals and their listeners), ``persistent``
+(persistent buffers and resources) and ``operator_commands`` (reserve, equalize,
+trim, ``set_num_ubatches``: a base class, so that they stay the manager's methods).
 """
 
 from __future__ import annotations
@@ -19,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
 from math import prod
@@ -37,25 +42,22 @@ from wsd.config import (
 )
 from wsd.errors import (
     SlotOutOfRangeError,
-    WorkspaceCaptureError,
-    WorkspaceLimitError,
-    WorkspaceLockedError,
-    WorkspaceLockHeldError,
     WorkspaceNotInitializedError,
 )
+from wsd.manager.buffers import Buffers, ShapeAndDtype, layout
+from wsd.manager.operator_commands import OperatorCommands
+from wsd.manager.persistent import RESOURCE, TENSOR, Persistents, by_vllm_key
+from wsd.manager.refusals import Refusals, ViolationListener
 from wsd.manager.slots import (
     LANE_ID,
     UBATCH_ID,
     Slot,
-    caller_outside,
     current_lane,
     current_ubatch,
-    key_text,
-    tensor_bytes,
     use_lane,
     use_ubatch,
 )
-from wsd.slotstats import SLOT_COLUMNS, LockViolation, ManagerStats, PersistentStats, RetainedStats, SlotStats
+from wsd.slotstats import ManagerStats
 
 __all__ = [
     "WorkspaceManager",
@@ -73,15 +75,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ShapeAndDtype = tuple[Sequence[int], torch.dtype]
-ViolationListener = Callable[[int, int, LockViolation], None]
-
 # Bound views kept per slot; an engine with ever-changing shapes would otherwise
 # grow this without limit. Past it the cache starts again from empty.
 _VIEW_CACHE_LIMIT = 256
 
 
-class WorkspaceManager:
+class WorkspaceManager(OperatorCommands):
     """Per-rank scratch buffers, one per (ubatch, lane) slot, vLLM-compatible.
 
     The first four parameters are vLLM's, positional as vLLM passes them:
@@ -131,7 +130,6 @@ class WorkspaceManager:
             on_locked_growth=cast(LockedGrowthPolicy, on_locked_growth),
         )
         self._device = torch.device(device)
-        self._alloc_context = alloc_context
         self._num_ubatches = self._config.num_ubatches
         self._num_lanes = self._config.num_lanes
         self._ubatch_id = UBATCH_ID.get if ubatch_id is None else ubatch_id
@@ -144,10 +142,12 @@ class WorkspaceManager:
         self._slots = [
             Slot(u, lane) for u in range(self._num_ubatches) for lane in range(self._num_lanes)
         ]
-        # How each persistent key was first created, so that slots added while
-        # locked can be given theirs up front: (kind, key) -> args.
-        self._persistent_specs: dict[tuple[str, Hashable], Any] = {}
-        self._violation_listeners: list[ViolationListener] = []
+        # The collaborators, each behind a narrow interface: how buffers are made
+        # (never whether: the lock is this class's), how a refusal is recorded and
+        # told, and how persistent keys are made and given to slots added later.
+        self._buffers = Buffers(self._device, alloc_context, self._config)
+        self._refusals = Refusals()
+        self._persistents = Persistents(self._device)
 
     @classmethod
     def from_config(
@@ -210,11 +210,7 @@ class WorkspaceManager:
     def _persistent_resources(self) -> list[dict[Hashable, Any]]:
         """Each slot's persistent objects keyed as vLLM keys them (tensors under
         ``(torch.Tensor, key)``): vLLM's attribute, as a read-only copy."""
-        return [
-            {((torch.Tensor, key) if kind == "tensor" else key): obj
-             for (kind, key), (obj, _) in slot.persistent.items()}
-            for slot in self._slots
-        ]
+        return by_vllm_key(self._slots)
 
     def __repr__(self) -> str:
         return (
@@ -256,7 +252,7 @@ class WorkspaceManager:
         if slot.retained is not None:  # rare: only after a get_retained on this slot
             self._reach(slot, bound)
         if slot.made_on is not None:  # rare: an operator's allocation, on a CUDA device
-            self._record_use(slot)
+            self._buffers.record_use(slot)
         return [view.detach() for view in bound]
 
     def _reach(self, slot: Slot, bound: tuple[torch.Tensor, ...]) -> None:
@@ -291,10 +287,10 @@ class WorkspaceManager:
         if nbytes > slot.capacity_bytes:
             if self._locked:
                 slot.peak_requested_bytes = max(slot.peak_requested_bytes, nbytes)
-                if self._fallback and not self._capturing():
+                if self._fallback and not self._buffers.capturing():
                     # As for get_simultaneous: served outside the slot, whose record
                     # stands; nothing such a buffer held can be intact next time.
-                    self._refuse_locked(slot, nbytes, "allocation")
+                    self._refusals.refuse(slot, nbytes, "allocation")
                     return torch.empty(nbytes, dtype=torch.uint8, device=self._device).view(dtype).reshape(shape), False
             self._grow(slot, nbytes)
         slot.peak_requested_bytes = max(slot.peak_requested_bytes, nbytes)
@@ -307,40 +303,12 @@ class WorkspaceManager:
         slot.retained = (key, start)
         slot.retained_bytes = nbytes
         if slot.made_on is not None:
-            self._record_use(slot)
+            self._buffers.record_use(slot)
         return buffer[start : start + nbytes].view(dtype).reshape(shape), intact
-
-    def _layout(
-        self, shapes_and_dtypes: Sequence[ShapeAndDtype]
-    ) -> tuple[tuple[tuple[tuple[int, ...], torch.dtype], ...], list[int], list[int], int]:
-        """Normalised request, byte size and offset of each view, and the total."""
-        align = self._config.alignment
-        key = []
-        sizes = []
-        offsets = []
-        total = 0
-        for i, item in enumerate(shapes_and_dtypes):
-            try:
-                shape, dtype = item
-                shape = tuple(int(d) for d in shape)
-            except (TypeError, ValueError):
-                raise TypeError(
-                    f"request {i}: expected a (shape, dtype) pair, got {item!r}"
-                ) from None
-            if not isinstance(dtype, torch.dtype):
-                raise TypeError(f"request {i}: dtype must be a torch.dtype, got {dtype!r}")
-            if any(d < 0 for d in shape):
-                raise ValueError(f"request {i}: shape {shape} has a negative dimension")
-            nbytes = prod(shape) * dtype.itemsize
-            key.append((shape, dtype))
-            sizes.append(nbytes)
-            offsets.append(total)
-            total += -(-nbytes // align) * align
-        return tuple(key), sizes, offsets, total
 
     def _bind(self, slot: Slot, shapes_and_dtypes: Sequence[ShapeAndDtype]) -> tuple[torch.Tensor, ...]:
         """The slow path: lay a request out, grow the slot if needed, bind its views."""
-        key, sizes, offsets, total = self._layout(shapes_and_dtypes)
+        key, sizes, offsets, total = layout(shapes_and_dtypes, self._config.alignment)
         bound = slot.views.get(key)
         if bound is not None:
             return bound
@@ -349,8 +317,8 @@ class WorkspaceManager:
                 # Refused (or served by the fallback): counted before the violation is
                 # reported, so that the report and the snapshot it brings agree.
                 slot.peak_requested_bytes = max(slot.peak_requested_bytes, total)
-            if self._locked and self._fallback and not self._capturing():
-                self._refuse_locked(slot, total, "allocation")  # counted and reported
+            if self._locked and self._fallback and not self._buffers.capturing():
+                self._refusals.refuse(slot, total, "allocation")  # counted and reported
                 # A one-off buffer, never cached: the slot keeps its size, and
                 # the next request that does not fit is counted again. Outside
                 # alloc_context: vLLM's sleep-mode allocator makes a new memory pool
@@ -385,123 +353,10 @@ class WorkspaceManager:
             pass  # unhashable as given: only the normalised key is cached
         return bound
 
-    # -- growth -----------------------------------------------------------
-
-    def _refuse_locked(
-        self, slot: Slot, requested: int, what: str, persistent_key: Hashable = None
-    ) -> WorkspaceLockedError:
-        caller = caller_outside()
-        violation = LockViolation(
-            caller=caller, requested=requested, capacity=slot.capacity_bytes, time=time.time()
-        )
-        slot.lock_violations += 1
-        slot.last_violation = violation
-        for listener in self._violation_listeners:
-            try:
-                listener(slot.ubatch, slot.lane, violation)
-            except Exception:  # a listener must not hide the refusal itself
-                logger.exception("workspace lock-violation listener failed")
-        return WorkspaceLockedError(
-            caller=caller, ubatch=slot.ubatch, lane=slot.lane,
-            requested=requested, capacity=slot.capacity_bytes, what=what,
-            persistent_key=persistent_key,
-        )
-
-    def _target_size(self, required: int) -> int:
-        config = self._config
-        limit = config.max_slot_bytes
-        if limit is not None and required > limit:
-            raise WorkspaceLimitError(
-                f"workspace request of {required} bytes exceeds max_slot_bytes={limit}"
-            )
-        if config.growth is GrowthPolicy.GRANULAR:
-            rounded = -(-required // config.granularity) * config.granularity
-            return rounded if limit is None else max(required, min(rounded, limit))
-        return required
-
     def _grow(self, slot: Slot, required: int, what: str = "allocation") -> None:
         if self._locked:
-            raise self._refuse_locked(slot, required, what)
-        self._allocate(slot, self._target_size(required))
-
-    def _capturing(self) -> bool:
-        return self._device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-    def _refuse_capture(self, what: str) -> None:
-        """An operator's command never runs under CUDA-graph capture: whatever it moved, a
-        graph captured a moment ago may point into."""
-        if self._capturing():
-            raise WorkspaceCaptureError(
-                f"{what} refused during CUDA graph capture: buffers a graph already captured "
-                f"may point into must not move; it applies once capture is over")
-
-    def _allocate(self, slot: Slot, size: int, *, operator: bool = False) -> None:
-        # A kernel's first growth may come during capture, before the engine's lock:
-        # vLLM's V2 runner captures its speculator on a lane of its own, and a DBO
-        # slot may first grow there. vLLM allocates then (from the graph's pool),
-        # and so does wsd; operators' commands and fallback buffers are refused
-        # during capture instead (_refuse_capture, _bind).
-        capturing = self._capturing()
-        # Free before allocate: the old buffer goes (and the allocator's cache
-        # is emptied) before the new one exists, so a resize never needs both.
-        # Views that callers still hold keep the old memory alive on their own.
-        # The capacity stays at the old size until the new buffer exists, so a
-        # concurrent stats() never sees the slot at 0 bytes in mid-resize.
-        slot.release_buffer()  # and the retained span's record with it, as vLLM
-        if not capturing:  # emptying the cache synchronises, which a capture forbids
-            self._empty_cache()
-        try:
-            with self._alloc_context():  # vLLM's sleep-mode pool, where it gives one
-                slot.buffer = torch.empty(size, dtype=torch.uint8, device=self._device)
-        except BaseException:
-            slot.capacity_bytes = 0  # no buffer now (out of memory): the next request grows afresh
-            raise
-        slot.capacity_bytes = size
-        slot.resizes += 1
-        if operator:
-            self._made_by_operator(slot)
-        elif not slot.persistent:  # a kernel's own growth: on the stream that uses it
-            slot.made_on = None
-
-    def _made_by_operator(self, slot: Slot) -> None:
-        """An operator's command (``reserve``, ``equalize``, ``set-ubatches``) allocated for the
-        slot, on the stream of the thread that applied it, between engine steps.
-
-        The engine's kernels then use that memory on their own streams (vLLM's dual-batch
-        overlap runs each ubatch on a stream of its own). The caching allocator knows only
-        the stream a block was made on: once freed, it would hand the block out again on
-        that stream while another stream's kernels still use it. Each request of the slot
-        records the stream it comes from (``_record_use``), as a kernel's own growth, made
-        on the stream that uses it, never needs to.
-        """
-        if self._device.type == "cuda":
-            slot.made_on = torch.cuda.current_stream(self._device)
-            slot.used_on = set()
-
-    def _record_use(self, slot: Slot) -> None:
-        """The slot's memory is used on the current stream: if that is not the stream it was
-        made on, the allocator is told (``record_stream``), once per stream, so that it holds
-        the memory until the work queued there is done. Not under capture: a captured graph's
-        buffers never move (the lock pins them)."""
-        if self._capturing():
-            return
-        stream = torch.cuda.current_stream(self._device)
-        if stream == slot.made_on or stream in slot.used_on:
-            return
-        if slot.buffer is not None:
-            slot.buffer.record_stream(stream)
-        for obj, _ in slot.persistent.values():
-            if isinstance(obj, torch.Tensor) and obj.device.type == "cuda":
-                obj.record_stream(stream)
-        slot.used_on.add(stream)
-
-    def _empty_cache(self) -> None:
-        kind = self._device.type
-        if kind == "cpu":
-            return
-        backend = getattr(torch, kind, None)
-        if backend is not None and hasattr(backend, "empty_cache"):
-            backend.empty_cache()
+            raise self._refusals.refuse(slot, required, what)
+        self._buffers.allocate(slot, self._buffers.target_size(required))
 
     # -- persistent buffers and resources -----------------------------------
 
@@ -520,7 +375,7 @@ class WorkspaceManager:
         """
         slot = self._current_slot()
         shape = tuple(int(d) for d in shape)
-        entry = slot.persistent.get(("tensor", key))
+        entry = slot.persistent.get((TENSOR, key))
         if entry is not None:
             tensor = entry[0]
             if tuple(tensor.shape) != shape or tensor.dtype != dtype:
@@ -529,38 +384,25 @@ class WorkspaceManager:
                     f"dtype={tensor.dtype}; requested shape={shape}, dtype={dtype}."
                 )
             if slot.made_on is not None:
-                self._record_use(slot)
+                self._buffers.record_use(slot)
             return tensor
         if self._locked:
-            raise self._refuse_locked(
+            raise self._refusals.refuse(
                 slot, prod(shape) * dtype.itemsize, f"persistent buffer {key!r}", key
             )
-        args = (shape, dtype, zero_init)
-        self._persistent_specs.setdefault(("tensor", key), args)
-        return self._create_persistent(slot, "tensor", key, args)
+        return self._persistents.create(slot, TENSOR, key, (shape, dtype, zero_init))
 
     def get_persistent_resource(self, key: Hashable, factory: Callable[[], Any]) -> Any:
         """An object made once per slot by ``factory()``; refused once locked."""
         slot = self._current_slot()
-        entry = slot.persistent.get(("resource", key))
+        entry = slot.persistent.get((RESOURCE, key))
         if entry is not None:
             return entry[0]
         if self._locked:
-            raise self._refuse_locked(slot, 0, f"persistent resource {key!r}", key)
-        self._persistent_specs.setdefault(("resource", key), factory)
-        return self._create_persistent(slot, "resource", key, factory)
+            raise self._refusals.refuse(slot, 0, f"persistent resource {key!r}", key)
+        return self._persistents.create(slot, RESOURCE, key, factory)
 
-    def _create_persistent(self, slot: Slot, kind: str, key: Hashable, args: Any) -> Any:
-        if kind == "tensor":
-            shape, dtype, zero_init = args
-            make = torch.zeros if zero_init else torch.empty
-            obj = make(shape, dtype=dtype, device=self._device)
-        else:
-            obj = args()
-        slot.persistent[(kind, key)] = (obj, tensor_bytes(obj))
-        return obj
-
-    # -- lock and reconfiguration ---------------------------------------------
+    # -- the engine's lock ------------------------------------------------------
 
     def lock(self) -> None:
         """From now on no buffer grows and nothing new is created (the engine's call).
@@ -576,108 +418,14 @@ class WorkspaceManager:
         self._locked = False
         self._pinned = False
 
-    def operator_lock(self) -> None:
-        """Lock on an operator's command: like ``lock()``, but never pins."""
-        self._locked = True
-
-    def operator_unlock(self) -> None:
-        """Unlock on an operator's command; refused while the engine's lock pins the buffers."""
-        self._refuse_pinned("unlock")
-        self._locked = False
-
-    def _refuse_pinned(self, what: str) -> None:
-        if self._pinned:
-            raise WorkspaceLockHeldError(
-                f"{what} refused: the engine locked this workspace itself (vLLM does after "
-                f"CUDA-graph capture), and buffers under captured graphs must never move; "
-                f"it stays as it is until the engine unlocks it"
-            )
-
     def is_locked(self) -> bool:
         return self._locked
-
-    def set_num_ubatches(self, num_ubatches: int) -> None:
-        """Reconfigure the ubatch count, keeping the slots that remain.
-
-        Removed slots are dropped (their memory frees once no view refers to
-        it). Added slots are empty, or, when locked, pre-sized to the largest
-        slot and given every persistent buffer and resource, so that locked
-        execution on them cannot fail.
-        """
-        config = WorkspaceConfig(**{**self._config.__dict__, "num_ubatches": num_ubatches})
-        self._refuse_capture("set_num_ubatches")
-        if num_ubatches < self._min_ubatches:
-            raise ValueError(
-                f"set_num_ubatches({num_ubatches}) refused: the engine runs "
-                f"{self._min_ubatches} ubatch(es) and would index the slots removed"
-            )
-        lanes = self._num_lanes
-        slots = self._slots[: num_ubatches * lanes]
-        added = [
-            Slot(u, lane)
-            for u in range(self._num_ubatches, num_ubatches)
-            for lane in range(lanes)
-        ]
-        if added and self._locked:
-            largest = max((s.capacity_bytes for s in self._slots), default=0)
-            for slot in added:
-                if largest:
-                    self._allocate(slot, largest, operator=True)
-                for (kind, key), args in self._persistent_specs.items():
-                    self._create_persistent(slot, kind, key, args)
-                if slot.persistent:
-                    self._made_by_operator(slot)
-        # One assignment, so a concurrent stats() sees the old or the new list.
-        self._slots = slots + added
-        self._num_ubatches = num_ubatches
-        self._config = config
-
-    def reserve(self, *shapes_and_dtypes: ShapeAndDtype) -> None:
-        """Size every slot so that this request fits without growth (unlocked only)."""
-        self.reserve_bytes(self._layout(shapes_and_dtypes)[3])
-
-    def reserve_bytes(self, nbytes: int) -> None:
-        """Grow every slot to at least ``nbytes`` (unlocked only)."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise ValueError(f"reserve size must be a non-negative integer, got {nbytes!r}")
-        self._refuse_capture("reserve")
-        self._refuse_pinned("reserve")
-        if self._locked:
-            raise self._refuse_locked(self._current_slot(), nbytes, "reserve")
-        for slot in self._slots:
-            if slot.capacity_bytes < nbytes:
-                self._allocate(slot, self._target_size(nbytes), operator=True)
-
-    def equalize(self) -> None:
-        """Grow every slot to the largest one, so no sibling slot is undersized."""
-        self._refuse_capture("equalize")
-        self._refuse_pinned("equalize")
-        largest = max((s.capacity_bytes for s in self._slots), default=0)
-        for slot in self._slots:
-            if slot.capacity_bytes < largest:
-                if self._locked:
-                    raise self._refuse_locked(slot, largest, "equalize")
-                self._allocate(slot, largest, operator=True)
-
-    def trim(self) -> None:
-        """Release every scratch buffer (unlocked only); the next request regrows.
-
-        Persistent buffers and resources stay. Refused while locked: an
-        operator's mistake, not a lock violation (no kernel asked for memory).
-        """
-        self._refuse_capture("trim")
-        self._refuse_pinned("trim")
-        if self._locked:
-            raise WorkspaceLockHeldError("trim refused: the workspace is locked; unlock it first")
-        for slot in self._slots:
-            slot.drop_buffer()
-        self._empty_cache()
 
     # -- observation ------------------------------------------------------
 
     def add_violation_listener(self, listener: ViolationListener) -> None:
         """Call ``listener(ubatch, lane, violation)`` whenever a locked request is refused."""
-        self._violation_listeners.append(listener)
+        self._refusals.add_listener(listener)
 
     def stats(self) -> ManagerStats:
         """An immutable snapshot; safe to call from another thread."""
@@ -687,24 +435,8 @@ class WorkspaceManager:
             num_ubatches=len(slots) // self._num_lanes,
             num_lanes=self._num_lanes,
             locked=self._locked,
-            slots=tuple(
-                SlotStats(
-                    **{c: getattr(s, c) for c in SLOT_COLUMNS},  # a Slot counts each under its column's name
-                    last_violation=s.last_violation,
-                    persistent=tuple(
-                        PersistentStats(key=key_text(key), kind=kind, nbytes=n)
-                        for (kind, key), (_, n) in list(s.persistent.items())
-                    ),
-                    retained=_retained_stats(s),
-                )
-                for s in slots
-            ),
+            slots=tuple(s.stats() for s in slots),
         )
-
-
-def _retained_stats(slot: Slot) -> RetainedStats | None:
-    retained, nbytes = slot.retained, slot.retained_bytes  # one read: the engine may clear it
-    return None if retained is None else RetainedStats(key=key_text(retained[0]), nbytes=nbytes)
 
 
 # -- the process-wide manager, as vLLM's module functions ----------------------

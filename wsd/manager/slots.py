@@ -17,21 +17,30 @@ from typing import Any
 
 import torch
 
-from wsd.slotstats import LockViolation
+from wsd.slotstats import SLOT_COLUMNS, LockViolation, PersistentStats, RetainedStats, SlotStats
 
-__all__ = ["Slot", "caller_outside", "current_lane", "current_ubatch", "key_text", "use_lane",
-           "use_ubatch"]
+__all__ = ["Slot", "caller_outside", "count_as_manager", "current_lane", "current_ubatch", "key_text",
+           "use_lane", "use_ubatch"]
 
 UBATCH_ID: contextvars.ContextVar[int] = contextvars.ContextVar("wsd_ubatch", default=0)
 LANE_ID: contextvars.ContextVar[int] = contextvars.ContextVar("wsd_lane", default=0)
 
 # Frames in these files are the manager's own; the caller is the first outside
 # (for vLLM, the kernel that asked, not the drop-in module it called through).
+# The manager's modules are listed here; an engine integration that stands in
+# for the engine's own module adds its file with count_as_manager when it loads.
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_OWN_FILES = frozenset(
-    os.path.normcase(os.path.normpath(os.path.join(_HERE, *name)))
-    for name in (("core.py",), ("slots.py",), (os.pardir, "integrations", "vllm", "workspace.py"))
-)
+_OWN_FILES: set[str] = set()
+
+
+def count_as_manager(path: str) -> None:
+    """Count the frames of the file ``path`` as the manager's own: a lock violation's
+    caller is the first frame outside them (an integration's ``count_as_manager(__file__)``)."""
+    _OWN_FILES.add(os.path.normcase(os.path.normpath(os.path.abspath(path))))
+
+
+for _name in ("core.py", "slots.py", "buffers.py", "operator_commands.py", "persistent.py", "refusals.py"):
+    count_as_manager(os.path.join(_HERE, _name))
 
 
 def _check_id(kind: str, value: object) -> int:
@@ -105,7 +114,7 @@ class Slot:
     """One (ubatch, lane) slot: its buffer, the views bound to it, its counters.
 
     Each number of ``wsd.slotstats.SLOT_NUMBERS`` is an attribute of the
-    same name here, which ``WorkspaceManager.stats`` copies into the snapshot.
+    same name here, which ``stats`` copies into the snapshot.
     """
 
     __slots__ = (
@@ -138,7 +147,7 @@ class Slot:
         self.retained: tuple[Any, int] | None = None
         self.retained_bytes = 0
         # The CUDA stream an operator's command allocated the slot's memory on, and the
-        # other streams its requests have come from since (see WorkspaceManager._record_use);
+        # other streams its requests have come from since (see Buffers.record_use);
         # None while the memory is the kernels' own (and always on a CPU).
         self.made_on: Any = None
         self.used_on: set[Any] = set()
@@ -162,3 +171,16 @@ class Slot:
     def drop_buffer(self) -> None:
         self.release_buffer()
         self.capacity_bytes = 0
+
+    def stats(self) -> SlotStats:
+        """The slot's immutable snapshot; safe to take from another thread (it only reads)."""
+        retained, nbytes = self.retained, self.retained_bytes  # one read: the engine may clear it
+        return SlotStats(
+            **{c: getattr(self, c) for c in SLOT_COLUMNS},  # a Slot counts each under its column's name
+            last_violation=self.last_violation,
+            persistent=tuple(
+                PersistentStats(key=key_text(key), kind=kind, nbytes=n)
+                for (kind, key), (_, n) in list(self.persistent.items())
+            ),
+            retained=None if retained is None else RetainedStats(key=key_text(retained[0]), nbytes=nbytes),
+        )

@@ -4,9 +4,12 @@
 missing or malformed one is an error that names it, never a silent 0.
 ``init_distributed`` initialises the default process group (nccl on CUDA, gloo
 on CPU) and builds, in the same order on every rank since ``new_group`` is
-collective: the agent's gloo side group of each TP group, the compute TP
-group on the main backend, and one gloo group of the whole world for control
-(the stop vote, the embedded coordinator's endpoint).
+collective: each TP group on the main backend with its gloo twin, on which the
+agent's consistency collective runs (``wsd.agent.collectives.tp_groups``: the
+two built together, as vLLM's ``parallel_state`` builds a group's device and CPU
+groups), and one gloo
+group of the whole world for control (the stop vote, the embedded
+coordinator's endpoint).
 """
 
 from __future__ import annotations
@@ -20,8 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wsd.agent.collectives import broadcast_value
-from wsd.agent.thread import tp_side_group
+from wsd.agent.collectives import broadcast_value, tp_groups
 from wsd.config import Backend, WorkerConfig
 from wsd.errors import ConfigError, TorchrunEnvError
 
@@ -144,12 +146,7 @@ def init_distributed(env: TorchrunEnv, config: WorkerConfig) -> DistContext:
         backend=backend, init_method="env://", rank=env.rank, world_size=env.world_size,
         timeout=datetime.timedelta(seconds=config.collective_timeout),
     )
-    side = tp_side_group(env.rank, env.world_size, tp)
-    compute = None
-    for first in range(0, env.world_size, tp):
-        group = dist.new_group(list(range(first, first + tp)), backend=backend)
-        if first <= env.rank < first + tp:
-            compute = group
+    compute, side = tp_groups(env.rank, env.world_size, tp, backend)
     control = dist.new_group(list(range(env.world_size)), backend="gloo")
     return DistContext(env=env, backend=backend, device=device, tp_size=tp, tp_group=compute,
                        tp_side_group=side, control_group=control)

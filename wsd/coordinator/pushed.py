@@ -22,8 +22,8 @@ import msgpack
 
 from wsd.coordinator.aggregate import (
     AnswerBody,
+    CheckedSnapshot,
     GroupPart,
-    Snapshot,
     answer_body,
     group_part,
     packed_answer,
@@ -47,7 +47,7 @@ class Latest:
 
     __slots__ = ("confirmed", "snapshot", "step", "version", "wire")
 
-    def __init__(self, version: int, wire: dict[str, Any], snapshot: Snapshot, confirmed: float) -> None:
+    def __init__(self, version: int, wire: dict[str, Any], snapshot: CheckedSnapshot, confirmed: float) -> None:
         self.version = version
         self.wire = wire
         self.snapshot = snapshot
@@ -107,7 +107,7 @@ class LatestStats:
             raise
 
     def _push(self, rank: int, tp_group: int, body: dict[str, Any], now: float) -> bool:
-        previous: Snapshot | None = None  # the snapshot a delta changed, when only that needs checking
+        previous: CheckedSnapshot | None = None  # the snapshot a delta changed, when only that needs checking
         changed: frozenset[str] = frozenset()
         if body["base"] is None:
             wire = body["stats"]

@@ -9,6 +9,7 @@ both ranks, and SIGTERM leaves both ranks ``stopped``.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -194,3 +195,77 @@ def test_standalone_wsd_needs_no_coordinator_and_shows_in_vllms_own_metrics(tmp_
     server.send(signal.SIGTERM)
     server.wait(90)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("wsd-vllm-metrics-")] == []
+
+
+def test_a_vllm_worker_stopped_mid_generation_leaves_its_tp_peer_stalled_with_its_stacks(tmp_path, spawn):  # noqa: F811
+    """TP=2 on the multiprocess executor, generating: one worker stopped with SIGSTOP. Its
+    rank is lost (its agent froze with it; heartbeat_timeout is shorter than stall_after,
+    as by default); its peer's engine thread sits inside execute_model's collective while
+    its agent answers: stalled, waiting for the lost rank, its stacks kept with the event
+    and readable live (wsctl stacks). SIGCONT, and the generation goes on to the end."""
+    import threading
+
+    config = write_config(tmp_path / "wsd.toml", {"coordinator": {
+        "agent_endpoint": "tcp://127.0.0.1:0", "client_endpoint": "tcp://127.0.0.1:0",
+        "state_file": str(tmp_path / "state"), "heartbeat_timeout": 2.0, "stall_after": 5.0}})
+    coordinator = spawn([WSD, "coordinator", "--config", config], name="coordinator", env=vllm_env())
+    agents, client = coordinator.wait_for(COORDINATOR_READY, 30).groups()
+    model = write_model(str(tmp_path / "model"))
+    port = free_port()
+    server = spawn(python(
+        "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
+        "--model", model, "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16",
+        "--enforce-eager", "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "128",
+        "--kv-cache-memory-bytes", str(64 << 20), "--tensor-parallel-size", "2",
+        "--distributed-executor-backend", "mp", "--shutdown-timeout", "10"),
+        name="api_server", env=vllm_env(WSD_COORDINATOR_CONNECT_ENDPOINT=agents))
+    base = f"http://127.0.0.1:{port}"
+    wait_until(lambda: server.popen.poll() is not None or http(f"{base}/health", timeout=5)[0] == 200, 240,
+               "the server to answer /health", interval=0.5)
+    assert server.popen.poll() is None, server.output()[-3000:]
+    ranks = {r["rank"]: r for r in wsctl(client, "ranks").doc["ranks"]}
+    assert sorted(ranks) == [0, 1] and all(r["state"] == "live" for r in ranks.values()), ranks
+    answers: list = []
+    done = threading.Event()
+
+    def generate() -> None:  # one completion after another: the engine never idles meanwhile
+        while not done.is_set():
+            answers.append(http(f"{base}/v1/completions", {"model": model, "prompt": [1, 5, 9, 13],
+                                                           "max_tokens": 100, "ignore_eos": True}, timeout=180))
+
+    generating = threading.Thread(target=generate, daemon=True)
+    generating.start()
+    wait_until(lambda: wsctl(client, "ranks").doc["ranks"][1]["step"] > ranks[1]["step"] + 5, 60,
+               "the engine generating", interval=0.2)
+    frozen = ranks[1]["pid"]
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        seen: list = []
+
+        def stalled() -> dict | None:
+            seen[:] = wsctl(client, "ranks").doc["ranks"]
+            now = {r["rank"]: r["state"] for r in seen}
+            return now if now == {0: "stalled", 1: "lost"} else None
+
+        try:
+            wait_until(stalled, 60, "rank 0 stalled and rank 1 lost", interval=0.5)
+        except pytest.fail.Exception:
+            pytest.fail(f"rank 0 not stalled with rank 1 lost; the ranks last read {seen}")
+
+        def event() -> dict | None:
+            found = [e for e in wsctl(client, "events", "--since", "0").doc["events"] if e["kind"] == "stalled"]
+            return found[0] if found else None
+
+        kept = wait_until(event, 30, "the stalled event", interval=0.5)
+        assert (kept["rank"], kept["waits_for"]) == (0, [1]), kept
+        (engine,) = [t for t in kept["stacks"] if t["engine"]]
+        assert any("execute_model" in f for f in engine["frames"]), engine["frames"]
+        live = wsctl(client, "stacks", "--rank", "0", timeout=5.0)
+        assert live.code == 0 and live.doc["ranks"][0]["threads"][0]["engine"], live
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+        done.set()
+    generating.join(180)
+    assert not generating.is_alive() and answers and all(status == 200 for status, _ in answers), answers
+    server.send(signal.SIGTERM)
+    server.wait(90)

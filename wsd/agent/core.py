@@ -112,12 +112,19 @@ class AgentCore:
         token: bytes | None = None,
         engine: str | None = None,
         model: str | None = None,
+        presize: tuple[int, int] | None = None,
     ) -> None:
         """``engine``: the engine this rank belongs to (None: the coordinator's default);
-        ``model``: what it serves, as ``wsctl engines`` shows it."""
+        ``model``: what it serves, as ``wsctl engines`` shows it; ``presize``: the grid
+        (num_ubatches, num_lanes) whose sizing profile the registration asks for
+        (``[workspace] presize = "profile"``), None: it asks for none."""
         self.target = target
         self.engine = engine
         self.model = model
+        self.presize = presize
+        self.presize_sizes: list[list[int]] | None = None
+        """The profile's ``[[ubatch, lane, bytes], ...]`` the coordinator answered the first
+        registration with (None: none known, or not asked); written before ``registered`` is set."""
         self.rank = rank
         self.world_size = world_size
         self.tp_size = tp_size
@@ -283,6 +290,7 @@ class AgentCore:
             "acks": list(self._acks), "step": self.steps, "idle": self.idle,
             "state": self.target.state(), "config": self.extra,
             "instance": self.instance, "engine": self.engine, "model": self.model,
+            "presize": None if self.presize is None else list(self.presize),
             "nonce": self._nonce, "challenge": self._challenge, "proof": self._proof(),
         }
 
@@ -346,6 +354,8 @@ class AgentCore:
             # it); applied only at the step the group agrees on it (apply_up_to).
             # In this order: the engine thread reads held, then baseline and desired.
             self._desired = body["desired"]
+            if self._fresh:
+                self.presize_sizes = body.get("presize")
             self.baseline = body["baseline_seq"]
             self.held = self.baseline
             self.mine = self.baseline

@@ -205,3 +205,18 @@ def test_presize_gives_each_slot_its_own_size_and_a_warm_up_that_fits_grows_noth
     manager.lock()
     with pytest.raises(WorkspaceLockHeldError, match="presize refused"):
         manager.presize([[1, 0, 10]])
+
+
+def test_a_clean_stop_pushes_the_last_snapshot_the_coordinator_lacks():
+    """A violation in a worker's last step would otherwise never reach the coordinator (its
+    agent stops before the next push), and its profile would miss that request."""
+    from wsd.agent.push import StatsPush
+
+    push = StatsPush(0.0)
+    push.restart(1.0, 0.0)
+    first, _ = push.poll(0.0, 5.0, lambda: {"peak": 1})
+    assert first is not None
+    assert push.last(lambda: {"peak": 1}) is None  # in flight: the coordinator has it
+    push.on_ack({"version": first["version"], "ok": True})
+    assert push.last(lambda: {"peak": 1}) is None
+    assert push.last(lambda: {"peak": 2}) == {"version": first["version"] + 1, "base": None, "stats": {"peak": 2}}

@@ -122,9 +122,9 @@ class AgentCore:
         self.engine = engine
         self.model = model
         self.presize = presize
+        # The profile's [[ubatch, lane, bytes], ...] the first registration was answered with
+        # (None: none known, or not asked); written before ``registered`` is set.
         self.presize_sizes: list[list[int]] | None = None
-        """The profile's ``[[ubatch, lane, bytes], ...]`` the coordinator answered the first
-        registration with (None: none known, or not asked); written before ``registered`` is set."""
         self.rank = rank
         self.world_size = world_size
         self.tp_size = tp_size
@@ -261,6 +261,13 @@ class AgentCore:
         """The driver could not send what ``on_time`` returned (no connection yet)."""
         if not self.registered.is_set():
             self.next_register = min(self.next_register, now + _UNSENT_RETRY)
+
+    def last_push(self) -> bytes | None:
+        """Before a clean shutdown's goodbye: the snapshot, whole, if the coordinator lacks it."""
+        if not self.registered.is_set():
+            return None
+        push = self.push.last(self.target.snapshot)
+        return None if push is None else p.encode(Op.STATS_PUSH, {**self._heartbeat_body(), **push})
 
     def goodbye(self) -> bytes | None:
         """The last frame of a clean shutdown, None unless registered: the coordinator

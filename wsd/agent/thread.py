@@ -412,8 +412,12 @@ class Agent:
     def _close(self, sock: zmq.Socket) -> None:
         """Close the socket, after the goodbye if stop() asked for one (bounded linger)."""
         linger = 0
-        frame = self._link.goodbye() if self._say_goodbye and self._stop.is_set() else None
-        if frame is not None:
+        # The last snapshot first, if the coordinator lacks it (a violation in the last step), then
+        # the goodbye: one connection delivers them in order.
+        frames = [self._link.last_push(), self._link.goodbye()] if self._say_goodbye and self._stop.is_set() else []
+        for frame in frames:
+            if frame is None:
+                continue
             try:
                 if send_nowait(sock, [frame]):  # False: no connection, nobody to tell
                     linger = _GOODBYE_LINGER_MS

@@ -97,6 +97,10 @@ def test_the_second_walk_through_with_presize_profile_has_no_lock_violation(tmp_
     assert shown.returncode == 0, shown.stderr
     [profile] = json.loads(shown.stdout)["profiles"]
     assert profile["key"] == str(key) and profile["ranks"] == 2 and profile["total_bytes"] == per_rank
+    human = subprocess.run(["wsctl", "--endpoint", endpoint, "profiles"], capture_output=True, text=True,
+                           timeout=30, env=worker_env())
+    assert human.returncode == 0 and str(key) in human.stdout, human.stderr
+    print(human.stdout)
     with Client(endpoint, timeout=5) as client:
         assert client.drop_profile(str(key)) == {"dropped": str(key), "saved": True}
         assert client.profiles().profiles == []

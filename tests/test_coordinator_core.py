@@ -220,7 +220,7 @@ def test_registration_accepted(h):
     assert registered == {"epoch": h.core.epoch, "baseline_seq": 0, "heartbeat_interval": 1.0,
                           "heartbeat_timeout": 5.0, "stats_interval": 1.0, "stall_after": 60.0,
                           "desired": {"locked": None, "num_ubatches": None, "reserve_bytes": None},
-                          "rebase": False, "proof": None}  # no agent token: nothing to prove
+                          "rebase": False, "presize": None, "proof": None}  # no agent token: nothing to prove
     info = h.core.engine().registry.ranks[1]
     assert info.state is RankState.LIVE and info.tp_group == 0 and info.step == 7
     joined = h.events("joined")

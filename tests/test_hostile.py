@@ -218,7 +218,7 @@ def bad_values(f: Field) -> st.SearchStrategy[Any]:
 _GOOD: dict[str, Any] = {
     "rank": 1, "world_size": 2, "tp_size": 1, "tp_group": 1, "host": "h", "pid": 1, "device": "cpu",
     "step": 0, "applied_seq": 0, "held_seq": 0, "seq": 1, "ok": True, "request": 1, "stats": {},
-    "kind": "x", "n": 2, "bytes": 1024, "version": 1, "threads": [],
+    "kind": "x", "n": 2, "bytes": 1024, "version": 1, "threads": [], "key": "m:tp1:ub1:ln1",
 }
 
 

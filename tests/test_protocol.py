@@ -27,6 +27,8 @@ VALID: dict[Op, dict] = {
     Op.STATS: {"group": 1, "timeout": 2.5, "fresh": True},
     Op.EVENTS: {"cursor": 7, "limit": 50, "engine": "e_2"},
     Op.STACKS: {"engine": "e_2", "rank": 3, "timeout": 2.0},
+    Op.PROFILES: {},
+    Op.DROP_PROFILE: {"key": "meta-llama/Llama-3.1-8B:tp2:ub2:ln1"},
     Op.LOCK: {"group": 0, "wait": False, "timeout": 1.0},
     Op.UNLOCK: {},
     Op.SET_UBATCHES: {"n": 4, "wait": True},
@@ -37,7 +39,7 @@ VALID: dict[Op, dict] = {
         "rank": 3, "world_size": 4, "tp_size": 2, "tp_group": 1, "host": "node-a", "pid": 4242,
         "device": "cpu", "applied_seq": 5, "acks": [[5, 10, True, None]], "step": 10, "idle": True,
         "state": {"locked": False, "num_ubatches": 2}, "config": {"num_lanes": 1},
-        "engine": "node-a-Llama-3-1-8B", "model": "meta-llama/Llama-3.1-8B",
+        "engine": "node-a-Llama-3-1-8B", "model": "meta-llama/Llama-3.1-8B", "presize": [2, 1],
     },
     Op.HEARTBEAT: {"rank": 0, "step": 9, "applied_seq": 2, "held_seq": 3, "state": {"locked": True},
                    "in_step": 61.5},
@@ -51,7 +53,8 @@ VALID: dict[Op, dict] = {
     Op.EVENT: {"rank": 0, "kind": "lock_violation", "detail": {"slot": 1, "caller": "x.py:1:f"}},
     Op.GOODBYE: {"rank": 3, "step": 120},
     Op.REGISTERED: {"epoch": "abc", "baseline_seq": 0, "heartbeat_interval": 1.0, "heartbeat_timeout": 5.0,
-                    "stall_after": 60.0, "desired": {"locked": True, "num_ubatches": 3, "reserve_bytes": None}},
+                    "stall_after": 60.0, "desired": {"locked": True, "num_ubatches": 3, "reserve_bytes": None},
+                    "presize": [[0, 0, 1 << 20], [1, 0, 3 << 19]]},
     Op.CHALLENGE: {"nonce": "c0ffee" * 5, "proof": "ab" * 32},
     Op.PULSE: {"epoch": "abc", "registered": False},
     Op.COMMAND: {"seq": 1, "action": "set_ubatches", "args": {"n": 4}, "group": 0, "mac": "cd" * 32},
@@ -90,7 +93,7 @@ def test_contract_pins_ops_codes_and_socket_sets():
     coordinators of different builds talk to each other only if these agree."""
     assert p.PROTOCOL_VERSION == 1
     assert {str(op) for op in Op} == {
-        "ping", "engines", "status", "ranks", "stats", "events", "stacks",
+        "ping", "engines", "status", "ranks", "stats", "events", "stacks", "profiles", "drop_profile",
         "lock", "unlock", "set_ubatches", "reserve", "equalize", "trim",
         "register", "heartbeat", "ack", "stats_reply", "stats_push", "stacks_reply", "event", "goodbye",
         "registered", "challenge", "pulse", "command", "stats_request", "stats_ack", "stacks_request", "rejected",
@@ -99,10 +102,11 @@ def test_contract_pins_ops_codes_and_socket_sets():
         "bad_message", "bad_version", "unknown_op", "bad_field", "too_large", "mismatch",
         "conflict", "forbidden", "timeout", "unavailable", "storage", "internal",
     }
-    assert p.READ_ONLY_OPS == {Op.PING, Op.ENGINES, Op.STATUS, Op.RANKS, Op.STATS, Op.EVENTS}
+    assert p.READ_ONLY_OPS == {Op.PING, Op.ENGINES, Op.STATUS, Op.RANKS, Op.STATS, Op.EVENTS, Op.PROFILES}
     assert p.COMMAND_OPS == {Op.LOCK, Op.UNLOCK, Op.SET_UBATCHES, Op.RESERVE, Op.EQUALIZE, Op.TRIM}
     assert p.OPERATOR_READ_OPS == {Op.STACKS}
-    assert p.CLIENT_OPS == p.READ_ONLY_OPS | p.OPERATOR_READ_OPS | p.COMMAND_OPS
+    assert p.COORDINATOR_STATE_OPS == {Op.DROP_PROFILE}
+    assert p.CLIENT_OPS == p.READ_ONLY_OPS | p.OPERATOR_READ_OPS | p.COMMAND_OPS | p.COORDINATOR_STATE_OPS
     assert p.AGENT_OPS == {Op.REGISTER, Op.HEARTBEAT, Op.ACK, Op.STATS_REPLY, Op.STATS_PUSH, Op.STACKS_REPLY,
                            Op.EVENT, Op.GOODBYE}
     assert p.COORDINATOR_OPS == {Op.REGISTERED, Op.CHALLENGE, Op.PULSE, Op.COMMAND, Op.STATS_REQUEST, Op.STATS_ACK,
@@ -118,7 +122,7 @@ def test_contract_pins_ops_codes_and_socket_sets():
     registered = {f.name: f.required for f in p.SCHEMAS[Op.REGISTERED]}
     assert registered == {"epoch": True, "baseline_seq": True, "heartbeat_interval": True,
                           "heartbeat_timeout": True, "stats_interval": False, "stall_after": False, "desired": False,
-                          "rebase": False, "proof": False}
+                          "rebase": False, "presize": False, "proof": False}
     assert p.decode(p.encode(Op.REGISTERED, {k: v for k, v in VALID[Op.REGISTERED].items()
                                              if k != "desired"})).body["desired"] is None
 

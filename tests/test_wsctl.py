@@ -70,7 +70,8 @@ def run_json(capsys, endpoint: str, *argv: str) -> tuple[int, dict]:
 def test_command_set_is_pinned():
     """A command added to or dropped from wsctl must be deliberate: update this list with it."""
     expected = {"status", "ranks", "stats", "events", "watch", "lock", "unlock", "set-ubatches",
-                "reserve", "equalize", "trim", "ping", "engines", "keygen", "config", "completion", "stacks"}
+                "reserve", "equalize", "trim", "ping", "engines", "keygen", "config", "completion", "stacks",
+                "profiles"}
     assert set(wsctl.COMMANDS) == expected
     sub = next(a for a in wsctl._parser()._actions if isinstance(a.choices, dict))
     assert set(sub.choices) == expected

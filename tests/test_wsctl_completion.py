@@ -68,6 +68,8 @@ def test_sourcing_registers_the_completion(scripts):
     ("wsctl stats --state ", ["missing", "absent", "stale", "locked", "unlocked", "violations"]),
     ("wsctl watch --by", ["--by-group", "--by-slot"]),
     ("wsctl events --f", ["--follow"]),
+    ("wsctl pr", ["profiles"]),
+    ("wsctl profiles --d", ["--drop"]),
     ("wsctl --vers", ["--version"]),
     ("wsctl lock --group ", []),  # a number to type: nothing to offer
 ])

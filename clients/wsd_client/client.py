@@ -34,6 +34,7 @@ from wsd.errors import BadEndpoint, ClientError, ConfigError, TransportError, Un
 from wsd.wire import protocol as p
 from wsd.wire import transport
 from wsd.wire.protocol import ErrorCode, Op
+from wsd_client.profiles import Profiles
 from wsd_client.results import Engines, Events, PerEngine, Pong, Ranks, Stats, Status, per_engine
 from wsd_client.stacks import Stacks
 
@@ -302,6 +303,16 @@ class Client:
         coordinator's ``stats_timeout``). Under CURVE, an admin key's only."""
         return per_engine(self.call(Op.STACKS, {"rank": rank, "group": group, "timeout": timeout,
                                                 "engine": engine}), Stacks)
+
+    def profiles(self) -> Profiles:
+        """Every sizing profile the coordinator keeps: per engine profile (``NAME:tpT:ubU:lnL``),
+        the largest request each slot has served or refused (docs/manager.md, "Sizing profiles")."""
+        return Profiles(self.call(Op.PROFILES))
+
+    def drop_profile(self, key: str) -> dict[str, Any]:
+        """Forget sizing profile ``key`` (as ``profiles`` lists it): ``{dropped, saved}``. Under
+        CURVE, an admin key's only; an unknown key is a ClientError (``bad_field``)."""
+        return dict(self.call(Op.DROP_PROFILE, {"key": key}))
 
     # -- state-changing ------------------------------------------------------------
 

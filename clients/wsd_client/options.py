@@ -80,6 +80,12 @@ def stacks(p: argparse.ArgumentParser) -> None:
                        help="every rank of this TP group (default, with neither: every rank)")
 
 
+def profiles(p: argparse.ArgumentParser) -> None:
+    """``profiles``: list them, or drop one."""
+    p.add_argument("--drop", metavar="KEY", default=None,
+                   help="forget this sizing profile (NAME:tpT:ubU:lnL, as listed); admin only under CURVE")
+
+
 def selection(p: argparse.ArgumentParser) -> None:
     """``stats`` and ``watch``: which ranks and groups, and how (one line per slot or per group)."""
     p.add_argument("--group", metavar="G", default=None,

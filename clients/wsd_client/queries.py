@@ -1,4 +1,5 @@
-"""``wsctl``'s read-only commands: ping, engines, status, ranks, stats, watch, events.
+"""``wsctl``'s read-only commands: ping, engines, status, ranks, stats, watch, events, stacks,
+profiles (whose ``--drop`` changes the coordinator's profiles, and nothing of any rank).
 
 Each is a ``Handler``: it asks the coordinator through a ``Client``, writes each
 engine's answer through ``Output`` (under a line naming the engine where several
@@ -22,11 +23,13 @@ from wsd.wire.protocol import ErrorCode
 from wsd_client import render
 from wsd_client.client import TAIL, Client, ClientError, Events
 from wsd_client.output import CLEAR, Output
+from wsd_client.profiles import render as render_profiles
+from wsd_client.profiles import render_dropped
 from wsd_client.results import by_engine
 from wsd_client.select import Selection, complete
 from wsd_client.stacks import render as render_stacks
 
-__all__ = ["engines", "events", "ping", "ranks", "stacks", "stats", "status", "titled", "watch", "worst"]
+__all__ = ["engines", "events", "ping", "profiles", "ranks", "stacks", "stats", "status", "titled", "watch", "worst"]
 
 # Events asked for per request while reading the log (the protocol allows 10,000).
 _EVENT_PAGE = 1000
@@ -88,6 +91,16 @@ def stacks(client: Client, args: argparse.Namespace, out: Output) -> Exit:
         out.emit(answer.doc, functools.partial(titled, name, len(answers) > 1, render_stacks, answer.doc))
         codes.append(Exit.PARTIAL if answer.missing else Exit.OK)
     return worst(codes)
+
+
+def profiles(client: Client, args: argparse.Namespace, out: Output) -> Exit:
+    if args.drop is not None:  # a change to the coordinator's state: an admin's under CURVE
+        dropped = client.drop_profile(args.drop)
+        out.emit(dropped, lambda: render_dropped(dropped))
+        return Exit.OK
+    answer = client.profiles()
+    out.emit(answer.doc, lambda: render_profiles(answer.doc))
+    return Exit.OK
 
 
 def _width(stream: TextIO) -> int | None:

@@ -11,6 +11,10 @@ Read-only commands::
     wsctl events [--since ID] [--last N] [--follow [--count N] [--interval S]]
     wsctl watch [stats' options] [--interval S] [--count N]
                                     live per-rank, per-slot capacity and peak
+    wsctl stacks [--rank R | --group G]
+                                    every thread's Python stack of the workers
+    wsctl profiles [--drop KEY]     sizing profiles: each slot's largest request per
+                                    model (or engine), TP size and grid; --drop: admin
 
 Above 256 slots, ``stats`` and ``watch`` show one line per TP group; ``--rank``,
 ``--group`` and ``--state`` select ranks; on a terminal, tables leave out their
@@ -37,7 +41,7 @@ Keys (no coordinator involved)::
     wsctl keygen NAME [--dir DIR]   a CURVE key pair: DIR/NAME.key (public) and
                                     DIR/NAME.key_secret (mode 0600)
 
-Every command that talks to a coordinator but ``ping`` and ``engines`` takes
+Every command that talks to a coordinator but ``ping``, ``engines`` and ``profiles`` takes
 ``--engine NAME``: that engine only. Without it, a coordinator serving one
 engine answers for it, and one serving several answers for each (under a line
 ``engine NAME``; in JSON, one document per engine with its ``engine``); a
@@ -249,6 +253,8 @@ COMMANDS: dict[str, Spec] = {
                    (opt.events, opt.count_interval(0.5, "events")), rounds=True),
     "stacks": Spec("every thread's Python stack of the workers, the engine's first", queries.stacks,
                    (opt.stacks,)),
+    "profiles": Spec("sizing profiles: each slot's largest request per model, TP size and grid; --drop KEY",
+                     queries.profiles, (opt.profiles,)),
     "watch": Spec("live per-rank, per-slot capacity and peak", queries.watch,
                   (opt.selection, opt.fresh, opt.count_interval(1.0, "rounds")), rounds=True),
     # The state-changing commands, from the command table.
@@ -272,7 +278,7 @@ def _parser() -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=spec.help, description=spec.help)
         for add in spec.options:
             add(command)
-        if spec.client and name not in ("ping", "engines"):
+        if spec.client and name not in ("ping", "engines", "profiles"):  # profiles: the coordinator's
             opt.engine(command)
         opt.common(command, top=False)
     return parser

@@ -112,12 +112,19 @@ class AgentCore:
         token: bytes | None = None,
         engine: str | None = None,
         model: str | None = None,
+        presize: tuple[int, int] | None = None,
     ) -> None:
         """``engine``: the engine this rank belongs to (None: the coordinator's default);
-        ``model``: what it serves, as ``wsctl engines`` shows it."""
+        ``model``: what it serves, as ``wsctl engines`` shows it; ``presize``: the grid
+        (num_ubatches, num_lanes) whose sizing profile the registration asks for
+        (``[workspace] presize = "profile"``), None: it asks for none."""
         self.target = target
         self.engine = engine
         self.model = model
+        self.presize = presize
+        # The profile's [[ubatch, lane, bytes], ...] the first registration was answered with
+        # (None: none known, or not asked); written before ``registered`` is set.
+        self.presize_sizes: list[list[int]] | None = None
         self.rank = rank
         self.world_size = world_size
         self.tp_size = tp_size
@@ -255,6 +262,13 @@ class AgentCore:
         if not self.registered.is_set():
             self.next_register = min(self.next_register, now + _UNSENT_RETRY)
 
+    def last_push(self) -> bytes | None:
+        """Before a clean shutdown's goodbye: the snapshot, whole, if the coordinator lacks it."""
+        if not self.registered.is_set():
+            return None
+        push = self.push.last(self.target.snapshot)
+        return None if push is None else p.encode(Op.STATS_PUSH, {**self._heartbeat_body(), **push})
+
     def goodbye(self) -> bytes | None:
         """The last frame of a clean shutdown, None unless registered: the coordinator
         then shows the rank ``stopped`` at once, instead of ``lost`` a timeout later."""
@@ -283,6 +297,7 @@ class AgentCore:
             "acks": list(self._acks), "step": self.steps, "idle": self.idle,
             "state": self.target.state(), "config": self.extra,
             "instance": self.instance, "engine": self.engine, "model": self.model,
+            "presize": None if self.presize is None else list(self.presize),
             "nonce": self._nonce, "challenge": self._challenge, "proof": self._proof(),
         }
 
@@ -346,6 +361,8 @@ class AgentCore:
             # it); applied only at the step the group agrees on it (apply_up_to).
             # In this order: the engine thread reads held, then baseline and desired.
             self._desired = body["desired"]
+            if self._fresh:
+                self.presize_sizes = body.get("presize")
             self.baseline = body["baseline_seq"]
             self.held = self.baseline
             self.mine = self.baseline

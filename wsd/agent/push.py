@@ -91,6 +91,19 @@ class StatsPush:
         self._last_push = now
         return push, False
 
+    def last(self, snapshot: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        """At a clean stop: a push's fields, the snapshot whole, if it differs from the last one
+        pushed (acknowledged or not); None if the coordinator has it, or takes no pushes. So the
+        coordinator's copy holds the worker's last steps, and its sizing profile learns them."""
+        if self.interval is None:
+            return None
+        current = snapshot()
+        sent = self._inflight[1] if self._inflight is not None else self._acked[1] if self._acked else None
+        if sent is not None and current == sent:
+            return None
+        self._version += 1
+        return {"version": self._version, "base": None, "stats": current}
+
     def on_ack(self, body: dict[str, Any]) -> None:
         """The coordinator's answer to a push (``version``, ``ok``)."""
         inflight = self._inflight

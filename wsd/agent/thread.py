@@ -119,7 +119,10 @@ class Agent:
         token: bytes | None = None,
         warm: bool = True,
         model: str | None = None,
+        presize: bool = False,
     ) -> None:
+        """``presize``: the registration asks for the sizing profile of this manager's grid
+        (``[workspace] presize = "profile"``), for ``presize_from_profile``."""
         self.manager = manager
         self.endpoint = endpoint
         self._curve = curve  # CURVE keys when [security] curve_agents is on
@@ -149,6 +152,7 @@ class Agent:
             _ManagerTarget(manager, self.warm, self.clock), rank=rank, world_size=world_size, tp_size=tp_size,
             idle=idle, heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout, extra=where,
             now=time.monotonic(), token=token, engine=self.config.engine, model=model,
+            presize=(manager.num_ubatches, manager.num_lanes) if presize else None,
         )
         self.registered = self._link.registered
         # Frames from the engine thread (acks, violation events) for the I/O thread to send.
@@ -204,6 +208,32 @@ class Agent:
     def wait_registered(self, timeout: float) -> bool:
         """For tests and start-up logs: True once the coordinator accepted us."""
         return self.registered.wait(timeout)
+
+    def presize_from_profile(self, timeout: float) -> int:
+        """``[workspace] presize = "profile"``, on the engine's thread before its warm-up: wait
+        at most ``timeout`` for the registration, then reserve each slot at the size its sizing
+        profile gives. Returns the bytes reserved (0: no profile known, no registration in
+        time, or reserving failed, each logged). Advisory: never raises for any of them."""
+        if self._link.presize is None:
+            return 0
+        if not self.registered.wait(timeout):
+            logger.warning("rank %d: presize: no registration within %g s ([agent] connect_timeout): warm-up "
+                           "sizes the workspace", self.rank, timeout)
+            return 0
+        sizes = self._link.presize_sizes
+        if not sizes:
+            logger.info("rank %d: presize: the coordinator knows no sizing profile of this rank yet: warm-up "
+                        "sizes the workspace, and the coordinator learns from it", self.rank)
+            return 0
+        try:
+            held = self.manager.presize(sizes)
+        except Exception as e:  # out of memory, a locked manager, a bad entry: the engine runs on
+            logger.warning("rank %d: presize from the sizing profile failed: %s: warm-up sizes the workspace",
+                           self.rank, e)
+            return 0
+        logger.info("rank %d: presized %d slot(s) from the sizing profile: %d bytes", self.rank, len(sizes), held)
+        self._link.push.urgent = True
+        return held
 
     @property
     def applied_seq(self) -> int:
@@ -382,8 +412,12 @@ class Agent:
     def _close(self, sock: zmq.Socket) -> None:
         """Close the socket, after the goodbye if stop() asked for one (bounded linger)."""
         linger = 0
-        frame = self._link.goodbye() if self._say_goodbye and self._stop.is_set() else None
-        if frame is not None:
+        # The last snapshot first, if the coordinator lacks it (a violation in the last step), then
+        # the goodbye: one connection delivers them in order.
+        frames = [self._link.last_push(), self._link.goodbye()] if self._say_goodbye and self._stop.is_set() else []
+        for frame in frames:
+            if frame is None:
+                continue
             try:
                 if send_nowait(sock, [frame]):  # False: no connection, nobody to tell
                     linger = _GOODBYE_LINGER_MS

@@ -34,6 +34,7 @@ from wsd.coordinator.engine import Engine, Shared, refuse, state_path
 from wsd.coordinator.events import EventKind, EventLog
 from wsd.coordinator.metrics import CommandStats, Counters, EngineFigures, Published, StatsView
 from wsd.coordinator.outbox import AGENT, CLIENT, Answer, Out, Route
+from wsd.coordinator.profiles import MAX_PROFILES, ProfileKey, Profiles, profiles_path
 from wsd.errors import StateFileError
 from wsd.wire import protocol as p
 from wsd.wire.protocol import ErrorCode, Op, ProtocolError
@@ -90,7 +91,9 @@ class CoordinatorCore:
         # the agent token (None: not authenticated; a warning at start-up says so).
         self.gate = AgentGate(agent_token, config.heartbeat_timeout, clock)
         self.events = EventLog(config.event_capacity)
-        self.shared = Shared(config, clock, wall, self.epoch, self.gate, self.events, CommandStats())
+        # Advisory: a damaged profiles file is moved aside and the coordinator starts with none.
+        self.profiles = Profiles(profiles_path(config.state_file), wall=wall, clock=clock)
+        self.shared = Shared(config, clock, wall, self.epoch, self.gate, self.events, CommandStats(), self.profiles)
         # The default engine is there from the start: its state file is the configured one,
         # and a command before any rank registered is its.
         default = Engine(config.engine, self.shared, config.state_file)
@@ -114,6 +117,8 @@ class CoordinatorCore:
             Op.STATS: self._stats_request,
             Op.EVENTS: self._events,
             Op.STACKS: self._stacks,
+            Op.PROFILES: self._profiles,
+            Op.DROP_PROFILE: self._drop_profile,
             **{op: self._command for op in p.COMMAND_OPS},
         }
         if self._metrics:  # a scrape before the first tick sees every family too
@@ -263,6 +268,7 @@ class CoordinatorCore:
         heard = self.gate.heard(now)
         for engine in list(self.engines.values()):
             out += engine.tick(now, heard)
+        self.profiles.tick(now)
         if now >= self._next_pulse:
             self._next_pulse = now + self.config.heartbeat_interval
             suppressed = self.gate.take_suppressed()
@@ -279,7 +285,13 @@ class CoordinatorCore:
 
     def next_deadline(self) -> float:
         """When ``tick`` next has something to do (monotonic clock)."""
-        return min(self._next_pulse, self._next_refresh, *(e.next_deadline() for e in self.engines.values()))
+        return min(self._next_pulse, self._next_refresh, self.profiles.next_deadline(),
+                   *(e.next_deadline() for e in self.engines.values()))
+
+    def close(self) -> None:
+        """The coordinator stops: what it keeps outside the command log (the sizing profiles)
+        is written."""
+        self.profiles.close()
 
     # -- metrics --------------------------------------------------------------
 
@@ -368,6 +380,23 @@ class CoordinatorCore:
         timeout = body["timeout"] or self.config.stats_timeout
         return self._answer(route, message, engines,
                             lambda e, answer: e.stacks.start(answer, targets[e.name], timeout))
+
+    def _profiles(self, route: Route, message: p.Message) -> list[Out]:
+        result = {"profiles": self.profiles.public(), "file": self.profiles.path, "max_profiles": MAX_PROFILES}
+        return [(CLIENT, route, p.ok_reply(message.id, result))]
+
+    def _drop_profile(self, route: Route, message: p.Message) -> list[Out]:
+        text = message.body["key"]
+        try:
+            key = ProfileKey.parse(text)
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"key: {e}") from None
+        if not self.profiles.drop(key):
+            known = ", ".join(str(k) for k in list(self.profiles.profiles)[:8]) or "none"
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"key: no sizing profile {text!r} (known: {known})")
+        saved = self.profiles.save()  # at once: an operator's change is durable when answered
+        self.events.add(EventKind.PROFILE_DROPPED, self.wall(), key=text, **({"by": message.by} if message.by else {}))
+        return [(CLIENT, route, p.ok_reply(message.id, {"dropped": text, "saved": saved}))]
 
     def _events(self, route: Route, message: p.Message) -> list[Out]:
         name = message.body["engine"]

@@ -25,6 +25,7 @@ from wsd.coordinator.dispatch import Dispatch
 from wsd.coordinator.events import EventKind, EventLog, bounded_detail
 from wsd.coordinator.metrics import CommandStats, CoreView, core_view
 from wsd.coordinator.outbox import AGENT, Out
+from wsd.coordinator.profiles import Profiles
 from wsd.coordinator.registry import RankInfo, RankState, RankTaken, RegistrationError, Registry
 from wsd.coordinator.snapshots import Snapshots
 from wsd.coordinator.stacks import StackRounds, checked_threads
@@ -57,6 +58,8 @@ class Shared:
     gate: AgentGate
     events: EventLog
     command_stats: CommandStats
+    profiles: Profiles
+    """The sizing profiles every engine's ranks feed and read (``wsd.coordinator.profiles``)."""
 
 
 class Engine:
@@ -209,6 +212,7 @@ class Engine:
             "stall_after": float(self.config.stall_after),
             "desired": desired,  # only to a fresh process: a re-registration keeps what it applied
             "rebase": rebase,
+            "presize": self.shared.profiles.for_registration(body, self.name),
             "proof": None if proven is None or self.gate.token is None else registered_proof(
                 self.gate.token, proven.nonce, proven.challenge, self.shared.epoch, baseline),
         }))]
@@ -291,6 +295,10 @@ class Engine:
         if info is None or info.state is not RankState.LIVE:
             return out  # the heartbeat's answer asks it to register; its snapshot waits until then
         ok = self.snapshots.push(info, body)
+        if ok:  # what its slots asked for feeds its sizing profile
+            held = self.snapshots.latest.ranks[info.rank]
+            self.shared.profiles.learn_push(self.name, info.rank, info.model, self.registry.tp_size, body, held.wire,
+                                            held.snapshot.columns)
         return [*out, (AGENT, (peer,), p.encode(Op.STATS_ACK, {"version": body["version"], "ok": ok}))]
 
     def _check_group(self, group: int, now: float) -> None:

@@ -47,6 +47,8 @@ class EventKind(StrEnum):
     UNSTALLED = "unstalled"
     """A stalled rank's engine left the step (or the rank was lost, stopped or registered again)."""
     AGENT_EVENT = "agent_event"
+    PROFILE_DROPPED = "profile_dropped"
+    """An operator dropped a sizing profile (``wsctl profiles --drop``): its key and who asked."""
     SUPPRESSED = "suppressed"
     """Events of one source dropped for coming too fast, with their count."""
 

@@ -166,7 +166,10 @@ class Coordinator:
                         logger.exception("coordinator timers failed; serving on")
                 self._send(out)
         finally:
-            self._close()
+            try:
+                core.close()  # the sizing profiles learned since their last write
+            finally:
+                self._close()
 
     def _client_frame(self, route: tuple[bytes, ...], frame: bytes, role: str | None) -> list[Out]:
         if not route:

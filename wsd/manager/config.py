@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from wsd.sections import check_range, coerce_enum, size_field
 from wsd.slotstats import MAX_LANES, MAX_UBATCHES  # the grid's bounds, on the shared floor
 
-__all__ = ["MAX_LANES", "MAX_UBATCHES", "GrowthPolicy", "LockedGrowthPolicy", "WorkspaceConfig"]
+__all__ = ["MAX_LANES", "MAX_UBATCHES", "GrowthPolicy", "LockedGrowthPolicy", "Presize", "WorkspaceConfig"]
 
 
 class GrowthPolicy(enum.Enum):
@@ -30,6 +30,16 @@ class LockedGrowthPolicy(enum.Enum):
     lock violation, so the engine keeps serving. Never during CUDA-graph capture."""
 
 
+class Presize(enum.Enum):
+    """What a manager reserves before its engine's own warm-up."""
+
+    NONE = "none"
+    """Nothing: warm-up grows the slots, as vLLM's does."""
+    PROFILE = "profile"
+    """Each slot at the largest request the coordinator's sizing profile of this rank's
+    model (or engine), TP size and grid has seen, if one is known (docs/manager.md)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class WorkspaceConfig:
     """``[workspace]``: the per-rank workspace manager."""
@@ -49,6 +59,10 @@ class WorkspaceConfig:
     on_locked_growth: LockedGrowthPolicy = LockedGrowthPolicy.RAISE
     """``"raise"`` (vLLM's: the request fails) or ``"fallback"`` (a one-off buffer
     serves it, and the violation is counted and reported)."""
+    presize: Presize = Presize.NONE
+    """``"none"`` or ``"profile"``: before the engine's warm-up, reserve each slot at the largest
+    request its sizing profile has seen (learned by the coordinator from every rank of the same
+    model, TP size and grid; none without a coordinator, or before one is learned)."""
 
     def __post_init__(self) -> None:
         check_range("num_ubatches", self.num_ubatches, 1, MAX_UBATCHES)
@@ -66,3 +80,4 @@ class WorkspaceConfig:
         if self.max_slot_bytes is not None:
             check_range("max_slot_bytes", self.max_slot_bytes, 0, 2**50)
         coerce_enum(self, "on_locked_growth", LockedGrowthPolicy)
+        coerce_enum(self, "presize", Presize)

@@ -1,4 +1,4 @@
-"""The operator's commands of ``WorkspaceManager``: reserve, equalize, trim, ``set_num_ubatches``.
+"""The operator's commands of ``WorkspaceManager``: reserve, presize, equalize, trim, ``set_num_ubatches``.
 
 They reach every slot at once, between engine steps, on the agent's command (or
 the engine's own call): they size every slot for a request, grow every slot to
@@ -17,6 +17,7 @@ counts, its lock state, and its collaborators (``Buffers``, ``Refusals``,
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from wsd.errors import WorkspaceLockHeldError
@@ -113,6 +114,39 @@ class OperatorCommands:
         if self._locked:
             raise self._refusals.refuse(self._current_slot(), nbytes, "reserve")
         self._buffers.reserve(self._slots, nbytes)
+
+    def presize(self, sizes: Iterable[Sequence[int]]) -> int:
+        """Grow each slot named to at least its size: ``[(ubatch, lane, bytes), ...]``, a sizing
+        profile's (``[workspace] presize = "profile"``), before the engine's own warm-up.
+
+        Unlike ``reserve``, per slot: each gets what it was seen to need, not the largest.
+        A size beyond ``max_slot_bytes`` is cut to it. Unlocked only. Every entry is checked
+        before any slot grows (ValueError naming the first that is not a slot of this
+        manager's grid). Returns the bytes the named slots hold afterwards.
+        """
+        wanted: dict[tuple[int, int], int] = {}
+        for entry in sizes:
+            if not (len(entry) == 3 and all(type(v) is int for v in entry) and 0 <= entry[0] < self._num_ubatches
+                    and 0 <= entry[1] < self._num_lanes and entry[2] >= 0):
+                raise ValueError(f"presize: {list(entry)!r} is not [ubatch, lane, bytes] of this manager's "
+                                 f"{self._num_ubatches} ubatch(es) x {self._num_lanes} lane(s)")
+            wanted[entry[0], entry[1]] = max(entry[2], wanted.get((entry[0], entry[1]), 0))
+        self._buffers.refuse_capture("presize")
+        self._refuse_pinned("presize")
+        if self._locked:
+            raise WorkspaceLockHeldError("presize refused: the workspace is locked; a profile's sizes go in "
+                                         "before the engine's warm-up and lock")
+        limit = self._config.max_slot_bytes
+        held = 0
+        for slot in self._slots:
+            size = wanted.get((slot.ubatch, slot.lane))
+            if size is None:
+                continue
+            size = size if limit is None else min(size, limit)
+            if slot.capacity_bytes < size:
+                self._buffers.allocate(slot, self._buffers.target_size(size), operator=True)
+            held += slot.capacity_bytes
+        return held
 
     def equalize(self) -> None:
         """Grow every slot to the largest one, so no sibling slot is undersized."""

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 from wsd.commands import COMMANDS
 from wsd.errors import ErrorCode, ProtocolError, StrEnum
 from wsd.names import ENGINE_NAME, MAX_ENGINE_NAME, engine_name_problem
+from wsd.slotstats import MAX_LANES, MAX_UBATCHES
 
 __all__ = [
     "ACK_MEMORY",
@@ -28,7 +29,9 @@ __all__ = [
     "CLIENT_OPS",
     "COMMAND_OPS",
     "COORDINATOR_OPS",
+    "COORDINATOR_STATE_OPS",
     "INT_MAX",
+    "MAX_PRESIZE_SLOTS",
     "MAX_STATUS_GROUPS",
     "NEVER_REGISTERED",
     "READ_ONLY_OPS",
@@ -50,6 +53,9 @@ class Op(StrEnum):
     STATS = "stats"
     EVENTS = "events"
     STACKS = "stacks"
+    PROFILES = "profiles"
+    # client -> coordinator: the coordinator's own state
+    DROP_PROFILE = "drop_profile"
     # client -> coordinator: state-changing commands
     LOCK = "lock"
     UNLOCK = "unlock"
@@ -80,11 +86,14 @@ class Op(StrEnum):
 # Every row of the command table is an operation of the same name (ValueError here, at
 # import, for a row without its Op member).
 COMMAND_OPS = frozenset(Op(name) for name in COMMANDS)
-READ_ONLY_OPS = frozenset({Op.PING, Op.ENGINES, Op.STATUS, Op.RANKS, Op.STATS, Op.EVENTS})
+READ_ONLY_OPS = frozenset({Op.PING, Op.ENGINES, Op.STATUS, Op.RANKS, Op.STATS, Op.EVENTS, Op.PROFILES})
 OPERATOR_READ_OPS = frozenset({Op.STACKS})
 """Requests that change nothing but that a viewer may not make: every thread's stack names the
 code and files a worker runs, and gathering them interrupts every worker asked."""
-CLIENT_OPS = COMMAND_OPS | READ_ONLY_OPS | OPERATOR_READ_OPS
+COORDINATOR_STATE_OPS = frozenset({Op.DROP_PROFILE})
+"""Requests that change the coordinator's own state and no rank's (no sequence number): an
+admin's under CURVE, as commands are."""
+CLIENT_OPS = COMMAND_OPS | READ_ONLY_OPS | OPERATOR_READ_OPS | COORDINATOR_STATE_OPS
 AGENT_OPS = frozenset({Op.REGISTER, Op.HEARTBEAT, Op.ACK, Op.STATS_REPLY, Op.STATS_PUSH, Op.STACKS_REPLY, Op.EVENT,
                        Op.GOODBYE})
 COORDINATOR_OPS = frozenset({Op.REGISTERED, Op.CHALLENGE, Op.PULSE, Op.COMMAND, Op.STATS_REQUEST, Op.STATS_ACK,
@@ -209,6 +218,10 @@ _RANK = _int("rank", 0, 1 << 20)
 _HOST = _str("host", 255, printable=True)
 _STATE = _opt(_map("state", 16), {})
 _IN_STEP = _opt(Field("in_step", (float,), low=0.0, high=1e9))
+MAX_PRESIZE_SLOTS = MAX_UBATCHES * MAX_LANES
+"""The most slots a ``registered`` answer's ``presize`` sizes: a manager's whole grid."""
+MAX_PROFILE_KEY = 300
+"""The most characters of a sizing profile's key (``NAME:tpT:ubU:lnL``, a name of up to 256)."""
 MAX_STACK_THREADS = 64
 """The most threads one stacks reply lists (wsd.agent.stacks.MAX_THREADS)."""
 ACK_MEMORY = 64
@@ -260,6 +273,10 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
     # Every thread's stack of the live ranks asked for: ``rank``, or ``group``, or (neither) all.
     Op.STACKS: (_ENGINE, _opt(_int("group", 0, 65535)), _opt(_int("rank", 0, 1 << 20)),
                 _opt(Field("timeout", (float,), low=0.0, high=60.0))),
+    # Every sizing profile the coordinator keeps (wsd.coordinator.profiles).
+    Op.PROFILES: (),
+    # Forget the sizing profile of this key (NAME:tpT:ubU:lnL, as ``profiles`` lists it).
+    Op.DROP_PROFILE: (_str("key", MAX_PROFILE_KEY),),
     **{Op(spec.name): (*(_int(a.name, a.low, a.high) for a in spec.args), *_TARGET) for spec in COMMANDS.values()},
     Op.REGISTER: (
         _RANK,
@@ -287,6 +304,9 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
         # it serves (a model's name), shown in ``wsctl engines``.
         _ENGINE,
         _opt(_str("model", 256, printable=True)),
+        # [workspace] presize = "profile": [num_ubatches, num_lanes], the grid this rank wants
+        # its profile's sizes for (answered in ``registered.presize``).
+        _opt(Field("presize", (list,), max_len=2)),
     ),
     # ``stats_version``: the agent has just found its snapshot unchanged since the push
     # of that version the coordinator acknowledged (so that version is fresh now).
@@ -321,6 +341,9 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
                     # the oldest command kept, or than a resume_seq): start again from
                     # baseline_seq with the desired state, as a fresh process does.
                     _opt(_f("rebase", bool), False),
+                    # To a registration that asked (``presize``): its profile's per-slot sizes,
+                    # [[ubatch, lane, bytes], ...]; nil: no profile of its key is known.
+                    _opt(Field("presize", (list,), max_len=MAX_PRESIZE_SLOTS)),
                     # Where there is an agent token: that this answer is the coordinator's own,
                     # to this registration (wsd.security.registered_proof).
                     _opt(_str("proof", 128))),

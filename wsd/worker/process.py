@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from wsd.agent.thread import Agent
-from wsd.config import CoordinatorMode, WsdConfig, load_config
+from wsd.config import CoordinatorMode, Presize, WsdConfig, load_config
 from wsd.errors import ConfigError, ExitCode, LaunchError
 from wsd.launch import CoordinatorProcess, stop_signals
 from wsd.manager.core import WorkspaceManager
@@ -157,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 heartbeat_timeout=config.coordinator.heartbeat_timeout,
                 extra={"backend": ctx.backend, "local_rank": env.local_rank, "idle": args.idle},
                 curve=curve, token=token, warm=args.idle,  # the workload says when it is warm
+                presize=config.workspace.presize is Presize.PROFILE and not args.idle,
             ).start()
             logger.info("%r on %s, TP group %d of size %d, agent to %s", manager, ctx.backend,
                         ctx.tp_index, ctx.tp_size, endpoint)
@@ -167,6 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 mlp = TensorParallelMlp(config.workload, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size,
                                         device=ctx.device, group=ctx.tp_group)
+                # Before warm-up: the slots start at what the profile saw them need.
+                agent.presize_from_profile(config.agent.connect_timeout)
                 group = ctx.control_group
                 result = run_workload(manager, mlp, config.workload, step_boundary=agent.step,
                                       should_stop=lambda: any_rank(stop.is_set(), group), wait=stop.wait,

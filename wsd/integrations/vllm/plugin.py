@@ -51,7 +51,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from wsd.config import WsdConfig, load_config
+from wsd.config import Presize, WsdConfig, load_config
 from wsd.errors import ConfigError
 from wsd.integrations.vllm.layout import Placement, default_engine, identity, placement, served_model
 from wsd.integrations.vllm.logs import log_with_vllm
@@ -412,6 +412,9 @@ def _join(worker: Any, config: WsdConfig, endpoint: str) -> None:
         manager.add_violation_listener(ViolationLog(logger, rank=place.rank,
                                                     policy=config.workspace.on_locked_growth))
         _attachment = _Attachment(publisher, agent, wake)
+        if agent is not None:  # [workspace] presize = "profile": after vLLM's start-of-worker memory
+            # snapshot, before its profile run and capture, so its budget counts what is reserved
+            agent.presize_from_profile(config.agent.connect_timeout)
         steered = f"joined {endpoint}" if endpoint else "attached standalone (no coordinator)"
         logger.info("wsd: rank %d of %d (TP group %d of size %d) of engine %s %s, its figures in vLLM's "
                     "/metrics, with %r", place.rank, place.world_size, place.tp_group, place.tp_size, engine,
@@ -451,6 +454,7 @@ def _start_agent(worker: Any, config: WsdConfig, manager: Any, place: Placement,
                    "executor": str(parallel.distributed_executor_backend)},
             curve=curve, on_pending=wake, token=token,
             warm=_engine.warm,  # attached in init_device: warm-up is still to come
+            presize=config.workspace.presize is Presize.PROFILE,
         ).start()
     except BaseException:
         wake.close()

@@ -107,4 +107,4 @@ def test_32_clients_with_heartbeats_flowing_lose_no_rank_and_no_request(tmp_path
         assert sum(o["incomplete"] for o in outcomes) == 0, "a reply under load lacked a rank"
         after = client.events(cursor, limit=10_000)["events"]
         assert [e for e in after if e["kind"] in ("lost", "back", "superseded")] == []
-        assert client.status()["ranks"] == {"live": RANKS, "lost": 0, "stopped": 0, "missing": 0}
+        assert client.status()["ranks"] == {"live": RANKS, "stalled": 0, "lost": 0, "stopped": 0, "missing": 0}

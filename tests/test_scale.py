@@ -61,7 +61,7 @@ def test_hundreds_of_ranks_register_stay_live_and_answer(tmp_path, spawn):  # no
         end = time.monotonic() + 3 * TIMEOUT
         while time.monotonic() < end:
             ranks = client.status()["ranks"]
-            assert ranks == {"live": RANKS, "lost": 0, "stopped": 0, "missing": 0}, ranks
+            assert ranks == {"live": RANKS, "stalled": 0, "lost": 0, "stopped": 0, "missing": 0}, ranks
             time.sleep(INTERVAL)
         seen = client.ranks()["ranks"]
         assert len(seen) == RANKS

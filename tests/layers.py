@@ -33,7 +33,7 @@ FLOORS: dict[str, int] = {
     "wsd.errors": 0,  # the exceptions, the wire's error codes, the exit codes
     "wsd.names": 0,  # engine names
     "wsd.endpoints": 0,  # an endpoint, checked as text
-    "wsd.sections": 0,  # the field checks every section is built from
+    "wsd.fieldchecks": 0,  # the field checks every section is built from
     "wsd.files": 0,  # reading a file wsd trusts
     "wsd.placement": 0,  # the labels that place a rank
     "wsd.families": 0,  # the Prometheus families, their types, labels and help

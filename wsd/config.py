@@ -37,8 +37,8 @@ from typing import Any
 from wsd.agent.config import AgentConfig
 from wsd.coordinator.config import MAX_EVENT_CAPACITY, CoordinatorConfig, CoordinatorMode
 from wsd.errors import ConfigError
+from wsd.fieldchecks import flag_number, parse_size
 from wsd.manager.config import MAX_LANES, MAX_UBATCHES, GrowthPolicy, LockedGrowthPolicy, Presize, WorkspaceConfig
-from wsd.sections import flag_number, parse_size
 from wsd.security import SecurityConfig
 from wsd.tomlread import parse_toml, read_toml
 from wsd.worker.config import Backend, WorkerConfig, WorkloadConfig, WorkloadDtype

@@ -1,7 +1,7 @@
 """What a ZeroMQ endpoint wsd binds or connects to may be: checked as text, before any socket.
 
 A module of the shared floor: it imports nothing of wsd's, so that configuration
-(``wsd.sections``) checks endpoints without loading ZeroMQ.
+(``wsd.fieldchecks``) checks endpoints without loading ZeroMQ.
 """
 
 from __future__ import annotations

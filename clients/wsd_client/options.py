@@ -13,8 +13,8 @@ from typing import Any
 from wsd.commands import CommandSpec
 from wsd.coordinator.config import MAX_EVENT_CAPACITY
 from wsd.endpoints import endpoint_problem
+from wsd.fieldchecks import flag_number, parse_size
 from wsd.names import engine_name_problem
-from wsd.sections import flag_number, parse_size
 from wsd.wire.protocol import MAX_STATUS_GROUPS, SCHEMAS, Op
 from wsd_client import render
 from wsd_client.select import STATES, number_list, state_list

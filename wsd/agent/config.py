@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from wsd.fieldchecks import check_positive, check_range
 from wsd.names import engine_name_problem
-from wsd.sections import check_positive, check_range
 
 __all__ = ["AgentConfig"]
 

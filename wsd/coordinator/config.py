@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from wsd.fieldchecks import check_endpoint, check_positive, check_range, coerce_enum, size_field
 from wsd.names import DEFAULT_ENGINE, engine_name_problem
-from wsd.sections import check_endpoint, check_positive, check_range, coerce_enum, size_field
 
 __all__ = ["MAX_EVENT_CAPACITY", "CoordinatorConfig", "CoordinatorMode"]
 

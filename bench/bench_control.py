@@ -38,13 +38,14 @@ import struct
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import zmq
 
-from bench.helpers import START_TIMEOUT, Helper, Row, run_coordinator, timed_us
+from bench.helpers import START_TIMEOUT, Helper, Row, one_engine, run_coordinator, timed_us
 from wsd.agent.core import AgentCore
 from wsd.agent.simulated import SimulatedManager, SimulatedRanks
 from wsd.config import AgentConfig
@@ -142,7 +143,7 @@ class BareFanOut:
     def wait_peers(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT
         while len(self.peers) < self.n:
-            if not self.router.poll(max(0.0, deadline - time.monotonic()) * 1000):
+            if not self.router.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
                 raise SystemExit(f"only {len(self.peers)} of {self.n} bare DEALERs connected")
             self.peers.append(self.router.recv_multipart()[0])
 
@@ -152,7 +153,7 @@ class BareFanOut:
             router.send_multipart([peer, request])
         deadline = time.monotonic() + _ROUND_TIMEOUT
         for _ in range(self.n):
-            if not router.poll(max(0.0, deadline - time.monotonic()) * 1000):
+            if not router.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
                 raise SystemExit("a bare DEALER did not answer")
             router.recv_multipart()
 
@@ -169,7 +170,7 @@ class BareRelayClient:
 
     def round(self, request: bytes, answer_size: int) -> None:
         self.sock.send(struct.pack("<I", answer_size) + request)
-        if not self.sock.poll(_ROUND_TIMEOUT * 1000):
+        if not self.sock.poll(int(_ROUND_TIMEOUT * 1000)):
             raise SystemExit("the bare relay did not answer")
         self.sock.recv()
 
@@ -237,7 +238,7 @@ def bench_fan_out(n: int, rounds: int, state_dir: str, tp_size: int = 1) -> dict
         actions = [client.lock, client.unlock]
 
         def wsd_stats(fresh: bool = False) -> None:
-            result = client.stats(fresh=fresh)
+            result = one_engine(client.stats(fresh=fresh))
             if len(result.reporting) != n:
                 raise SystemExit(f"stats answered for {len(result.reporting)} of {n} ranks")
 
@@ -248,14 +249,17 @@ def bench_fan_out(n: int, rounds: int, state_dir: str, tp_size: int = 1) -> dict
             time.sleep(0.05)
 
         def wsd_command(i: int) -> None:
-            result = actions[i % 2]()
+            result = one_engine(actions[i % 2]())
             if not result.complete or len(result.acked) != n:
                 raise SystemExit(f"{result.action} acknowledged by {len(result.acked)} of {n} ranks")
 
         for i in range(20):  # warm up every path
-            wsd_stats(), bare.round(stats_request), wsd_command(i), bare.round(command_request)
+            wsd_stats()
+            bare.round(stats_request)
+            wsd_command(i)
+            bare.round(command_request)
         # What the client receives and decodes whole each round; the relay answers as much.
-        answer = msgpack.packb(client.stats().doc, use_bin_type=True)
+        answer = msgpack.packb(one_engine(client.stats()).doc, use_bin_type=True)
         answer_bytes = len(answer)
         relay_client.round(stats_request, answer_bytes)
         samples: dict[str, list[float]] = {
@@ -274,7 +278,7 @@ def bench_fan_out(n: int, rounds: int, state_dir: str, tp_size: int = 1) -> dict
         for k in range(rounds * len(candidates)):
             name, fn = candidates[sequence[k % len(sequence)]]
             i = len(samples[name])  # the candidate's own count: commands lock and unlock in turn
-            samples[name].append(timed_us(lambda fn=fn, i=i: fn(i)))
+            samples[name].append(timed_us(partial(fn, i)))
         client.close()
         # Of a stats round, what the client's decoding of the answer takes alone.
         frame = p.ok_reply_packed(1, answer)
@@ -317,7 +321,7 @@ def _agreement_rank(rank: int, world: int, init_file: str, endpoint: str, rounds
         def bare() -> None:
             dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
 
-        candidates = {"step": agent.step, "bare": bare}
+        candidates: dict[str, Callable[[], object]] = {"step": agent.step, "bare": bare}
         samples: dict[str, list[float]] = {k: [] for k in candidates}
         for fn in candidates.values():  # warm up
             for _ in range(calls):

@@ -73,6 +73,12 @@ def attacker(endpoint: str, conn: Connection) -> None:
         def apply(self, action: str, args: dict[str, Any]) -> None:
             pass
 
+        def in_step(self) -> tuple[int, float] | None:
+            return None  # no engine: never inside a step, never stalled
+
+        def stacks(self) -> list[dict[str, Any]]:
+            return []
+
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -54,7 +54,7 @@ from typing import Any
 
 import zmq
 
-from bench.helpers import Helper, Row, run_coordinator, timed_us
+from bench.helpers import Helper, Row, one_engine, run_coordinator, timed_us
 from wsd.agent.simulated import SimulatedRanks
 from wsd.coordinator.config import CoordinatorConfig
 from wsd_client.client import Client
@@ -119,7 +119,7 @@ HICCUPS = ("lost", "back", "superseded")
 def hiccups(client: Client, cursor: int) -> tuple[list[dict[str, Any]], int]:
     """Events after ``cursor`` that mark a rank lost, back, or registered again while
     live (every page), and the cursor to ask with next."""
-    found = []
+    found: list[dict[str, Any]] = []
     while True:
         page = client.events(cursor, limit=5000)
         if not page["events"]:
@@ -159,6 +159,7 @@ def measure(n: int, *, soak: float, rounds: int, state_dir: str, busy: bool) -> 
     try:
         agent_endpoint, client_endpoint, metrics_url = coordinator.result()
         pid = coordinator.process.pid
+        assert pid is not None  # started by Helper
         start = time.monotonic()
         share = -(-n // SIM_PROCESSES)
         sims = [Helper(_run_ranks, agent_endpoint, first, min(share, n - first), n, busy)
@@ -172,7 +173,7 @@ def measure(n: int, *, soak: float, rounds: int, state_dir: str, busy: bool) -> 
         ages: list[float] = []
 
         def stats() -> None:
-            answer = client.stats()
+            answer = one_engine(client.stats())
             if not answer["complete"] or len(answer.reporting) != n:
                 raise SystemExit(f"stats at {n} ranks: {len(answer.reporting)} answered, "
                                  f"missing {answer['missing'][:5]}, stale {answer['stale'][:5]}...")
@@ -193,12 +194,16 @@ def measure(n: int, *, soak: float, rounds: int, state_dir: str, busy: bool) -> 
         actions = [client.lock, client.unlock]
 
         def command(i: int) -> None:
-            result = actions[i % 2]()
+            result = one_engine(actions[i % 2]())
             if not result.complete or len(result.acked) != n:
                 raise SystemExit(f"{result.action} at {n} ranks: acknowledged by {len(result.acked)}, "
                                  f"pending {result.pending[:5]}, lost {result.lost[:5]}")
 
-        stats(), command(0), command(1), scrape()  # every path warm
+        # Every path warm.
+        stats()
+        command(0)
+        command(1)
+        scrape()
         startup, cursor = hiccups(client, 0)
         # Idle: heartbeats both ways and nothing else. Waiting out the window is
         # the measurement itself, not a wait for a condition.
@@ -206,8 +211,8 @@ def measure(n: int, *, soak: float, rounds: int, state_dir: str, busy: bool) -> 
         time.sleep(soak)
         (ticks1, cpu1), t1 = cpu_seconds(pid), time.monotonic()
         now = time.time()
-        max_silence = max(now - r["last_seen"] for r in client.ranks()["ranks"])
-        status = client.status()["ranks"]
+        max_silence = max(now - r["last_seen"] for r in one_engine(client.ranks())["ranks"])
+        status = one_engine(client.status())["ranks"]
         if status["live"] != n:
             raise SystemExit(f"after the soak at {n} ranks: {status}")
         ages.clear()

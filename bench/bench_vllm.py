@@ -50,7 +50,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.helpers import Helper, Row, run_coordinator
+from bench.helpers import Helper, Row, one_engine, run_coordinator
 from wsd.launch import descendants
 from wsd_client.client import Client
 
@@ -158,7 +158,7 @@ def _cpu_seconds(pid: int) -> float:
 def wait_ranks(client: Client, n: int, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        live = [r for r in client.ranks()["ranks"] if r["state"] == "live"]
+        live = [r for r in one_engine(client.ranks())["ranks"] if r["state"] == "live"]
         if len(live) == n:
             return
         time.sleep(0.2)

@@ -10,12 +10,15 @@ import multiprocessing as mp
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from wsd.config import CoordinatorConfig
 from wsd.coordinator.loop import Coordinator
+from wsd_client.results import PerEngine
 
-__all__ = ["START_TIMEOUT", "Helper", "Row", "run_coordinator", "timed_us"]
+__all__ = ["START_TIMEOUT", "Helper", "Row", "one_engine", "run_coordinator", "timed_us"]
+
+T = TypeVar("T")
 
 START_TIMEOUT = 30.0
 
@@ -61,6 +64,14 @@ class Helper:
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(5)
+
+
+def one_engine(answer: T | PerEngine[T]) -> T:
+    """A client call's answer from a coordinator serving one engine, as every benchmark's does
+    (the client's calls are typed for several: one ``PerEngine`` answer each)."""
+    if isinstance(answer, PerEngine):
+        raise SystemExit(f"one engine's answer expected, got one from each of {sorted(answer)}")
+    return answer
 
 
 def timed_us(fn: Callable[[], object]) -> float:

@@ -55,6 +55,7 @@ from typing import Any
 
 import pytest
 
+from bench.helpers import one_engine
 from bench.soak_check import ALL, desired_mismatches, read_records, verify
 from bench.soak_worker import RECORD_ENV
 from tests.procs import (
@@ -274,7 +275,7 @@ class Faults(threading.Thread):
         finally:
             span[1] = time.monotonic()
         with Client(self.cluster.clients, timeout=CLIENT_TIMEOUT) as client:
-            status = client.status()
+            status = one_engine(client.status())
         if status["seq"] < told:
             with self.ledger.lock:
                 self.ledger.lost_state.append(f"restarted coordinator at seq {status['seq']}, "
@@ -401,9 +402,9 @@ def run(args: argparse.Namespace) -> int:
                 # Settle: the cluster whole again, then one last command every rank must apply.
                 if not wait_whole(client, cluster, STARTUP_TIMEOUT):
                     raise SoakError(f"the cluster was not whole again within {STARTUP_TIMEOUT} s of the end")
-                last = client.lock(timeout=10)
+                last = one_engine(client.lock(timeout=10))
                 ledger.told[last.seq] = ALL
-                final_seq = client.status()["seq"]
+                final_seq = one_engine(client.status())["seq"]
                 soaked = time.monotonic() - begun
                 pids = set(cluster.worker_pids())
                 verdict = _await_records(cluster, final_seq, ledger, pids, groups)
@@ -464,7 +465,7 @@ def _await_heartbeats(client: Client, final_seq: int) -> dict[int, int]:
     reach ``final_seq`` or after a bounded wait."""
     deadline = time.monotonic() + 10 * HEARTBEAT_INTERVAL + 5
     while True:
-        view = {r["rank"]: r["applied_seq"] for r in client.ranks()["ranks"] if r["state"] == "live"}
+        view = {r["rank"]: r["applied_seq"] for r in one_engine(client.ranks())["ranks"] if r["state"] == "live"}
         if all(seq == final_seq for seq in view.values()) or time.monotonic() > deadline:
             return view
         time.sleep(HEARTBEAT_INTERVAL / 2)
@@ -475,7 +476,7 @@ def _await_desired(client: Client) -> list[str]:
     ``ranks`` from heartbeats), once there are none or after a bounded wait."""
     deadline = time.monotonic() + 10 * HEARTBEAT_INTERVAL + 5
     while True:
-        problems = desired_mismatches(client.status(), client.ranks()["ranks"])
+        problems = desired_mismatches(one_engine(client.status()), one_engine(client.ranks())["ranks"])
         if not problems or time.monotonic() > deadline:
             return problems
         time.sleep(HEARTBEAT_INTERVAL / 2)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,7 +175,7 @@ def _same_step(incarnations: list[Incarnation]) -> list[str]:
     return problems
 
 
-def desired_mismatches(status: dict[str, Any], ranks: list[dict[str, Any]]) -> list[str]:
+def desired_mismatches(status: Mapping[str, Any], ranks: Iterable[Mapping[str, Any]]) -> list[str]:
     """Every live rank whose manager is not in its TP group's desired state.
 
     ``status`` and ``ranks`` are the coordinator's answers; a desired field of

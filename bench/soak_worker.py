@@ -56,7 +56,7 @@ def _recording(original: Any, directory: str) -> Any:
     return apply_up_to
 
 
-def main() -> int:
+def main() -> int | None:  # the worker's main is torch's @record-wrapped: typed int | None
     directory = os.environ.get(RECORD_ENV)
     if not directory or not os.path.isdir(directory):
         print(f"bench.soak_worker: {RECORD_ENV} must name an existing folder, got {directory!r}",

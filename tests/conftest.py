@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import zmq
@@ -25,6 +25,9 @@ from zmqkit import Sockets
 from wsd.config import CoordinatorConfig
 from wsd.coordinator.loop import Coordinator
 from wsd.security import SecurityConfig
+from wsd_client.results import PerEngine
+
+T = TypeVar("T")
 
 # wsctl's contexts: never the ones of whoever runs the tests (a current context of
 # theirs would answer for every test that names no endpoint); tests of contexts set
@@ -45,6 +48,13 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+def one_engine(answer: T | PerEngine[T]) -> T:
+    """A client call's answer from one engine (the coordinator serves one, or the call named
+    it): the client's calls are typed for a coordinator of several, one answer each."""
+    assert not isinstance(answer, PerEngine), f"one engine's answer expected: {answer!r}"
+    return answer
 
 
 def coordinator_config(tmp_path, **overrides: Any) -> CoordinatorConfig:

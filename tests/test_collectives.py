@@ -24,7 +24,7 @@ def _no_numpy(*args: Any, **kwargs: Any) -> Any:
 
 
 def gather_worker(me: Rank) -> None:
-    torch.Tensor.numpy = _no_numpy  # as on a CPU install of torch without numpy
+    torch.Tensor.numpy = _no_numpy  # type: ignore[method-assign]  # as on a CPU install of torch without numpy
     manager = WorkspaceManager("cpu", 2)
     with use_ubatch(1):
         manager.get_simultaneous((((me.rank + 1) * 1024,), torch.uint8))

@@ -8,7 +8,7 @@ import msgpack
 import pytest
 import torch
 import zmq
-from conftest import wait_until
+from conftest import one_engine, wait_until
 
 from wsd import WorkspaceLockedError, WorkspaceManager, use_ubatch
 from wsd.agent.thread import Agent
@@ -96,7 +96,7 @@ def test_replacement_process_comes_up_in_the_desired_state(start_coordinator, ag
 
 
 def rank_states(client: Client) -> dict[int, str]:
-    return {r["rank"]: r["state"] for r in client.ranks()["ranks"]}
+    return {r["rank"]: r["state"] for r in one_engine(client.ranks())["ranks"]}
 
 
 def test_a_stopped_agent_says_goodbye_and_is_never_lost(start_coordinator, agents):

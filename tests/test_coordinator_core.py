@@ -100,7 +100,10 @@ class Harness:
         return self.agent(peer or peer_of(rank), Op.REGISTER, body)
 
     def register_all(self, ranks: range | list[int] | None = None) -> None:
-        for rank in ranks if ranks is not None else range(self.config.world_size):
+        if ranks is None:
+            assert self.config.world_size is not None, "no ranks given and no world size configured"
+            ranks = range(self.config.world_size)
+        for rank in ranks:
             assert ops(self.register(rank), AGENT) == [Op.REGISTERED]
 
     def heartbeat(self, rank: int, *, peer: bytes | None = None, step: int = 0, seq: int = 0,
@@ -156,14 +159,14 @@ def to_agents(sent: list[Sent], op: Op) -> dict[bytes, dict[str, Any]]:
     """The body of each ``op`` frame sent, by peer (one each)."""
     out: dict[bytes, dict[str, Any]] = {}
     for s in sent:
-        if s.kind == AGENT and s.message.op is op:
+        if s.kind == AGENT and s.message is not None and s.message.op is op:
             assert s.route[0] not in out, f"two {op} frames to {s.route[0]!r}"
             out[s.route[0]] = s.message.body
     return out
 
 
 def replies(sent: list[Sent]) -> list[p.Reply]:
-    return [s.reply for s in sent if s.kind == CLIENT]
+    return [s.reply for s in sent if s.kind == CLIENT and s.reply is not None]
 
 
 def only_reply(sent: list[Sent]) -> p.Reply:

@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import wait_until
+from conftest import one_engine, wait_until
 from procs import COORDINATOR_READY, cmdline, python, spawn, wait_gone, worker_env, write_config  # noqa: F401  (spawn is a fixture)
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -1023,7 +1023,9 @@ def _mount_as_kubelet(target: Path, volume: dict[str, Any], secrets: dict[str, d
         for item in items or []:
             assert item["key"] in secrets[name], f"Secret {name} has no entry {item['key']}"
             entries[item["path"]] = secrets[name][item["key"]]
-    mode = (volume.get("secret") or volume.get("projected"))["defaultMode"] | 0o440
+    source = volume.get("secret") or volume.get("projected")
+    assert source is not None, f"volume {volume.get('name')} is neither a Secret nor a projected one"
+    mode = source["defaultMode"] | 0o440
     data = target / "..2025_01_01_00_00_00.000000001"
     data.mkdir(parents=True)
     (target / "..data").symlink_to(data.name)
@@ -1101,7 +1103,7 @@ def _agent_registers(agent_endpoint: str, client_endpoint: str, security: Any, *
 def _check_roles(client_endpoint: str, server_key: Path, admin_key: Path, viewer_key: Path) -> None:
     with Client(client_endpoint, timeout=5, retries=0, curve_server_key=str(server_key),
                 curve_client_key=str(admin_key)) as admin:
-        assert admin.lock(wait=False).seq == 1
+        assert one_engine(admin.lock(wait=False)).seq == 1
     with Client(client_endpoint, timeout=5, retries=0, curve_server_key=str(server_key),
                 curve_client_key=str(viewer_key)) as viewer:
         assert viewer.status()["desired"]["locked"] is True

@@ -12,7 +12,7 @@ from wsd.errors import WsdError
 
 
 def _subclasses(cls: type) -> set[type]:
-    found = set(cls.__subclasses__())
+    found: set[type] = set(cls.__subclasses__())
     for sub in list(found):
         found |= _subclasses(sub)
     return found

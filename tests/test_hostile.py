@@ -33,7 +33,7 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from conftest import coordinator_config, wait_until
+from conftest import coordinator_config, one_engine, wait_until
 from hostile_kit import hostile_inputs_counted, seeded, tried  # noqa: F401 (a fixture)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -91,13 +91,13 @@ class Live:
         self.raw: dict[str, zmq.Socket] = {}
         self.sent: dict[str, int] = {}  # frames sent on each raw socket
         assert self.good.wait_registered(10), "the good rank did not register"
-        locked = self.client.lock(timeout=5)
+        locked = one_engine(self.client.lock(timeout=5))
         assert locked.seq == 1 and list(locked.steps()) == [0], locked  # rank 1 is never started
         self.baseline = self.view()
 
     def view(self) -> dict[str, Any]:
         """What no refused input may change."""
-        status = self.client.status()
+        status = one_engine(self.client.status())
         return {"seq": status["seq"], "desired": status["desired"], "pending": status["pending_commands"],
                 "groups": [(g["tp_group"], g["desired"]) for g in status["groups"]],
                 "live": status["ranks"]["live"]}

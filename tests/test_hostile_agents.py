@@ -35,7 +35,7 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from conftest import coordinator_config, wait_until
+from conftest import coordinator_config, one_engine, wait_until
 from hostile_kit import hostile_inputs_counted, rng, tried  # noqa: F401 (a fixture)
 from zmqkit import Sockets
 
@@ -200,8 +200,9 @@ class Malice:
         """A whole snapshot of junk, a delta of junk on a version the coordinator may hold
         (a real attacker's own push), or one that points outside the slots."""
         r = self.r
-        body = {"rank": self.rank(a.rank), "version": r.choice([1, 2, r.randint(1, 64), INT64]), "step": self.number(),
-                "applied_seq": self.seq(), "held_seq": self.seq(), "state": self.state()}
+        body: dict[str, Any] = {"rank": self.rank(a.rank), "version": r.choice([1, 2, r.randint(1, 64), INT64]),
+                                "step": self.number(), "applied_seq": self.seq(), "held_seq": self.seq(),
+                                "state": self.state()}
         kind = r.randrange(5)
         if kind == 4:  # a manager's most slots, whole or a one-slot delta on the version before
             version = body["version"]
@@ -273,7 +274,7 @@ class Barrage:
         self.sockets = Sockets()
         self.attackers = [Attacker(self._socket(coordinator.agent_endpoint)) for _ in range(CONNECTIONS)]
         self.own = self._socket(coordinator.client_endpoint)  # the test's own commands, not waited for
-        self.seq = client.status(engine=REAL_ENGINE)["seq"]
+        self.seq: int = one_engine(client.status(engine=REAL_ENGINE))["seq"]
         self.issued = 0  # commands the test issued during the barrage
         self.asked = 0  # requests on ``own`` not yet answered
         self.answers: Counter[str] = Counter()

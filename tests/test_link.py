@@ -53,7 +53,8 @@ LOCKED_3 = {"locked": True, "num_ubatches": 3, "reserve_bytes": 4096}
 def register_times(link: AgentCore, count: int, *, unsent: int = 0) -> list[float]:
     """The times at which the link sends its first ``count`` REGISTERs, each asked at ``due()``;
     the driver reports the first ``unsent`` of them as not sent (no connection yet)."""
-    times, now = [], 0.0
+    times: list[float] = []
+    now = 0.0
     while len(times) < count:
         assert link.on_time(now - 0.001) == [], "sent before it was due"
         if sent_ops(link.on_time(now)) == [Op.REGISTER]:

@@ -16,10 +16,11 @@ import time
 from typing import Any
 
 import pytest
-from conftest import wait_until
+from conftest import one_engine, wait_until
 from procs import COORDINATOR_READY, coordinator_section, python, spawn, write_config  # noqa: F401
 
 from wsd_client.client import Client, ClientError
+from wsd_client.results import Stats
 
 CLIENTS = 32
 RANKS = 16
@@ -47,14 +48,14 @@ def hammer(endpoint: str, until: float, out: dict[str, Any]) -> None:
             turn += 1
             started = time.monotonic()
             try:
-                result = client.stats() if op == "stats" else client.status()
+                result = one_engine(client.stats()) if op == "stats" else one_engine(client.status())
             except ClientError as e:  # Unavailable included: an unanswered request
                 errors.append(f"{op}: {e}")
                 continue
             latencies[op].append(time.monotonic() - started)
             # A rank missing is a loss; one stale (its heartbeat late past stats_stale_after, 3
             # intervals, on a starved machine) is still there, with its age, and is not.
-            if op == "stats" and (result["missing"] or len(result.reporting) != RANKS):
+            if isinstance(result, Stats) and (result["missing"] or len(result.reporting) != RANKS):
                 incomplete += 1
             if op == "status" and result["ranks"]["live"] != RANKS:
                 incomplete += 1

@@ -68,7 +68,8 @@ Samples = dict[str, dict[tuple[tuple[str, str], ...], float]]
 
 def parse(text: str) -> tuple[dict[str, str], Samples]:
     """({family name: type}, {sample name: {sorted labels: value}}) of an exposition text."""
-    types, samples = {}, {}
+    types: dict[str, str] = {}
+    samples: Samples = {}
     for family in text_string_to_metric_families(text):
         types[family.name] = family.type
         for s in family.samples:
@@ -494,7 +495,7 @@ def stats_requests(out) -> dict[bytes, int]:
     assert not [o for o in out if o[0] == CLIENT], "the metrics' round answered a client"
     found = {}
     for _kind, route, frame in out:
-        message = p.decode(frame, {Op.STATS_REQUEST, Op.PULSE, Op.COMMAND, Op.REGISTERED})
+        message = p.decode(frame, frozenset({Op.STATS_REQUEST, Op.PULSE, Op.COMMAND, Op.REGISTERED}))
         if message.op is Op.STATS_REQUEST:
             found[route[0]] = message.body["request"]
     return found

@@ -56,6 +56,11 @@ def wake_sockets() -> set[str]:
 class Engine:
     """The driver process: one JSON command per line, one RESULT line per answer."""
 
+    # Set by the ``engine`` fixture: the plain engine's start and tokens, the wake-up sockets before.
+    baseline: dict[str, Any]
+    plain_tokens: list[list[int]]
+    sockets_before: set[str]
+
     def __init__(self, proc: Any, client: str) -> None:
         self.proc = proc
         self.client = client

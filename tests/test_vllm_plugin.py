@@ -486,7 +486,7 @@ def test_a_standalone_worker_has_wsds_manager_its_log_lines_and_its_figures_no_a
 
 class _FakeAgent:
     def __init__(self) -> None:
-        self.steps: list[bool] = []
+        self.steps: list[bool | str] = []  # each step's agree, and "warm"
         self.clock = StepClock(time.monotonic)
 
     def step(self, *, agree: bool) -> list[int]:

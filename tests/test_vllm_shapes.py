@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import wait_until
+from conftest import one_engine, wait_until
 from kubelet import service_links, services
 from procs import COORDINATOR_READY, processes, python, write_config
 from test_e2e import WSD
@@ -78,7 +78,7 @@ def engine_of(tmp_path) -> Iterator:
 
 
 def rank_zero(client: Client) -> dict:
-    ranks = client.ranks()["ranks"]
+    ranks = one_engine(client.ranks())["ranks"]
     return ranks[0] if ranks else {}
 
 

@@ -171,6 +171,7 @@ def _pty_run(argv: list[str], columns: int, env: dict[str, str], timeout: float 
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
     env = {k: v for k, v in env.items() if k not in ("COLUMNS", "LINES")}
     proc = subprocess.Popen(["wsctl", *argv], stdout=follower, stderr=subprocess.PIPE, env=env)
+    assert proc.stderr is not None  # a pipe: stderr=PIPE
     os.close(follower)
     chunks, deadline = [], time.monotonic() + timeout
     try:

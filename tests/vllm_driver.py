@@ -46,9 +46,9 @@ def write_model(folder: str) -> str:
     return folder
 
 
-LLM_ARGS = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-                max_model_len=128, max_num_seqs=4, max_num_batched_tokens=128,
-                kv_cache_memory_bytes=64 << 20, seed=0)
+LLM_ARGS: dict[str, Any] = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+                                max_model_len=128, max_num_seqs=4, max_num_batched_tokens=128,
+                                kv_cache_memory_bytes=64 << 20, seed=0)
 """vLLM's engine arguments for the tiny model, beside the model and its parallel layout
 (shared with tests/vllm_launcher_script.py, so both build the same engine)."""
 
@@ -90,8 +90,10 @@ class Driver:
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         began = time.monotonic()
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(n)], params,
-                                    use_tqdm=False)
+        # vLLM requires Python 3.11 and imports typing.NotRequired, which mypy's python_version 3.10
+        # does not have: every key of vLLM's TypedDict reads as required.
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts(n)]  # type: ignore[typeddict-item]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
         seconds = time.monotonic() - began
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         return {"tokens": tokens, "seconds": seconds, "generated": sum(len(t) for t in tokens)}

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.helpers import START_TIMEOUT, Helper, Row, run_coordinator
+from bench.helpers import START_TIMEOUT, Helper, Row, one_engine, run_coordinator
 from wsd.agent.simulated import SimulatedRanks
 from wsd_client.client import Client
 
@@ -56,7 +56,7 @@ def run(quick: bool) -> list[Row]:
             threads = frames = 0
             with Client(client_endpoint, timeout=30) as client:
                 for _ in range(rounds):
-                    answer = client.stacks(group=0)
+                    answer = one_engine(client.stacks(group=0))
                     assert len(answer.ranks) == RANKS and not answer.missing, answer
                     threads = sum(len(r["threads"]) for r in answer.ranks)
                     frames = sum(len(t["frames"]) for r in answer.ranks for t in r["threads"])

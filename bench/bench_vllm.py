@@ -1,7 +1,7 @@
 """Benchmark of wsd inside a real vLLM engine: throughput with the plugin against without.
 
 Two engines of the tiny dummy model, TP=2 on vLLM's ``mp`` backend, each a
-``tests/vllm_driver.py`` process: one with wsd's plugin enabled (an agent in
+``tests/vllm/vllm_driver.py`` process: one with wsd's plugin enabled (an agent in
 each worker, a coordinator in a helper process), one plain, where the plugin
 is never even installed. Both stay alive for the whole run and generate in
 turn, never at once (they share the cores): each round, each engine generates

@@ -1,7 +1,7 @@
 """What the hostile suites share: the run's seed, the count of inputs tried, and its floor.
 
-``tests/test_hostile.py`` (malformed input on both endpoints, hostile configuration
-files) and ``tests/test_hostile_agents.py`` (well-formed but malicious agent
+``tests/integration/test_hostile.py`` (malformed input on both endpoints, hostile configuration
+files) and ``tests/integration/test_hostile_agents.py`` (well-formed but malicious agent
 messages) count every input they try in ``tried(__file__)``, by category. At the
 end of the session one line in pytest's terminal summary sums them up, with
 the seed; ``WSD_HOSTILE_SEED=N`` runs the same inputs again (the

@@ -1,6 +1,6 @@
 """wsd's layers, declared once: every module's floor, and what each floor may import.
 
-DESIGN.md's table, as data that ``tests/test_layers.py`` holds against the
+DESIGN.md's table, as data that ``tests/unit/test_layers.py`` holds against the
 code's own imports. A module imports only from floors below its own, and from
 its own floor where that floor allows it; there is no import cycle.
 

@@ -14,6 +14,7 @@ not share a blind spot with the code it checks.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -23,6 +24,8 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -278,3 +281,52 @@ def write_config(path: os.PathLike[str] | str, sections: Mapping[str, Mapping[st
     with open(path, "w") as f:
         f.write(text)
     return str(path)
+
+
+# -- the installed console scripts ------------------------------------------------
+
+
+def _console_script(name: str) -> str:
+    """The script installed beside this interpreter (no shim in between), else ``name`` on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), name)
+    return beside if os.access(beside, os.X_OK) else name
+
+
+WSCTL = _console_script("wsctl")
+WSD = _console_script("wsd")
+
+
+@dataclass(frozen=True)
+class Result:
+    """One wsctl run: exit code, its JSON document (None when it printed none), stderr."""
+
+    code: int
+    doc: Any
+    stderr: str
+
+
+def wsctl(endpoint: str, *argv: str, timeout: float = 3.0) -> Result:
+    """``wsctl --endpoint E --timeout T --json ARGV`` as a subprocess; fails if it hangs.
+
+    A read-only request is tried up to 3 times of ``timeout`` each; the rest
+    of the subprocess bound is interpreter start-up on a loaded machine.
+    """
+    command = [WSCTL, "--endpoint", endpoint, "--timeout", str(timeout), "--json", *argv]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=3 * timeout + 20,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"wsctl {' '.join(argv)} hung: no exit within {3 * timeout + 20:g} s")
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) <= 1, f"wsctl {argv[0]} printed more than one document: {done.stdout}"
+    return Result(done.returncode, json.loads(lines[0]) if lines else None, done.stderr)
+
+
+RUN_SH = Path(__file__).resolve().parents[1] / "deploy" / "local" / "run.sh"
+"""The one-machine recipe: a coordinator and torchrun workers (or vLLM's API server)."""
+
+
+def leftovers(tmp_path: Path) -> list[str]:
+    """What ``deploy/local/run.sh`` left in its temporary folder (nothing, once it stopped)."""
+    return [p.name for p in tmp_path.glob("wsd-local.*")]

@@ -77,7 +77,7 @@ NOT_CONFIGURATION: dict[str, str] = {
     "WSD_ENGINE": "the engine a worker's rank belongs to: the short name of WSD_AGENT_ENGINE, which wins",
     "WSD_LAUNCHER_PARENT_PID": "the process whose death ends torchrun as wsd up starts it (wsd.worker.launcher)",
     "WSD_SOAK_RECORD": "the folder bench/soak.py's workers record into",
-    "WSD_VLLM_SOURCE": "a vLLM checkout, for tests/vllm_peer",
+    "WSD_VLLM_SOURCE": "a vLLM checkout, for tests/vllm/vllm_peer",
     "WSD_HOSTILE_SEED": "the seed that replays the inputs of the hostile tests",
     "WSD_VLLM": "standalone: the vLLM plugin runs with no coordinator; off: it stays off, whatever is configured",
     "WSD_VLLM_STRICT": "1: a wsd error in the vLLM plugin stops vLLM, instead of turning wsd off",

@@ -4,7 +4,7 @@ The coordinator's endpoint (``wsd.coordinator.metrics``) exports all of them;
 vLLM's own ``/metrics``, where wsd's plugin runs, the per-rank and per-slot
 ones of its workers (``wsd.integrations.vllm.metrics``), under vLLM's labels.
 ``deploy/grafana`` and ``deploy/prometheus`` are checked against them
-(``tests/test_deploy.py``). A module of the shared floor: nothing of wsd's but
+(``tests/integration/test_deploy.py``). A module of the shared floor: nothing of wsd's but
 the slot schema and the placement labels, no third-party import.
 """
 
@@ -52,7 +52,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "wsd_build_info": ("gauge", ("version", "python", "pyzmq", "libzmq", "protocol")),
 }
 """Every family the coordinator exports: name -> (type, label names). The contract that
-deploy/grafana and deploy/prometheus are checked against (tests/test_deploy.py)."""
+deploy/grafana and deploy/prometheus are checked against (tests/integration/test_deploy.py)."""
 
 SLOT_FAMILIES = frozenset(n.metric for n in SLOT_NUMBERS)
 """The per-slot families: without samples when ``[coordinator] metrics_slots`` is off."""

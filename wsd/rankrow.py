@@ -8,7 +8,7 @@ must agree on (the consistency check, ``drift``, ``status`` and ``engines``).
 ``RankRow`` is one entry of the ``ranks`` answer: its fields are the keys of the
 row the coordinator builds (``wsd.coordinator.registry``), the typed properties
 the client reads it through (``wsd_client.results.RankEntry``, derived from the
-fields) and the table of docs/wsctl.md (``tests/test_docs.py``).
+fields) and the table of docs/wsctl.md (``tests/unit/test_docs.py``).
 
 A module of the shared floor, importing nothing of wsd's: the coordinator builds
 the row and the torch-free client reads it.

@@ -4,7 +4,7 @@
 # Needs torch with CUDA already installed (this script never installs torch), and no vLLM.
 # Installs wsd (editable, no dependencies) and only those of its runtime and test
 # dependencies that are missing, then runs tests/gpu and the CUDA tests of
-# tests/test_manager_reconfig.py. The log, nvidia-smi and the torch version go to $OUT
+# tests/integration/test_manager_reconfig.py. The log, nvidia-smi and the torch version go to $OUT
 # (default /tmp). Bounded: pytest is stopped after 7 minutes, each test after its timeout.
 set -euo pipefail
 
@@ -48,7 +48,7 @@ if ! "$PYTHON" -m pip install -q -e . --no-deps --no-build-isolation; then
 fi
 
 status=0
-timeout 420 "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu tests/test_manager_reconfig.py -k "cuda or capture" \
+timeout 420 "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu tests/integration/test_manager_reconfig.py -k "cuda or capture" \
     2>&1 | tee "$OUT/gpu-tier.log" || status=$?
 echo "run.sh: pytest exited $status; log in $OUT/gpu-tier.log"
 exit "$status"

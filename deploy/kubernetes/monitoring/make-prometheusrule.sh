@@ -4,7 +4,7 @@
 #
 #   deploy/kubernetes/monitoring/make-prometheusrule.sh >deploy/kubernetes/monitoring/prometheusrule.yaml
 #
-# Run it after every change of wsd-alerts.yml: tests/test_kubernetes.py fails
+# Run it after every change of wsd-alerts.yml: tests/integration/test_kubernetes.py fails
 # while the two differ. (kustomize cannot read the rules file itself: it loads
 # nothing from outside the kustomization's folder.)
 set -euo pipefail

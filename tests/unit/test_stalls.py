@@ -1,0 +1,208 @@
+"""Stalled ranks and stacks: the coordinator's side with fake clocks, and the agent's reading of
+its own threads.
+
+A TP group hung on one frozen rank: the frozen rank is lost (its agent froze with it), and
+its peer, whose agent still answers, sits inside the collective that waits for it. The real
+thing, a worker stopped with SIGSTOP under torchrun, is in tests/integration/test_stalls_live.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from corekit import AGENT, Harness, make, ops, peer_of, to_agents
+
+from wsd.agent.stacks import MAX_FRAMES, StepClock, thread_stacks
+from wsd.coordinator.registry import RankState
+from wsd.coordinator.stacks import checked_threads
+from wsd.wire.protocol import ErrorCode, Op
+
+THREADS = [{"name": "MainThread", "ident": 1, "engine": True, "daemon": False, "dropped": 0,
+            "frames": ["worker.py:10:main", "torch/distributed/distributed_c10d.py:2501:all_reduce"]}]
+
+
+@pytest.fixture
+def h(tmp_path) -> Harness:
+    return make(tmp_path, stall_after=10.0)
+
+
+def beat(h: Harness, rank: int, in_step: float | None, step: int = 5) -> list[Any]:
+    return h.agent(peer_of(rank), Op.HEARTBEAT, {"rank": rank, "step": step, "applied_seq": 0, "held_seq": 0,
+                                                  "state": {}, "in_step": in_step})
+
+
+def stacks_from(h: Harness, rank: int, request: int, *, in_step: float | None = 12.0,
+                threads: list[Any] | None = None) -> list[Any]:
+    return h.agent(peer_of(rank), Op.STACKS_REPLY, {"rank": rank, "request": request, "step": 5,
+                                                     "in_step": in_step, "threads": threads or THREADS})
+
+
+def shown(h: Harness) -> dict[int, str]:
+    return {r["rank"]: r["state"] for r in h.ok(Op.RANKS)["ranks"]}
+
+
+def test_a_rank_inside_one_step_past_stall_after_is_stalled_and_names_the_peer_it_waits_for(h):
+    h.register_all([0, 1])
+    for second in range(1, 11):  # rank 0 inside one step; rank 1 between steps, never stalled
+        h.advance(1)
+        beat(h, 0, second - 0.5)
+        beat(h, 1, None)
+        assert shown(h) == {0: "live", 1: "live"}
+    h.advance(0.6)
+    beat(h, 0, 10.1)  # over stall_after, as the coordinator sees it
+    assert shown(h) == {0: "stalled", 1: "live"}
+    status = h.ok(Op.STATUS)
+    assert status["ranks"]["stalled"] == 1 and status["ranks"]["live"] == 1
+    assert h.events("stalled") == []  # waiting a moment for the stacks the agent sends
+    stacks_from(h, 0, 0, in_step=10.6)
+    (event,) = h.events("stalled")
+    assert (event["rank"], event["step"], event["peers"], event["waits_for"]) == (0, 5, {"1": "live"}, [1])
+    assert event["stacks"][0]["engine"] and event["stacks"][0]["frames"][-1].endswith(":all_reduce")
+    beat(h, 0, None)  # the step ended: no longer stalled
+    assert shown(h) == {0: "live", 1: "live"}
+    (ended,) = h.events("unstalled")
+    assert ended["rank"] == 0 and ended["why"] == "its engine left the step"
+
+
+def test_a_peer_that_froze_whole_is_lost_and_the_stalled_rank_waits_for_it(h):
+    h.register_all([0, 1])
+    for _ in range(12):  # rank 1 froze: no word from it; rank 0 sits inside the step
+        h.advance(1)
+        beat(h, 0, 1.0 + _)
+    assert shown(h) == {0: "stalled", 1: "lost"}
+    h.advance(2.5)  # no stacks came (an agent that sends none): the event goes without them
+    beat(h, 0, 15.0)
+    (event,) = h.events("stalled")
+    assert event["peers"] == {"1": "lost"} and event["waits_for"] == [1] and event["stacks"] is None
+
+
+def test_a_stalled_rank_lost_or_stopped_is_no_longer_stalled(h):
+    h.register_all([0, 1])
+    beat(h, 0, 30.0)
+    assert shown(h)[0] == "stalled"
+    h.agent(peer_of(0), Op.GOODBYE, {"rank": 0, "step": 5})
+    assert shown(h)[0] == "stopped"
+    assert [e["why"] for e in h.events("unstalled")] == ["stopped"]
+
+
+def test_the_stall_metric_and_the_count_by_state(h):
+    h.register_all([0, 1])
+    beat(h, 0, 30.0)
+    view = h.core.engine().core_view()
+    rows = {r.rank: r for r in view.ranks}
+    assert rows[0].stalled and rows[0].waits_for == (1,) and not rows[1].stalled
+    assert dict(view.states)["stalled"] == 1
+
+
+def test_stacks_asks_the_live_ranks_named_and_answers_once_each_did(h):
+    h.register_all([0, 1, 2])
+    sent = h.client(Op.STACKS, {"group": 0})
+    asked = to_agents(sent, Op.STACKS_REQUEST)
+    assert set(asked) == {peer_of(0), peer_of(1)} and ops(sent, AGENT) == [Op.STACKS_REQUEST] * 2
+    request = asked[peer_of(0)]["request"]
+    assert stacks_from(h, 0, request) == []  # rank 1 still owes its answer
+    (reply,) = [s.reply for s in stacks_from(h, 1, request, in_step=None)]
+    assert reply.ok
+    assert [(r["rank"], r["host"], r["in_step"]) for r in reply.result["ranks"]] == [(0, "node", 12.0),
+                                                                                       (1, "node", None)]
+    assert reply.result["missing"] == []
+
+
+def test_stacks_of_a_rank_that_never_answers_or_is_gone_say_why(h):
+    h.register_all([0])
+    sent = h.client(Op.STACKS, {"timeout": 1.0})
+    assert set(to_agents(sent, Op.STACKS_REQUEST)) == {peer_of(0)}
+    (reply,) = [s.reply for s in h.advance(1.5) if s.reply is not None]
+    missing = {m["rank"]: m["reason"] for m in reply.result["missing"]}
+    assert missing[0] == "no reply within the timeout"
+    assert missing[1].startswith("never registered") and set(missing) == {0, 1, 2, 3}
+
+
+def test_a_rank_beyond_the_world_is_refused_naming_it(h):
+    reply = h.call(Op.STACKS, {"rank": 9})
+    assert not reply.ok and reply.code is ErrorCode.BAD_FIELD and "no rank 9" in reply.message
+
+
+def test_bad_stacks_from_an_agent_are_left_out_naming_why(h):
+    h.register_all([0])
+    request = to_agents(h.client(Op.STACKS, {"rank": 0}), Op.STACKS_REQUEST)[peer_of(0)]["request"]
+    (reply,) = [s.reply for s in stacks_from(h, 0, request, threads=[{"name": 7, "frames": []}])]
+    assert reply.result["ranks"] == []
+    assert "sent invalid stacks" in reply.result["missing"][0]["reason"]
+    assert h.core.engine().registry.ranks[0].state is RankState.LIVE  # the rank itself is fine
+
+
+def test_an_agents_stacks_are_cut_to_size_and_made_printable():
+    long = "x" * 1000
+    (thread,) = checked_threads([{"name": "evil\x1b[31m", "frames": [long, "a.py:1:\x07f"], "dropped": 3}])
+    assert "\x1b" not in thread["name"] and "\x07" not in thread["frames"][1]
+    assert len(thread["frames"][0]) < 300  # cut, saying how much was left out
+    with pytest.raises(ValueError, match="at most 64 strings"):
+        checked_threads([{"name": "t", "frames": ["f"] * 65}])
+
+
+# -- the agent's reading of its own threads ----------------------------------------------------
+
+
+def test_the_engine_thread_comes_first_with_the_frame_it_waits_in():
+    clock = StepClock(time.monotonic)
+    inside, release = threading.Event(), threading.Event()
+
+    def engine_step() -> None:
+        clock.enter()
+        inside.set()
+        release.wait(10)  # a collective waiting for a frozen peer
+        clock.leave()
+
+    thread = threading.Thread(target=engine_step, name="engine", daemon=True)
+    thread.start()
+    try:
+        assert inside.wait(10)
+        step, seconds = clock.step, clock.inside()
+        assert step == 1 and seconds is not None and seconds >= 0
+        stacks = thread_stacks(clock.thread, skip=threading.get_ident())
+        assert stacks[0]["name"] == "engine" and stacks[0]["engine"]
+        assert stacks[0]["frames"][-1].endswith(":wait") and any(":engine_step" in f for f in stacks[0]["frames"])
+        assert all(t["ident"] != threading.get_ident() for t in stacks)
+    finally:
+        release.set()
+        thread.join(10)
+    assert clock.inside() is None
+
+
+def test_a_deep_stack_keeps_its_innermost_frames_and_counts_the_rest():
+    ready, release = threading.Event(), threading.Event()
+
+    def deep(n: int) -> None:
+        if n:
+            deep(n - 1)
+        else:
+            ready.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=deep, args=(200,), daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(10)
+        (mine,) = [t for t in thread_stacks() if t["ident"] == thread.ident]
+        assert len(mine["frames"]) == MAX_FRAMES and mine["dropped"] > 150
+        assert mine["frames"][-1].endswith(":wait")
+    finally:
+        release.set()
+        thread.join(10)
+
+
+def test_an_agreement_inside_a_step_counts_as_one_step():
+    now = [100.0]
+    clock = StepClock(lambda: now[0])
+    clock.enter()
+    now[0] = 101.0
+    clock.enter()  # the agreement, inside the step
+    clock.leave()
+    now[0] = 105.0
+    assert clock.inside() == 5.0 and clock.step == 1
+    clock.leave()
+    assert clock.inside() is None

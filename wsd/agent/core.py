@@ -473,8 +473,8 @@ class AgentCore:
                     error = _cut(f"{type(e).__name__}: {e}")
                     logger.warning("rank %d: command %d (%s) failed: %s", self.rank, seq, command["action"], error)
                 # Remembered for a registration to resend, shorter: 64 of them must fit in one.
-                self._acks.append([seq, self.steps, error is None,
-                                   None if error is None else error[:p.ACK_MEMORY_ERROR]])
+                self._acks.append(p.AckRecord(seq, self.steps, error is None,
+                                              None if error is None else error[:p.ACK_MEMORY_ERROR]).to_wire())
                 acks.append((seq, p.encode(Op.ACK, {"rank": self.rank, "seq": seq, "step": self.steps,
                                                     "ok": error is None, "error": error})))
             self.applied = seq

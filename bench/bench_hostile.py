@@ -46,7 +46,7 @@ from bench.helpers import Row
 from wsd.agent.core import AgentCore
 from wsd.agent.simulated import SimulatedManager, SimulatedRanks
 from wsd.coordinator.admission import FRAMES_PER_SECOND
-from wsd.launch import CoordinatorProcess
+from wsd.programs.coordinator import CoordinatorProcess
 from wsd.slotstats import snapshot_delta
 from wsd.wire import protocol as p
 from wsd.wire.protocol import Op

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.helpers import Helper, Row, one_engine, run_coordinator
-from wsd.launch import descendants
+from wsd.programs.coordinator import descendants
 from wsd_client.client import Client
 
 DRIVER = str(Path(__file__).resolve().parents[1] / "tests" / "vllm_driver.py")

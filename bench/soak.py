@@ -2,7 +2,7 @@
 
 It runs a real ``wsd coordinator`` (state file in a temp folder, endpoints on
 ports the OS picks, read from its ready line) and real ``torchrun`` workers
-(``bench.soak_worker``: ``wsd.worker.process`` with its built-in engine loop, small
+(``bench.soak_worker``: ``wsd.programs.worker`` with its built-in engine loop, small
 shapes, gloo, with every command application recorded), all on loopback.
 ``torchrun --max-restarts`` restarts the worker group when a rank dies, as an
 operator's launcher would: a replacement is a fresh process that registers
@@ -161,7 +161,7 @@ class Cluster:
         return proc
 
     def _start_coordinator(self, config: str) -> Proc:
-        return self._start(python("-m", "wsd.cli", "coordinator", "--config", config),
+        return self._start(python("-m", "wsd.programs.cli", "coordinator", "--config", config),
                            cwd=str(ROOT), name="wsd coordinator")
 
     def worker_pids(self) -> list[int]:

@@ -1,6 +1,6 @@
-"""``python -m bench.soak_worker --config FILE``: the real ``wsd.worker.process``, with its applications recorded.
+"""``python -m bench.soak_worker --config FILE``: the real ``wsd.programs.worker``, with its applications recorded.
 
-Run by ``torchrun`` for ``bench/soak.py``. It runs ``wsd.worker.process.main``
+Run by ``torchrun`` for ``bench/soak.py``. It runs ``wsd.programs.worker.main``
 unchanged, except that every call of ``AgentCore.apply_up_to`` (the one place
 where a rank applies or skips commands, from its engine's step boundary) also
 appends one JSON line to ``$WSD_SOAK_RECORD/rank<R>.<pid>.jsonl``:
@@ -28,7 +28,7 @@ import sys
 from typing import Any
 
 from wsd.agent.core import AgentCore
-from wsd.worker import process as worker
+from wsd.programs import worker
 
 RECORD_ENV = "WSD_SOAK_RECORD"
 

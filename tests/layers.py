@@ -60,12 +60,8 @@ FLOORS: dict[str, int] = {
     "wsd_client.*": 4,
     # 5: the process tops.
     "wsd": 5,  # the package's front door: the manager's and the loader's names, on first use
-    "wsd.cli": 5,  # wsd
-    "wsd.up": 5,  # wsd up
-    "wsd.launch": 5,  # the coordinator's process, started and stopped
-    "wsd.worker.launcher": 5,  # torchrun, as wsd up runs it
-    "wsd.worker.process": 5,  # python -m wsd.worker: its main
-    "wsd.worker.__main__": 5,
+    "wsd.programs.*": 5,  # every program's main, in one place (wsd.programs' docstring lists them)
+    "wsd.worker.__main__": 5,  # python -m wsd.worker: wsd.programs.worker's main
 }
 
 ROLES: dict[str, str] = {

@@ -19,7 +19,7 @@ __all__ = ["TORCH_FREE", "TORCH_SIDE", "WSD_MODULES", "run"]
 TORCH_SIDE = {"wsd.manager.core", "wsd.manager.slots", "wsd.manager.demo", "wsd.manager.buffers",
               "wsd.manager.refusals", "wsd.manager.persistent", "wsd.manager.operator_commands",
               "wsd.agent.thread", "wsd.worker.__main__",
-              "wsd.worker.process", "wsd.worker.distributed", "wsd.agent.collectives",
+              "wsd.programs.worker", "wsd.worker.distributed", "wsd.agent.collectives",
               "wsd.worker.workload", "wsd.integrations.vllm.plugin", "wsd.integrations.vllm.workspace"}
 
 

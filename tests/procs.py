@@ -8,7 +8,7 @@ nothing it started outlives the test (``spawn`` fixture: each process group
 and every descendant seen is killed at teardown).
 
 Process listing here reads /proc directly and on purpose does not reuse
-``wsd.launch.descendants``: a test that checks "no process left behind" must
+``wsd.programs.coordinator.descendants``: a test that checks "no process left behind" must
 not share a blind spot with the code it checks.
 """
 

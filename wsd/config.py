@@ -75,7 +75,7 @@ NOT_CONFIGURATION: dict[str, str] = {
     "WSD_CURVE_CLIENT_KEY": "the client's secret certificate, for wsctl and wsd_client",
     "WSD_AGENT_TOKEN": "the registration secret a launcher hands its workers",
     "WSD_ENGINE": "the engine a worker's rank belongs to: the short name of WSD_AGENT_ENGINE, which wins",
-    "WSD_LAUNCHER_PARENT_PID": "the process whose death ends torchrun as wsd up starts it (wsd.worker.launcher)",
+    "WSD_LAUNCHER_PARENT_PID": "the process whose death ends torchrun as wsd up starts it (wsd.programs.torchrun)",
     "WSD_SOAK_RECORD": "the folder bench/soak.py's workers record into",
     "WSD_VLLM_SOURCE": "a vLLM checkout, for tests/vllm/vllm_peer",
     "WSD_HOSTILE_SEED": "the seed that replays the inputs of the hostile tests",

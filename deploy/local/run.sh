@@ -171,7 +171,7 @@ trap stop_everything EXIT
 # "metrics URL" when [coordinator] metrics_port is set, naming the ports it bound
 # (the OS picks them for port 0); its log goes to stderr.
 WSD_COORDINATOR_WORLD_SIZE=${WSD_COORDINATOR_WORLD_SIZE:-$NPROC} \
-    setsid "$PYTHON" -m wsd.cli coordinator "${config_args[@]}" >"$RUN_DIR/coordinator.out" &
+    setsid "$PYTHON" -m wsd.programs.cli coordinator "${config_args[@]}" >"$RUN_DIR/coordinator.out" &
 COORDINATOR=$!
 
 ready=""

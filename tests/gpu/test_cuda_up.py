@@ -33,7 +33,8 @@ def test_wsd_up_runs_a_rank_on_nccl_and_stops_cleanly(tmp_path, spawn):  # noqa:
         "worker": {"backend": "nccl"},
         "workload": SMALL_WORKLOAD,
     })
-    up = spawn(python("-m", "wsd.cli", "up", "--nproc", "1", "--config", config), env=worker_env(), name="wsd up")
+    up = spawn(python("-m", "wsd.programs.cli", "up", "--nproc", "1", "--config", config), env=worker_env(),
+               name="wsd up")
     endpoint = up.wait_for(r"wsd up: clients on (\S+)", 60).group(1)
     with Client(endpoint, timeout=5) as client:
         wait_until(lambda: client.status().counts.live == 1, 120, "the rank to register", interval=0.2)

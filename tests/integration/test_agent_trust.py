@@ -90,7 +90,7 @@ def test_a_registration_claiming_another_world_is_refused_and_status_stays_small
 def test_wsd_coordinator_refuses_to_start_without_a_world_or_a_token(tmp_path, monkeypatch):
     from wsd.config import WsdConfig
     from wsd.errors import ConfigError
-    from wsd.launch import serve_coordinator
+    from wsd.programs.coordinator import serve_coordinator
 
     monkeypatch.delenv("WSD_AGENT_TOKEN", raising=False)
     config = WsdConfig(coordinator=coordinator_config(tmp_path))

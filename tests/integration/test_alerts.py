@@ -358,7 +358,8 @@ def _start_cluster(start: Any, folder: Path, *, ranks: int) -> Cluster:
         "agent_endpoint": "tcp://127.0.0.1:0", "client_endpoint": "tcp://127.0.0.1:0",
         "state_file": str(folder / "state"), "heartbeat_interval": 0.2, "heartbeat_timeout": 1.0,
         "metrics_port": 0, "metrics_refresh": 0.5, "world_size": WORLD_SIZE, "tp_size": TP_SIZE}})
-    coordinator = start(python("-m", "wsd.cli", "coordinator", "--config", config), name=f"coordinator-{folder.name}")
+    coordinator = start(python("-m", "wsd.programs.cli", "coordinator", "--config", config),
+                        name=f"coordinator-{folder.name}")
     agents, clients, target = coordinator.wait_for(_READY.pattern, 30).groups()
     if ranks:
         simulated = start(python("-m", "wsd.agent.simulated", "--endpoint", agents, "--ranks", str(ranks),

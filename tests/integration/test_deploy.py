@@ -904,7 +904,7 @@ def test_local_script_runs_a_cluster_shows_chosen_ranks_and_stops_on_ctrl_c(tmp_
     assert proc.wait(60) == 0, proc.output()
     wait_gone(pids, 10, "processes started by run.sh")
     assert proc.count("wsd-local: stopped by SIGINT") == 1, proc.output()
-    assert proc.count(r"rank 0/2 wsd.worker.process INFO stopped cleanly after") == 1, proc.output()
+    assert proc.count(r"rank 0/2 wsd.programs.worker INFO stopped cleanly after") == 1, proc.output()
     assert proc.count(r"rank 1/2") == 0, "rank 1 printed despite SHOW_RANKS=0"
     assert proc.count("coordinator stopped") == 1 and proc.count("Traceback") == 0, proc.output()
     rank1 = [p for p in logs.rglob("*.log") if p.parent.name == "1" and "stopped cleanly after" in p.read_text()]
@@ -923,7 +923,7 @@ def test_local_script_stops_everything_on_sigterm(tmp_path, spawn):  # noqa: F81
     assert proc.wait(60) == 0, proc.output()
     wait_gone(pids, 10, "processes started by run.sh")
     assert proc.count("wsd-local: stopped by SIGTERM") == 1, proc.output()
-    assert proc.count(r"rank [01]/2 wsd.worker.process INFO stopped cleanly \(idle\)") == 2, proc.output()
+    assert proc.count(r"rank [01]/2 wsd.programs.worker INFO stopped cleanly \(idle\)") == 2, proc.output()
     assert leftovers(tmp_path) == []
 
 
@@ -933,7 +933,7 @@ def test_local_script_stops_the_workers_when_its_coordinator_dies(tmp_path, spaw
     proc, client, _ = _start_cluster(spawn, tmp_path, 1, WORKER_ARGS="--idle")
     client.close()
     pids = proc.tree()
-    coordinators = [p for p in pids if "wsd.cli coordinator" in cmdline(p)]
+    coordinators = [p for p in pids if "wsd.programs.cli coordinator" in cmdline(p)]
     assert len(coordinators) == 1, [cmdline(p) for p in pids]
     os.kill(coordinators[0], signal.SIGKILL)
     assert proc.wait(60) == 1, proc.output()
@@ -1080,7 +1080,8 @@ def _start_secured(spawn, config: Path, tmp_path: Path, cwd: Path, env: Mapping[
     """`wsd coordinator` with ``config`` and ``env`` (what the recipe gives it), moved to
     OS-chosen loopback ports and a state file of the test's; its two endpoints."""
     base = {k: v for k, v in worker_env().items() if not k.startswith("WSD_")}
-    proc = spawn(python("-m", "wsd.cli", "coordinator", "--config", str(config)), cwd=cwd, name="wsd coordinator",
+    proc = spawn(python("-m", "wsd.programs.cli", "coordinator", "--config", str(config)), cwd=cwd,
+                 name="wsd coordinator",
                  env={**base, **env, "WSD_COORDINATOR_AGENT_ENDPOINT": "tcp://127.0.0.1:0",
                       "WSD_COORDINATOR_CLIENT_ENDPOINT": "tcp://127.0.0.1:0",
                       "WSD_COORDINATOR_METRICS_PORT": "0", "WSD_COORDINATOR_METRICS_HOST": "127.0.0.1",
@@ -1185,7 +1186,7 @@ def test_security_example_starts_a_coordinator_on_the_documented_keys(example, t
         code, output, steps = _run_sbatch(tmp_path, config)
         assert code == 0, output
         coordinator, workers = _steps(steps)
-        assert coordinator["argv"] == python("-m", "wsd.cli", "coordinator", "--config", str(config))
+        assert coordinator["argv"] == python("-m", "wsd.programs.cli", "coordinator", "--config", str(config))
         env, token = coordinator["env"], workers["env"][_AGENT_TOKEN_ENV]
     else:
         # What run.sh gives its coordinator (its real runs above check that it does).

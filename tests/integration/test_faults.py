@@ -3,7 +3,7 @@ a worker stalled. What must hold through each: nothing the coordinator numbered 
 forgotten, a damaged state is refused rather than started afresh, the engines step on
 while the coordinator is away, and a stalled rank is seen lost and then back.
 
-The coordinator runs as ``python -m wsd.cli coordinator`` (``wsd coordinator``)
+The coordinator runs as ``python -m wsd.programs.cli coordinator`` (``wsd coordinator``)
 under ``tests/procs.py``, so that it can be SIGKILLed and SIGSTOPped; the
 workers are ``tests/mp.py`` processes in one gloo world, each with a real
 agent and a paced engine loop that can be paused and can measure its own step
@@ -119,7 +119,7 @@ def coordinator_file(tmp_path: Any, name: str = "wsd.toml", **overrides: Any) ->
 
 def run_coordinator(spawn: Any, config: str) -> tuple[Any, str, str]:  # noqa: F811
     """``wsd coordinator`` started and bound: (its Proc, agent endpoint, client endpoint)."""
-    proc = spawn(python("-m", "wsd.cli", "coordinator", "--config", config), name="wsd coordinator")
+    proc = spawn(python("-m", "wsd.programs.cli", "coordinator", "--config", config), name="wsd coordinator")
     agents, clients = proc.wait_for(COORDINATOR_READY, 30).groups()
     return proc, agents, clients
 
@@ -201,7 +201,7 @@ def test_damaged_state_file_is_refused_at_start_up_and_left_alone(tmp_path, spaw
     good = path.read_bytes()
     damaged = {"truncated": good[: len(good) // 2], "garbage": b"\xc1" + os.urandom(64), "empty": b""}[damage]
     path.write_bytes(damaged)
-    refused = spawn(python("-m", "wsd.cli", "coordinator", "--config", config), name="wsd coordinator")
+    refused = spawn(python("-m", "wsd.programs.cli", "coordinator", "--config", config), name="wsd coordinator")
     code = refused.wait(30)
     out = refused.output()
     assert code != 0, out

@@ -71,7 +71,7 @@ def test_32_clients_with_heartbeats_flowing_lose_no_rank_and_no_request(tmp_path
         **coordinator_section(tmp_path), "world_size": RANKS, "tp_size": TP_SIZE,
         "heartbeat_interval": HEARTBEAT_INTERVAL, "heartbeat_timeout": HEARTBEAT_TIMEOUT,
         "stats_timeout": 2.0}})
-    coordinator = spawn(python("-m", "wsd.cli", "coordinator", "--config", config), name="wsd coordinator")
+    coordinator = spawn(python("-m", "wsd.programs.cli", "coordinator", "--config", config), name="wsd coordinator")
     agents, clients = coordinator.wait_for(COORDINATOR_READY, 30).groups()
     spawn(python("-m", "wsd.agent.simulated", "--endpoint", agents, "--ranks", str(RANKS), "--tp-size",
                  str(TP_SIZE), "--heartbeat-interval", str(HEARTBEAT_INTERVAL),

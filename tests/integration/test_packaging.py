@@ -103,7 +103,7 @@ def test_without_torch_demo_and_up_name_the_worker_extra_in_one_line(argv):
     in a raw ModuleNotFoundError traceback: now exit 2 and one line naming the fix, before
     anything starts."""
     code = ("import sys; sys.modules['torch'] = None\n"  # as if torch were not installed
-            "from wsd.cli import main\n"
+            "from wsd.programs.cli import main\n"
             f"sys.exit(main({argv!r}))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result

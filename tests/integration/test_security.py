@@ -206,7 +206,7 @@ def test_coordinator_and_worker_processes_use_curve_from_one_config_file(keys, t
     config = write_config(tmp_path / "wsd.toml", {"coordinator": {**coordinator_section(tmp_path),
                                                                   "world_size": 1},
                                                   "security": security})
-    coordinator = spawn(python("-m", "wsd.cli", "coordinator", "--config", config), name="wsd coordinator")
+    coordinator = spawn(python("-m", "wsd.programs.cli", "coordinator", "--config", config), name="wsd coordinator")
     agent_endpoint, client_endpoint = coordinator.wait_for(COORDINATOR_READY, 30).groups()
     spawn(torchrun(1, config, "--idle"), name="torchrun",
           env=worker_env(WSD_COORDINATOR_CONNECT_ENDPOINT=agent_endpoint))

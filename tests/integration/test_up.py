@@ -22,10 +22,10 @@ from procs import (  # noqa: F401  (spawn is a fixture)
     write_config,
 )
 
-import wsd.up as wsd_up
+import wsd.programs.up as wsd_up
 from wsd.config import load_config
 from wsd.errors import ConfigError, ExitCode, LaunchError
-from wsd.launch import children
+from wsd.programs.coordinator import children
 from wsd_client.client import Client
 
 
@@ -107,7 +107,7 @@ def test_wsd_coordinator_runs_without_torch_and_stops_on_sigterm(tmp_path, spawn
     """With every `import torch` failing, the coordinator serves clients; SIGTERM stops it, exit 0."""
     config = write_config(tmp_path / "wsd.toml", {"coordinator": {**coordinator_section(tmp_path), "world_size": 1}})
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from wsd.cli import main\n"
+            "from wsd.programs.cli import main\n"
             f"sys.exit(main(['coordinator', '--config', {config!r}]))\n")
     proc = spawn(python("-c", code), name="wsd coordinator")
     endpoint = proc.wait_for(COORDINATOR_READY, 30).group(2)
@@ -296,7 +296,7 @@ def test_wsd_up_refuses_nccl_without_cuda_before_starting_anything(tmp_path, how
 
 @pytest.mark.skipif(torch_cuda_available(), reason="this machine has CUDA")
 def test_wsd_demo_refuses_a_cuda_device_without_cuda_as_a_usage_error():
-    result = subprocess.run([sys.executable, "-m", "wsd.cli", "demo", "--device", "cuda:0"],
+    result = subprocess.run([sys.executable, "-m", "wsd.programs.cli", "demo", "--device", "cuda:0"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result
     assert result.stderr.splitlines()[-1] == (
@@ -310,7 +310,7 @@ def test_failures_are_one_line_per_rank_that_failed_of_its_own_accord():
     went first."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from wsd.worker.launcher import describe_failures
+    from wsd.programs.torchrun import describe_failures
 
     def failed(rank: int, exitcode: int) -> ProcessFailure:
         return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file="<N/A>")
@@ -330,7 +330,7 @@ def test_the_launcher_exits_2_when_the_ranks_that_failed_on_their_own_refused_th
     the launcher used to ask every failure for exit 2 and so exited 3, a rank lost."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from wsd.worker.launcher import exit_code
+    from wsd.programs.torchrun import exit_code
 
     def failed(rank: int, exitcode: int) -> ProcessFailure:
         return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file="<N/A>")
@@ -349,7 +349,7 @@ def test_a_coordinator_that_exits_at_start_is_said_to_have_exited_not_to_be_slow
     """A coordinator that dies on start (here: before any import, exit 1) is reported at once as
     having exited; it used to read 'did not become ready within 30 s', which sent users after a
     timeout that never happened."""
-    from wsd.launch import CoordinatorProcess
+    from wsd.programs.coordinator import CoordinatorProcess
 
     (tmp_path / "sitecustomize.py").write_text("import os\nos._exit(1)\n")
     process = CoordinatorProcess(None, env={**os.environ, "PYTHONPATH": str(tmp_path)})
@@ -358,8 +358,8 @@ def test_a_coordinator_that_exits_at_start_is_said_to_have_exited_not_to_be_slow
 
 
 def test_wsd_up_help_gives_the_exit_codes_up_returns(capsys):
-    """The exit codes in `wsd up --help` are the ones wsd.up returns (ExitCode)."""
-    from wsd.cli import main
+    """The exit codes in `wsd up --help` are the ones wsd.programs.up returns (ExitCode)."""
+    from wsd.programs.cli import main
 
     with pytest.raises(SystemExit):
         main(["up", "--help"])

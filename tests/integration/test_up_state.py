@@ -12,7 +12,7 @@ import pytest
 from procs import coordinator_section, spawn, worker_env, write_config  # noqa: F401  (spawn is a fixture)
 
 import wsd
-import wsd.up as wsd_up
+import wsd.programs.up as wsd_up
 from wsd.config import load_config
 from wsd.coordinator.commandlog import CommandLog
 from wsd.errors import LaunchError
@@ -138,7 +138,7 @@ def test_up_fresh_removes_the_state_and_hands_the_coordinator_its_path(tmp_path,
 
 
 def test_wsd_version():
-    result = subprocess.run([sys.executable, "-m", "wsd.cli", "--version"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "wsd.programs.cli", "--version"], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0 and result.stdout == f"wsd {wsd.__version__}\n", result
 

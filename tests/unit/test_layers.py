@@ -200,10 +200,10 @@ def test_the_checker_sees_every_kind_of_import():
     """The rules hold only if the walk counts what it claims to: a checker that missed
     function-level or TYPE_CHECKING imports would pass a broken tree."""
     source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from wsd.config import WsdConfig\n"
-              "def f():\n    import wsd.up\n    from . import fmt\n    from .wire import protocol\n"
+              "def f():\n    import wsd.programs.up\n    from . import fmt\n    from .wire import protocol\n"
               "importlib.import_module('wsd.manager.core')\n")
     found = {t for node in ast.walk(ast.parse(source)) for t in _targets("wsd.errors", False, node)}
-    assert {"wsd.config", "wsd.up", "wsd.fmt", "wsd.wire.protocol", "wsd.manager.core"} <= found
+    assert {"wsd.config", "wsd.programs.up", "wsd.fmt", "wsd.wire.protocol", "wsd.manager.core"} <= found
 
 
 # -- size ----------------------------------------------------------------------------------------

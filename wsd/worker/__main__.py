@@ -1,8 +1,8 @@
-"""``python -m wsd.worker``: see ``wsd.worker.process``."""
+"""``python -m wsd.worker``: see ``wsd.programs.worker``."""
 
 import sys
 
-from wsd.worker.process import main
+from wsd.programs.worker import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -29,8 +29,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from wsd.agent.thread import Agent
 from wsd.config import CoordinatorMode, Presize, WsdConfig, load_config
 from wsd.errors import ConfigError, ExitCode, LaunchError
-from wsd.launch import CoordinatorProcess, stop_signals
 from wsd.manager.core import WorkspaceManager
+from wsd.programs.coordinator import CoordinatorProcess, stop_signals
 from wsd.security import AGENT_TOKEN_ENV, load_agent_token
 from wsd.wire.curve import agent_keys
 from wsd.worker.distributed import (
@@ -43,7 +43,7 @@ from wsd.worker.distributed import (
 )
 from wsd.worker.workload import TensorParallelMlp, run_workload
 
-logger = logging.getLogger("wsd.worker.process")
+logger = logging.getLogger("wsd.programs.worker")
 
 # An idle worker looks at its stop flag this often.
 _IDLE_POLL = 0.5
@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         curve = agent_keys(config.security)  # key files checked before anything starts
         token = load_agent_token(config.security)
     except ConfigError as e:
-        print(f"wsd.worker.process: {e}", file=sys.stderr)
+        print(f"wsd.programs.worker: {e}", file=sys.stderr)
         return ExitCode.USAGE
     _setup_logging(env)
     stop = threading.Event()

@@ -1,4 +1,4 @@
-"""``python -m wsd.worker.launcher TORCHRUN-ARGS``: torchrun as ``wsd up`` runs it.
+"""``python -m wsd.programs.torchrun TORCHRUN-ARGS``: torchrun as ``wsd up`` runs it.
 
 This is torchrun: ``torch.distributed.run``'s own argument parser and ``run``,
 given torchrun's arguments. What differs is what it prints when workers fail.
@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from wsd.errors import ExitCode
-from wsd.launch import LAUNCHER_PARENT_ENV, die_with_parent
+from wsd.programs.coordinator import LAUNCHER_PARENT_ENV, die_with_parent
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure

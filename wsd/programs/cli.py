@@ -105,12 +105,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("up", "demo") and not has_torch():
             raise ConfigError(NEEDS_TORCH.format(command=args.command))
         if args.command == "up":
-            from wsd.up import up
+            from wsd.programs.up import up
 
             return up(args.nproc, args.config, fresh=args.fresh)
         if args.command == "coordinator":
             from wsd.config import load_config
-            from wsd.launch import serve_coordinator
+            from wsd.programs.coordinator import serve_coordinator
 
             return serve_coordinator(load_config(args.config), exit_with_parent=args.exit_with_parent)
         if args.command == "demo":

@@ -4,7 +4,7 @@
 SIGINT and announces its bound endpoints on one line of stdout (``READY``),
 which is how whoever started it learns ports chosen by the OS.
 ``CoordinatorProcess`` starts that as a child and waits for the line; the
-embedded mode of the worker and ``wsd up`` (``wsd.up``) both use it.
+embedded mode of the worker and ``wsd up`` (``wsd.programs.up``) both use it.
 ``stop_process_group`` and ``descendants`` end what was started, with bounded
 waits and a kill; ``child_subreaper`` and ``die_with_parent`` (Linux) keep a
 process tree together when a process in the middle of it dies.
@@ -44,7 +44,7 @@ _READY_LINE = re.compile(re.escape(READY) + r" agents (\S+) clients (\S+)(?: met
 POLL = 0.2
 """Seconds between a foreground loop's looks at its flags and children."""
 LAUNCHER_PARENT_ENV = "WSD_LAUNCHER_PARENT_PID"
-"""The pid whose death ends torchrun as ``wsd up`` runs it (``wsd.worker.launcher``, ``die_with_parent``)."""
+"""The pid whose death ends torchrun as ``wsd up`` runs it (``wsd.programs.torchrun``, ``die_with_parent``)."""
 _COORDINATOR_GRACE = 10.0
 _KILL_WAIT = 5.0
 # prctl(2) options (linux/prctl.h).
@@ -214,7 +214,7 @@ class CoordinatorProcess:
     def start(self, timeout: float) -> CoordinatorProcess:
         """Start it and wait for its ready line; ConfigError if it refused its configuration
         (exit code 2), LaunchError otherwise, its own log saying why."""
-        command = [sys.executable, "-m", "wsd.cli", "coordinator"]
+        command = [sys.executable, "-m", "wsd.programs.cli", "coordinator"]
         if self.config_path is not None:
             command += ["--config", str(self.config_path)]
         if self.exit_with_parent:

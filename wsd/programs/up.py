@@ -13,7 +13,7 @@ configuration is loaded and checked against what is launched: the world
 device (``check_backend``: nccl needs CUDA). The state file lies in the user's
 state folder, one per cluster (``up_state_file``), unless the configuration
 names one; ``--fresh`` removes it first. torchrun runs as
-``wsd.worker.launcher``, which says in one line which rank died; the
+``wsd.programs.torchrun``, which says in one line which rank died; the
 coordinator then keeps serving so that ``wsctl`` shows the rank lost.
 
 Imports no torch, unless the workers are to use CUDA (``check_backend``).
@@ -39,7 +39,8 @@ from typing import Any
 
 from wsd.config import WsdConfig, load_config, read_toml
 from wsd.errors import ConfigError, ExitCode, StateFileError
-from wsd.launch import (
+from wsd.names import DEFAULT_ENGINE, engine_name
+from wsd.programs.coordinator import (
     LAUNCHER_PARENT_ENV,
     POLL,
     CoordinatorProcess,
@@ -50,7 +51,6 @@ from wsd.launch import (
     stop_process_group,
     stop_signals,
 )
-from wsd.names import DEFAULT_ENGINE, engine_name
 from wsd.security import AGENT_TOKEN_ENV
 from wsd.worker.config import Backend
 
@@ -388,10 +388,10 @@ def _start_torchrun(nproc: int, config_path: str | None, env: Mapping[str, str])
 
 
 def _torchrun_command(nproc: int, config_path: str | None) -> list[str]:
-    # torchrun with one line per failed rank instead of its tracebacks (wsd.worker.launcher).
+    # torchrun with one line per failed rank instead of its tracebacks (wsd.programs.torchrun).
     # --standalone: a c10d rendezvous on a port the OS picks, never a fixed one.
-    command = [sys.executable, "-m", "wsd.worker.launcher", "--standalone",
-               "--nproc-per-node", str(nproc), "-m", "wsd.worker.process"]
+    command = [sys.executable, "-m", "wsd.programs.torchrun", "--standalone",
+               "--nproc-per-node", str(nproc), "-m", "wsd.programs.worker"]
     return command + (["--config", str(config_path)] if config_path is not None else [])
 
 

@@ -121,6 +121,18 @@ def test_stacks_of_a_rank_that_never_answers_or_is_gone_say_why(h):
     assert missing[1].startswith("never registered") and set(missing) == {0, 1, 2, 3}
 
 
+def test_stacks_of_more_ranks_than_one_request_may_ask_are_refused_naming_the_way_out(tmp_path):
+    """Each rank answers with up to 1 MiB of stacks: a request for every rank of a large world
+    would hold them all in the coordinator's memory at once."""
+    from wsd.coordinator.engine import MAX_STACK_RANKS
+
+    big = make(tmp_path, world_size=2 * MAX_STACK_RANKS, tp_size=8)
+    reply = big.call(Op.STACKS, {})
+    assert not reply.ok and reply.code is ErrorCode.BAD_FIELD
+    assert f"stacks of {2 * MAX_STACK_RANKS} ranks asked, at most {MAX_STACK_RANKS}" in reply.message
+    assert ops(big.client(Op.STACKS, {"group": 3}), AGENT) == []  # a group is fine (none registered: none asked)
+
+
 def test_a_rank_beyond_the_world_is_refused_naming_it(h):
     reply = h.call(Op.STACKS, {"rank": 9})
     assert not reply.ok and reply.code is ErrorCode.BAD_FIELD and "no rank 9" in reply.message

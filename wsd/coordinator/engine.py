@@ -35,7 +35,10 @@ from wsd.security import registered_proof
 from wsd.wire import protocol as p
 from wsd.wire.protocol import ErrorCode, Op, ProtocolError
 
-__all__ = ["Engine", "Shared", "refuse", "state_path"]
+__all__ = ["MAX_STACK_RANKS", "Engine", "Shared", "refuse", "state_path"]
+
+MAX_STACK_RANKS = 64
+"""The most ranks one stacks request asks: each answers with up to 1 MiB of stacks."""
 
 logger = logging.getLogger(__name__)
 
@@ -357,14 +360,19 @@ class Engine:
         return self.stacks.reply(info, body, threads, problem)
 
     def stack_targets(self, group: int | None, rank: int | None) -> list[int]:
-        """The ranks a stacks request names: ``rank``, else ``group``'s, else every expected one."""
+        """The ranks a stacks request names: ``rank``, else ``group``'s, else every expected one;
+        at most ``MAX_STACK_RANKS`` (each answer may hold up to 1 MiB of stacks)."""
         if rank is not None:
             world = self.registry.world_size
             if world is not None and rank >= world:
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"rank: no rank {rank} (ranks are 0..{world - 1})")
             return [rank]
         self.check_group(group)
-        return self.registry.expected(group)
+        ranks = self.registry.expected(group)
+        if len(ranks) > MAX_STACK_RANKS:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"stacks of {len(ranks)} ranks asked, at most {MAX_STACK_RANKS} "
+                                                     f"in one request: name a TP group (group) or a rank (rank)")
+        return ranks
 
     def _agent_event(self, peer: bytes, body: dict[str, Any]) -> list[Out]:
         info = self.registry.touch(peer, self.clock())

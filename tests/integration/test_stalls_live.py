@@ -88,5 +88,9 @@ def test_a_frozen_rank_is_lost_and_its_peer_stalled_in_the_collective_with_its_s
             return all(r["state"] == "live" for r in doc["ranks"])
 
         wait_until(going_on, 60, "both ranks live again after SIGCONT", interval=0.5)
-        ended = [e for e in wsctl(endpoint, "events", "--since", "0").doc["events"] if e["kind"] == "unstalled"]
-        assert [e["rank"] for e in ended] == [0], ended
+        # Rank 0's stall ends. Rank 1, woken inside the step it froze in, may read stalled for
+        # a moment too (it was inside that step all along) before it leaves it: every stall ends.
+        events = wsctl(endpoint, "events", "--since", "0").doc["events"]
+        stalled = [e["rank"] for e in events if e["kind"] == "stalled"]
+        ended = [e["rank"] for e in events if e["kind"] == "unstalled"]
+        assert stalled[0] == 0 and 0 in ended and sorted(set(stalled)) == sorted(set(ended)), events

@@ -83,9 +83,21 @@ def test_a_stalled_rank_lost_or_stopped_is_no_longer_stalled(h):
     h.register_all([0, 1])
     beat(h, 0, 30.0)
     assert shown(h)[0] == "stalled"
+    stacks_from(h, 0, 0, in_step=30.0)  # the stalled event, with its stacks
     h.agent(peer_of(0), Op.GOODBYE, {"rank": 0, "step": 5})
     assert shown(h)[0] == "stopped"
     assert [e["why"] for e in h.events("unstalled")] == ["stopped"]
+
+
+def test_a_stall_that_ends_before_its_event_is_written_writes_neither(h):
+    """Every unstalled event follows its stalled one: a rank that leaves the step while its
+    event still waits for its stacks (a frozen rank woken inside the step it froze in) reads
+    stalled for that moment, and the log says nothing of it."""
+    h.register_all([0, 1])
+    beat(h, 1, 30.0)
+    assert shown(h)[1] == "stalled"
+    beat(h, 1, None)
+    assert shown(h)[1] == "live" and h.events("stalled") == [] and h.events("unstalled") == []
 
 
 def test_the_stall_metric_and_the_count_by_state(h):

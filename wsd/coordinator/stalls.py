@@ -55,11 +55,14 @@ class Stalls:
             self._write(info, inside or 0.0, stacks)
 
     def end(self, info: RankInfo, why: str) -> None:
-        """The rank is no longer stalled: ``why`` (its engine left the step, it was lost or stopped)."""
+        """The rank is no longer stalled: ``why`` (its engine left the step, it was lost or stopped).
+        A stall whose event was still waiting for its stacks ends with no event at all: every
+        ``unstalled`` follows its ``stalled``."""
         if not info.stalled:
             return
         info.stalled = False
-        self._due.pop(info.rank, None)
+        if self._due.pop(info.rank, None) is not None:
+            return
         self.event(("rank", info.rank), EventKind.UNSTALLED, rank=info.rank, tp_group=info.tp_group,
                    step=info.step, why=why)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from wsd.coordinator.awaited import Awaited, expired, rank_gone
 from wsd.coordinator.outbox import AGENT, Answer, Out
-from wsd.coordinator.registry import RankInfo, Registry
+from wsd.coordinator.registry import RankInfo, RankState, Registry
 from wsd.fmt import cut, printable
 from wsd.wire import protocol as p
 from wsd.wire.protocol import Op
@@ -69,12 +69,14 @@ class StackRounds:
         """Ask the live ones of ``ranks`` for their stacks now; answer once all did (or went)."""
         self._ids += 1
         request = self._ids
-        live = [self.registry.ranks[r] for r in ranks
-                if r in self.registry.ranks and self.registry.ranks[r] in self.registry.live()]
+        known = [self.registry.ranks.get(r) for r in ranks]
+        live = [i for i in known if i is not None and i.state is RankState.LIVE]
         work = _Round(answer=answer, targets={i.rank for i in live}, deadline=self.clock() + timeout)
-        for rank in ranks:
-            if rank not in work.targets:
-                work.why[rank] = self.registry.missing().get(rank, "not registered")
+        if len(live) < len(ranks):
+            missing = self.registry.missing()  # once: it walks the whole world
+            for rank in ranks:
+                if rank not in work.targets:
+                    work.why[rank] = missing.get(rank, "not registered")
         self._rounds[request] = work
         frame = p.encode(Op.STACKS_REQUEST, {"request": request})
         out: list[Out] = [(AGENT, (i.peer,), frame) for i in live]

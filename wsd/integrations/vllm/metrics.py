@@ -266,13 +266,13 @@ class WorkerCollector:
 
     def _read(self) -> list[_Figures]:
         try:
-            entries = [e for e in os.scandir(self.directory) if _FILE.fullmatch(e.name)][:MAX_FILES]
+            entries = [(e, int(m.group(1))) for e in os.scandir(self.directory)
+                       if (m := _FILE.fullmatch(e.name))][:MAX_FILES]
         except FileNotFoundError:
             return []
         now = self._wall()
         out = []
-        for entry in sorted(entries, key=lambda e: e.name):
-            pid = int(_FILE.fullmatch(entry.name).group(1))  # type: ignore[union-attr]
+        for entry, pid in sorted(entries, key=lambda found: found[1]):
             try:
                 if not self._alive(pid):
                     os.unlink(entry.path)

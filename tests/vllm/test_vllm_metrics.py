@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from wsd import WorkspaceManager
 from wsd.families import FAMILIES
-from wsd.integrations.vllm import metrics, patches
+from wsd.integrations.vllm import install, metrics
 from wsd.manager.config import LockedGrowthPolicy
 from wsd.manager.violationlog import ViolationLog
 from wsd.slotstats import SLOT_NUMBERS
@@ -186,7 +186,7 @@ def test_the_registry_vllm_serves_gets_the_collector_once(tmp_path, monkeypatch)
         def get_prometheus_registry():
             return served
 
-    patches._install_api_server(Instrumentator, metrics.serve_workers)
+    install.install_api_server(Instrumentator, metrics.serve_workers)
     assert Instrumentator.get_prometheus_registry() is served
     assert Instrumentator.get_prometheus_registry() is served  # a second registration would raise
     assert served.get_sample_value("wsd_rank_ubatches", dict(zip(metrics.labels("wsd_rank_ubatches"),

@@ -22,7 +22,8 @@ from wsd import WorkspaceManager
 from wsd.agent.stacks import StepClock
 from wsd.agent.thread import Agent
 from wsd.errors import ConfigError
-from wsd.integrations.vllm import layout, metrics, plugin
+from wsd.integrations.vllm import layout, lifecycle, metrics, plugin
+from wsd.integrations.vllm.lifecycle import Engine, Wake
 from wsd.integrations.vllm.wake import (
     WSD_STEP,
     WakeListener,
@@ -116,15 +117,15 @@ def test_a_changed_signature_fails_loudly(monkeypatch):
 def test_each_part_patches_exactly_the_points_its_table_names(monkeypatch):
     """Fails if an install keeps its own list of what it patches beside ``patches.POINTS``: a
     wrapper or object for a point the table lacks, or a point of the table left unpatched."""
-    from wsd.integrations.vllm import patches
+    from wsd.integrations.vllm import install, patches
 
     applied: dict[str, tuple[set[str], set[str]]] = {}
-    monkeypatch.setattr(patches, "_apply", lambda part, wrappers, objects, module: applied.setdefault(
+    monkeypatch.setattr(patches, "apply_points", lambda part, wrappers, objects, module: applied.setdefault(
         part, (set(wrappers), set(objects))))
-    hooks = SimpleNamespace(step=lambda agree: [], busy=None, warmed=None, sleeping=None)
-    patches._install_worker(None, manager_class=WorkspaceManager, attach=print, detach=print, engine=hooks)
-    patches._install_engine_core(None)
-    patches._install_api_server(None, print)
+    hooks = plugin.Engine(print)
+    install.install_worker(None, manager_class=WorkspaceManager, attach=print, detach=print, engine=hooks)
+    install.install_engine_core(None)
+    install.install_api_server(None, print)
     expected = {part: ({p.name for p in patches.POINTS if p.part == part and p.how == "wrapped"},
                        {p.name for p in patches.POINTS if p.part == part and p.how in ("replaced", "added")})
                 for part in (patches.WORKER, patches.ENGINE_CORE, patches.API_SERVER)}
@@ -136,7 +137,7 @@ def test_a_patch_table_and_an_install_that_differ_patch_nothing():
     from wsd.integrations.vllm import patches
 
     with pytest.raises(ValueError, match="are not POINTS'"):
-        patches._apply(patches.API_SERVER, {"get_prometheus_registry": print, "attach_router": print}, {}, None)
+        patches.apply_points(patches.API_SERVER, {"get_prometheus_registry": print, "attach_router": print}, {}, None)
 
 
 def test_wrap_wraps_once():
@@ -416,6 +417,8 @@ class _Worker:
             data_parallel_rank = 0
             data_parallel_size = 1
             enable_dbo = False
+            distributed_executor_backend = "mp"
+            nnodes = 1
 
 
 @pytest.fixture
@@ -486,15 +489,30 @@ def test_a_standalone_worker_has_wsds_manager_its_log_lines_and_its_figures_no_a
 
 class _FakeAgent:
     def __init__(self) -> None:
-        self.steps: list[bool | str] = []  # each step's agree, and "warm"
+        self.steps: list[bool | str] = []  # each step's agree, "count", "warm", and pauses
         self.clock = StepClock(time.monotonic)
+        self.held = self.applied_seq = 0
 
     def step(self, *, agree: bool) -> list[int]:
         self.steps.append(agree)
         return []
 
+    def count_step(self) -> None:
+        self.steps.append("count")
+
     def mark_warm(self) -> None:
         self.steps.append("warm")
+
+    def pause(self, paused: bool) -> None:
+        self.steps.append("pause" if paused else "resume")
+
+    def offer(self) -> int:
+        return self.held
+
+    def settle(self, agreed: int) -> list[int]:
+        self.steps.append(f"settle {agreed}")
+        self.applied_seq = agreed
+        return [agreed]
 
 
 def test_a_worker_inside_its_engine_core_asks_the_listener_in_its_own_process(tmp_path, monkeypatch):
@@ -503,7 +521,7 @@ def test_a_worker_inside_its_engine_core_asks_the_listener_in_its_own_process(tm
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     inbox: queue.Queue = queue.Queue()
     listener = WakeListener(inbox)
-    wake = plugin._Wake(rank=0, tp_size=1)
+    wake = Wake(Engine(print), rank=0, tp_size=1, apply_every=16)
     try:
         wake()
         assert inbox.get(timeout=5) == (WSD_STEP, None)
@@ -516,34 +534,112 @@ def test_a_one_rank_group_steps_between_the_engines_own_steps(monkeypatch):
     """With no engine core to ask (an engine in the caller's process), a TP group of one
     rank agrees on the agent's thread: only while the engine is warm, awake and not busy."""
     agent = _FakeAgent()
-    engine = plugin._Engine()
-    monkeypatch.setattr(plugin, "_engine", engine)
-    monkeypatch.setattr(plugin, "_attachment", type("A", (), {"agent": agent})())
-    wake = plugin._Wake(rank=0, tp_size=1)
+    engine = Engine(print)
+    engine.attach(agent, stream=False, group=0)
+    wake = Wake(engine, rank=0, tp_size=1, apply_every=16)
     try:
-        with engine.busy():  # the warm-up: compilation and capture may take minutes, and are no step
-            assert agent.clock.inside() is None
+        assert engine.enter()  # the warm-up: compilation and capture may take minutes, and are no step
+        assert agent.clock.inside() is None
         wake()
+        engine.leave()
         assert agent.steps == [], "stepped before the engine's warm-up returned"
         engine.warmed()
         assert agent.steps == ["warm"], "the agent was not told of the warm-up"
         agent.steps.clear()
-        with engine.busy():
-            wake()
-            assert agent.clock.inside() is not None, "a warm engine's step is not counted as one"
+        assert engine.enter()
+        wake()
+        assert agent.clock.inside() is not None, "a warm engine's step is not counted as one"
+        engine.leave()
         assert agent.steps == [], "stepped inside one of the engine's own steps"
         assert agent.clock.inside() is None
         engine.sleeping(True)
         wake()
-        assert agent.steps == [], "stepped while the engine sleeps"
-        engine.sleeping(False)
+        assert agent.steps == ["pause"], "stepped while the engine sleeps"
+        engine.woke(["weights"])
         wake()
-        assert agent.steps == [True]
-        assert engine.step(agree=False) == [] and agent.steps == [True, False]
+        assert agent.steps == ["pause"], "awake with only the weights back: the KV cache is still gone"
+        engine.woke(["kv_cache"])
+        wake()
+        assert agent.steps == ["pause", "resume", True]
+        engine.step()
+        assert agent.steps[-1] is False
         engine.sleeping(True)
-        assert engine.step(agree=True) == [] and agent.steps == [True, False], "applied asleep"
+        assert engine.agree_now() == [] and agent.steps[-2:] == [False, "pause"], "agreed asleep"
     finally:
         wake.close()
+
+
+def test_a_call_vllm_makes_from_inside_another_passes_straight_through():
+    """vLLM's GPU warm-up calls the worker's own execute_model and sample_tokens: they once
+    took a lock the warm-up held, and the engine hung. A call reached from inside another
+    is no step, marks nothing warm, and only the outermost warm-up's return makes it warm."""
+    from wsd.integrations.vllm import install
+
+    agent = _FakeAgent()
+    engine = Engine(print)
+    engine.attach(agent, stream=True, group=0)
+    calls: list[str] = []
+
+    class Worker:
+        def execute_model(self, scheduler_output):
+            calls.append("execute")
+            return "output"
+
+        def sample_tokens(self, grammar_output):
+            calls.append("sample")
+
+        def compile_or_warm_up_model(self):
+            assert self.execute_model(None) == "output"  # as vLLM's JIT warm-up does
+            self.sample_tokens(None)
+            return "compiled"
+
+    Worker.execute_model = install._stepping(engine)(Worker.execute_model)
+    Worker.sample_tokens = install._inside(engine)(Worker.sample_tokens)
+    Worker.compile_or_warm_up_model = install._lifecycle(print, engine)["compile_or_warm_up_model"](
+        Worker.compile_or_warm_up_model)
+    worker = Worker()
+    done = threading.Event()
+    threading.Thread(target=lambda: (worker.compile_or_warm_up_model(), done.set()), daemon=True).start()
+    assert done.wait(10), "vLLM's warm-up hung in wsd's wrappers"
+    assert calls == ["execute", "sample"]
+    assert engine.steps == 0 and agent.steps == ["warm"], "a step inside the warm-up counted, or no warm"
+    assert worker.execute_model(None) == "output" and agent.steps == ["warm", "count"]
+    assert not engine.inside and agent.clock.inside() is None
+
+
+def test_a_round_settles_each_group_at_its_lowest_offer():
+    """The engine core's round: each TP group applies the lowest number any member holds;
+    a group with nothing new, or a worker that takes no part, makes no second call."""
+    from wsd.integrations.vllm.stream import agree
+
+    assert agree([{"group": 0, "held": 3, "applied": 1}, {"group": 0, "held": 2, "applied": 1},
+                  {"group": 1, "held": 4, "applied": 4}, {"group": 1, "held": 5, "applied": 4}]) == {0: 2}
+    assert agree([{"group": 0, "held": 3, "applied": 3}, {"group": 0, "held": 3, "applied": 3}]) is None
+    assert agree([{"group": 0, "held": 3, "applied": 1}, None]) is None
+    assert agree([]) is None
+    agent = _FakeAgent()
+    engine = Engine(print)
+    engine.attach(agent, stream=True, group=1)
+    agent.held = 7
+    assert engine.offer() == {"group": 1, "held": 7, "applied": 0}
+    assert engine.settle({0: 9}) == [] and engine.settle({1: 7}) == [7]
+    engine.sleeping(True)
+    assert engine.offer() is None and engine.settle({1: 9}) == []
+
+
+def test_only_workers_their_engine_core_spawned_or_holds_take_commands_through_its_stream():
+    from wsd.integrations.vllm.stream import ENGINE_CORE_PID, driven_by_engine_core
+
+    mp = SimpleNamespace(distributed_executor_backend="mp", nnodes=1)
+    env = {ENGINE_CORE_PID: "100"}
+    assert driven_by_engine_core(mp, env, pid=200, ppid=100)  # spawned by its engine core
+    assert driven_by_engine_core(SimpleNamespace(distributed_executor_backend="uni"), env, pid=100, ppid=1)
+    assert not driven_by_engine_core(mp, {}, pid=200, ppid=100), "an engine in the caller's process"
+    assert not driven_by_engine_core(mp, env, pid=200, ppid=300), "another engine core's grandchild"
+    assert not driven_by_engine_core(SimpleNamespace(distributed_executor_backend="mp", nnodes=2), env, 200, 100)
+    assert not driven_by_engine_core(SimpleNamespace(distributed_executor_backend="ray"), env, 200, 100)
+    assert not driven_by_engine_core(SimpleNamespace(distributed_executor_backend="external_launcher"),
+                                     env, 100, 1)
 
 
 def test_a_worker_no_engine_core_can_wake_says_so_once(tmp_path, monkeypatch, caplog):
@@ -551,13 +647,14 @@ def test_a_worker_no_engine_core_can_wake_says_so_once(tmp_path, monkeypatch, ca
     for the engine's own agreement step, and the log says so once (never a silent drop)."""
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     caplog.set_level("WARNING", logger=plugin.__name__)
-    wake = plugin._Wake(rank=3, tp_size=2)
+    caplog.set_level("WARNING", logger=lifecycle.__name__)
+    wake = Wake(Engine(print), rank=3, tp_size=2, apply_every=16)
     try:
         wake()
         wake()
     finally:
         wake.close()
-    lines = [r.getMessage() for r in caplog.records if r.name == plugin.__name__]
+    lines = [r.getMessage() for r in caplog.records if r.name == lifecycle.__name__]
     assert len(lines) == 1 and "rank 3 cannot wake its engine" in lines[0]
 
 
@@ -603,12 +700,12 @@ def _parts_applied(monkeypatch) -> list[str]:
     """The parts of the patches that this process applies from now on, named as each applies
     instead of patching vLLM (the checks before them run as they are); hooks still waiting
     for a module when the test ends are dropped."""
-    from wsd.integrations.vllm import imports, patches
+    from wsd.integrations.vllm import imports, install
 
     applied: list[str] = []
-    monkeypatch.setattr(patches, "_install_worker", lambda *a, **k: applied.append("worker"))
-    monkeypatch.setattr(patches, "_install_cpu_worker", lambda *a, **k: applied.append("cpu worker"))
-    monkeypatch.setattr(patches, "_install_engine_core", lambda *a, **k: applied.append("engine core"))
+    monkeypatch.setattr(install, "install_worker", lambda *a, **k: applied.append("worker"))
+    monkeypatch.setattr(install, "install_cpu_worker", lambda *a, **k: applied.append("cpu worker"))
+    monkeypatch.setattr(install, "install_engine_core", lambda *a, **k: applied.append("engine core"))
     monkeypatch.setattr(imports, "_hooks", {})
     monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if f is not imports._finder])
     return applied
@@ -693,7 +790,9 @@ def test_a_vllm_whose_workspace_has_more_than_wsds_keeps_its_own_class(monkeypat
     assert applied == ["engine core"], "the worker's part, the class swap with it, stays vLLM's own"
 
 
-def test_an_unverified_release_is_said_once_and_runs_when_its_checks_pass(monkeypatch, caplog):
+def test_an_unverified_release_leaves_wsd_off_in_one_line_unless_opted_in(monkeypatch, caplog):
+    """A hang is worse than no wsd: on a vLLM release wsd has not run, the plugin stays off,
+    saying so once with the release and the variable that opts in; opted in, it runs."""
     pytest.importorskip("vllm")
     import vllm
 
@@ -701,9 +800,18 @@ def test_an_unverified_release_is_said_once_and_runs_when_its_checks_pass(monkey
 
     monkeypatch.setattr(vllm, "__version__", "0.35.0")
     caplog.set_level("WARNING", logger=patches.__name__)
-    patches.check()
+    _unloaded_plugin(monkeypatch, {"WSD_VLLM": "standalone"})
+    applied = _parts_applied(monkeypatch)
+    plugin.register()
     (line,) = [r.getMessage() for r in caplog.records if r.name == patches.__name__]
-    assert "vLLM 0.35.0 is not a release wsd was verified with (0.32.0, 0.33.0, 0.34.0)" in line
+    assert "wsd is off: vLLM 0.35.0 is not a release wsd was verified with (0.32.0, 0.33.0, 0.34.0)" in line
+    assert "WSD_VLLM_UNVERIFIED=1" in line and applied == []
+    caplog.clear()
+    assert patches.verified({"WSD_VLLM_UNVERIFIED": "1"})
+    (line,) = [r.getMessage() for r in caplog.records if r.name == patches.__name__]
+    assert "WSD_VLLM_UNVERIFIED=1: wsd runs on it" in line
+    monkeypatch.setattr(vllm, "__version__", "0.32.0+cpu")
+    assert patches.verified({})
 
 
 # -- each part applies in the processes that load it -------------------------------------------

@@ -46,9 +46,10 @@ logger = logging.getLogger(__name__)
 _OUTBOX_LIMIT = 1000
 # The I/O thread wakes at least this often to notice stop().
 _MAX_POLL = 0.5
-# An engine holding a command no step has applied for this long is asked
-# (on_pending) for an agreement step; asked again at most this often while it waits.
+# An engine holding a command it may apply is asked (on_pending) for a round at once,
+# then again after this long, the wait doubling up to _WAKE_MAX while the same command waits.
 _WAKE_AFTER = 0.2
+_WAKE_MAX = 2.0
 # How long a refused (raised) locked request waits for its report to be sent.
 _VIOLATION_FLUSH = 0.5
 # How long a closed socket may go on delivering the goodbye (ms): a coordinator
@@ -164,10 +165,14 @@ class Agent:
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
         # An engine that may sit idle or agree seldom (vLLM's) passes on_pending:
-        # the I/O thread calls it when a command has waited _WAKE_AFTER unapplied.
+        # the I/O thread calls it when a command may apply (_maybe_wake).
         self._on_pending = on_pending
-        self._pending_since: float | None = None
-        self._last_wake = 0.0
+        # What the last wake-up was for ((held, applied)), when to ask again and after how long.
+        self._woken_for: tuple[int, int] | None = None
+        self._next_wake = 0.0
+        self._backoff = _WAKE_AFTER
+        # The engine sleeps (pause()): nothing applies and nothing wakes it.
+        self.paused = False
         # Frames put in the outbox by the engine thread and sent by the I/O
         # thread, counted so that a lock violation can wait for its own report.
         self._queued = 0
@@ -288,9 +293,7 @@ class Agent:
         link.steps += 1
         if self.idle or (not agree and link.steps % self._apply_every):
             return []
-        # Warming up, this rank holds nothing back from its group but applies nothing
-        # new: the group's minimum then waits for every member's warm-up.
-        agreed = link.held if self.warm.is_set() else link.applied
+        agreed = self.offer()
         if self._group is not None:
             # fill_/item rather than [0] indexing: a few microseconds less per step.
             self._seq_tensor.fill_(agreed)
@@ -300,6 +303,25 @@ class Agent:
             finally:
                 self.clock.leave()
             agreed = int(self._seq_tensor.item())  # an int64 tensor: item() is an int already
+        return self.settle(agreed)
+
+    def count_step(self) -> None:
+        """One engine step that agrees on nothing: an engine whose own ordered stream brings
+        the agreed number (``settle``) counts its steps here, so that acks name them."""
+        self._link.steps += 1
+
+    def offer(self) -> int:
+        """The highest command this rank may apply now, for its group's agreement (the group
+        applies the lowest offer of its members). Warming up, a rank holds nothing back from
+        its group but applies nothing new: the group's minimum then waits for every member's
+        warm-up."""
+        link = self._link
+        return link.held if self.warm.is_set() else link.applied
+
+    def settle(self, agreed: int) -> list[int]:
+        """Apply every command up to ``agreed``, the number the TP group agreed on (on the
+        engine's thread, between its steps); returns the sequence numbers applied here."""
+        link = self._link
         if agreed <= link.applied:
             return []
         done = link.apply_up_to(agreed)
@@ -307,6 +329,14 @@ class Agent:
             self._put(ack)
         self._waker.wake()
         return [seq for seq, _ in done]
+
+    def pause(self, paused: bool) -> None:
+        """The engine sleeps (True: its memory is gone, so nothing may apply, and it is not
+        woken for a waiting command) or is awake again (False: a waiting command asks for a
+        round at once). Any thread."""
+        self.paused = paused
+        if not paused:
+            self._waker.wake()
 
     def _put(self, frame: bytes) -> int:
         """Queue a frame for the I/O thread (engine thread); returns its ticket."""
@@ -334,31 +364,40 @@ class Agent:
 
     def _wake_due(self) -> float:
         """When the I/O thread must next look at whether to wake the engine."""
-        if self._on_pending is None or not self.warm.is_set() or not self._link.waiting():
+        if self._on_pending is None or self.paused or not self.warm.is_set() or not self._link.waiting():
             return float("inf")
-        since = self._pending_since if self._pending_since is not None else time.monotonic()
-        return max(since, self._last_wake) + _WAKE_AFTER
+        if self._woken_for != (self._link.held, self._link.applied):
+            return time.monotonic()  # something new to agree on: now
+        return self._next_wake
 
     def _maybe_wake(self, now: float) -> None:
-        """Ask the engine for an agreement step when a received command has waited.
+        """Ask the engine for a round when this rank holds a command it may apply.
 
-        Idle, the engine would never step; busy, it agrees only every
-        ``apply_every`` steps: either way a command waits at most about
-        ``_WAKE_AFTER`` (and one step's time) before the group agrees on it.
+        At once when there is something new (a command received, one applied with more
+        behind it, the warm-up over, the engine awake again); then again after 0.2 s,
+        doubling up to ``_WAKE_MAX`` while the same command waits (a peer not there yet, a
+        wake-up sent before the engine core listened). Never while the engine sleeps: each
+        round costs every worker of the engine a spin of vLLM's queue readers.
         """
         if self._on_pending is None:
             return
-        if not self.warm.is_set() or not self._link.waiting():
-            self._pending_since = None  # nothing to wake it for (yet)
+        link = self._link
+        if self.paused or not self.warm.is_set() or not link.waiting():
+            self._woken_for = None  # nothing to wake it for (yet)
             return
-        if self._pending_since is None:
-            self._pending_since = now
-        if now - max(self._pending_since, self._last_wake) >= _WAKE_AFTER:
-            self._last_wake = now
-            try:
-                self._on_pending()
-            except Exception:  # waking is best effort: the next step applies it anyway
-                logger.exception("rank %d: waking the engine failed", self.rank)
+        progress = (link.held, link.applied)
+        if progress != self._woken_for:
+            self._woken_for = progress
+            self._backoff = _WAKE_AFTER
+        elif now < self._next_wake:
+            return
+        else:
+            self._backoff = min(2 * self._backoff, _WAKE_MAX)
+        self._next_wake = now + self._backoff
+        try:
+            self._on_pending()
+        except Exception:  # waking is best effort: the next step applies it anyway
+            logger.exception("rank %d: waking the engine failed", self.rank)
 
     def _run(self) -> None:
         sock = make_socket(self._context, zmq.DEALER)

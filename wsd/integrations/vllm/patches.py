@@ -14,28 +14,27 @@ first two, and is left alone but for its ``/metrics``.
 
 The points are ``POINTS``: each names the vLLM object, what wsd does to it
 (``how``: replaced, wrapped, added or read) and why. ``check()`` walks that
-table, the install of each part patches what it says (a wrapper per wrapped
-point, by name), and docs/vllm.md's table of them is checked against it
-(``tests/unit/test_docs.py``).
+table, the install of each part (``wsd.integrations.vllm.install``) patches what
+it says (a wrapper per wrapped point, by name), and docs/vllm.md's table of them
+is checked against it (``tests/unit/test_docs.py``).
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
 import importlib
 import inspect
 import logging
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from wsd.errors import VllmIntegrationError
 from wsd.integrations.vllm import compat
 
-__all__ = ["API_SERVER", "CHECKED_VERSIONS", "ENGINE_CORE", "POINTS", "WORKER", "EngineHooks", "PatchPoint",
-           "VllmIntegrationError", "check", "install_when_imported", "vllm_version", "wrap"]
+__all__ = ["API_SERVER", "CHECKED_VERSIONS", "CPU_WORKER", "ENGINE_CORE", "POINTS", "UNVERIFIED", "WORKER",
+           "PatchPoint", "VllmIntegrationError", "apply_points", "check", "verified", "vllm_version", "wrap"]
 
 logger = logging.getLogger(__name__)
 
@@ -132,33 +131,43 @@ POINTS = (
                why="once the distributed groups exist, the worker joins wsd (the CPU worker, which builds "
                    "no manager, gets one sized from vLLM's configuration)"),
     PatchPoint(module=WORKER, path="Worker.execute_model", how="wrapped", params=("scheduler_output",),
-               why="vLLM's step boundary, where the TP group agrees on the commands to apply (CPU worker too)"),
+               why="vLLM's step: counted and timed for stall detection (no lock); where no engine core "
+                   "drives the rounds, the TP group's agreement every `apply_every` steps (CPU worker too)"),
     PatchPoint(module=WORKER, path="Worker.execute_dummy_batch", how="wrapped",
-               why="the step of a data-parallel rank with no requests while others run (MoE DP): a boundary too"),
+               why="the step of a data-parallel rank with no requests while others run (MoE DP): a step too"),
     PatchPoint(module=WORKER, path="Worker.sample_tokens", how="wrapped", optional=True,
-               why="the second half of a step, where vLLM has it; with `execute_model`, the engine's own "
-                   "use of the workspace, during which no agreement step runs on another thread"),
+               why="the second half of a step, where vLLM has it: inside the step for stall detection"),
     PatchPoint(module=WORKER, path="Worker.compile_or_warm_up_model", how="wrapped", cpu_worker=True,
-               why="the engine is warm once it returns (its profile run and CUDA-graph capture done)"),
+               why="the engine is warm once the outermost call returns (after CUDA-graph capture and "
+                   "vLLM's `lock_workspace()`); the steps its warm-up runs pass straight through"),
     PatchPoint(module=WORKER, path="Worker.sleep", how="wrapped", cpu_worker=True,
-               why="commands wait while the engine sleeps"),
-    PatchPoint(module=WORKER, path="Worker.wake_up", how="wrapped", cpu_worker=True,
-               why="the engine is awake again once it returns: waiting commands may apply"),
+               why="from its start nothing applies and nothing wakes the engine"),
+    PatchPoint(module=WORKER, path="Worker.wake_up", how="wrapped", cpu_worker=True, params=("tags",),
+               why="awake again once it returns with the KV cache back (no tags, or `kv_cache` among them)"),
     PatchPoint(module=WORKER, path="Worker.shutdown", how="wrapped", why="the agent says goodbye"),
     PatchPoint(module=WORKER, path="Worker.wsd_step", how="added",
-               why="one agreement step, run on every worker by the engine core through `collective_rpc` "
-                   "when an idle engine has a command waiting"),
+               why="one agreement of the TP group on every worker, run by the engine core through "
+                   "`collective_rpc` where it does not drive the rounds through its stream (mp across nodes)"),
+    PatchPoint(module=WORKER, path="Worker.wsd_offer", how="added",
+               why="a round through vLLM's ordered stream, first call: what each worker holds and may apply"),
+    PatchPoint(module=WORKER, path="Worker.wsd_apply", how="added",
+               why="a round through vLLM's ordered stream, second call: each worker applies up to its "
+                   "TP group's agreed number, between the same two steps as its peers"),
+    PatchPoint(module=ENGINE_CORE, path="EngineCoreProc.__init__", how="wrapped",
+               why="names the engine core process (`WSD_VLLM_ENGINE_CORE`) before its executor builds the "
+                   "workers, so that they know an engine core drives them"),
     PatchPoint(module=ENGINE_CORE, path="EngineCoreProc.run_busy_loop", how="wrapped",
                why="the engine core listens for the workers' wake-ups while it runs"),
     PatchPoint(module=ENGINE_CORE, path="DPEngineCoreProc.run_busy_loop", how="wrapped",
                why="the data-parallel engine core's own loop (no `super()`), likewise"),
     PatchPoint(module=ENGINE_CORE, path="EngineCoreProc._handle_client_request", how="wrapped",
                params=("request_type", "request"),
-               why="turns each wake-up into one `wsd_step` between engine steps, on the engine core's thread"),
+               why="turns each wake-up into one round between engine steps, on the engine core's thread"),
     PatchPoint(module=ENGINE_CORE, path="EngineCore.collective_rpc", how="read",
-               why="runs `wsd_step` on every worker"),
+               why="puts a round's calls in the stream to every worker"),
     PatchPoint(module="vllm.distributed.parallel_state", path="get_tp_group", how="read",
-               why="the TP group's gloo `cpu_group`, on which the agreement runs (no new process group)"),
+               why="the worker's place in its TP group; its gloo `cpu_group` only where no engine core "
+                   "drives the rounds (the external launcher, an engine in the caller's process)"),
     PatchPoint(module="vllm.distributed.parallel_state", path="get_world_group", how="read",
                why="the worker's rank and world as vLLM placed it"),
     PatchPoint(module=API_SERVER, path="get_prometheus_registry", how="wrapped",
@@ -169,10 +178,10 @@ POINTS = (
 )
 """Every point where wsd reaches into vLLM, checked by ``check()`` in a live vLLM and, for the
 releases that cannot run here, in their sources (``tests/vllm/test_vllm_releases.py``), patched
-by ``_apply`` as its ``how`` says, and listed in docs/vllm.md."""
+by ``apply_points`` as its ``how`` says, and listed in docs/vllm.md."""
 
 
-def _apply(part: str, wrappers: dict[str, Wrapper], objects: dict[str, Any], module: Any) -> None:
+def apply_points(part: str, wrappers: dict[str, Wrapper], objects: dict[str, Any], module: Any) -> None:
     """Patch every point of ``part`` as ``POINTS`` says (``module``: the part's, as imported):
     ``wrappers[name]`` wraps a wrapped point, ``objects[name]`` takes a replaced or added one's
     place. Those not naming the part's points exactly: ValueError, before anything is patched."""
@@ -224,18 +233,37 @@ def _fits(point: PatchPoint, obj: Any) -> bool:
     return compat.live_params(target, method=method).positional[: len(point.params)] == point.params
 
 
-_said_unverified = False
+UNVERIFIED = "WSD_VLLM_UNVERIFIED"
+"""The environment variable that lets wsd run on a vLLM release it was not verified with."""
+
+
+def verified(env: Mapping[str, str] | None = None) -> bool:
+    """Whether wsd may patch the installed vLLM: a release in ``CHECKED_VERSIONS`` (its local
+    build tag, ``+cpu``, aside), or any release where ``WSD_VLLM_UNVERIFIED=1`` opts in.
+
+    A hang is worse than no wsd: a release wsd has not run may nest, reorder or suspend the
+    worker's calls in ways its names and signatures do not show. Otherwise says once, at
+    WARNING, naming the release and the variable that opts in.
+    """
+    version = vllm_version().split("+")[0]
+    if version in CHECKED_VERSIONS:
+        return True
+    value = (os.environ if env is None else env).get(UNVERIFIED, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        logger.warning("wsd: vLLM %s is not a release wsd was verified with (%s); %s=1: wsd runs on it "
+                       "once every patch point checks out", vllm_version(), ", ".join(CHECKED_VERSIONS), UNVERIFIED)
+        return True
+    logger.warning("wsd is off: vLLM %s is not a release wsd was verified with (%s); vLLM runs as without wsd. "
+                   "Set %s=1 to run wsd on it anyway", vllm_version(), ", ".join(CHECKED_VERSIONS), UNVERIFIED)
+    return False
 
 
 def check(part: str | None = None) -> None:
     """Verify every patch point of ``part`` (``WORKER``, ``ENGINE_CORE`` or ``API_SERVER``; None:
     all), and for the worker's that wsd's stand-in offers all vLLM's workspace module does,
     before anything is patched; VllmIntegrationError naming the version and what differs.
-
-    A release that is not in ``CHECKED_VERSIONS`` is said once per process at WARNING; wsd
-    runs on it if these checks pass.
+    Whether the release is one wsd runs on at all is ``verified``'s to say, first.
     """
-    global _said_unverified
     for point in POINTS:
         if (part is not None and point.part != part) or not point.vllms:
             continue
@@ -259,11 +287,6 @@ def check(part: str | None = None) -> None:
                 f"wsd leaves vLLM's own WorkspaceManager in place (wsd was checked against vLLM "
                 f"{', '.join(CHECKED_VERSIONS)})"
             )
-    version = vllm_version().split("+")[0]
-    if version not in CHECKED_VERSIONS and not _said_unverified:
-        _said_unverified = True
-        logger.warning("wsd: vLLM %s is not a release wsd was verified with (%s); every patch point and "
-                       "the workspace API check out, so wsd runs", vllm_version(), ", ".join(CHECKED_VERSIONS))
 
 
 def wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -275,225 +298,3 @@ def wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..
     wrapper.__wsd_wrapped__ = True  # type: ignore[attr-defined]
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     setattr(owner, name, wrapper)
-
-
-class EngineHooks(Protocol):
-    """What the patches tell the plugin, and ask of it, about the engine of this process."""
-
-    def step(self, *, agree: bool) -> list[int]:
-        """The step boundary: ``agree=False`` at every engine step, True at a ``wsd_step``."""
-        ...
-
-    def busy(self) -> AbstractContextManager[None]:
-        """Held while the engine itself uses the workspace (a step, warm-up, sleep, wake)."""
-        ...
-
-    def warmed(self) -> None:
-        """The engine's warm-up (profile run, CUDA-graph capture) has returned."""
-        ...
-
-    def sleeping(self, asleep: bool) -> None:
-        """The engine went to sleep (True) or woke up (False)."""
-        ...
-
-
-def install_when_imported(*, manager_class: type, attach: Callable[[Any], None], detach: Callable[[], None],
-                          engine: EngineHooks, served: Callable[[Any], None],
-                          failed: Callable[[BaseException, str], None]) -> None:
-    """Check and apply each part of the patch points in the processes that import its module,
-    when they import it (now, where it is imported already).
-
-    ``manager_class`` takes the place of vLLM's ``WorkspaceManager``.
-    ``attach(worker)`` runs after a worker's ``init_device``; ``detach()`` at its
-    shutdown and at ``reset_workspace_manager``; ``engine`` hears of steps,
-    warm-up and sleep (``EngineHooks``); ``served(registry)`` is given every registry
-    vLLM's API server serves at ``/metrics``. A part whose check or patching fails is
-    not applied (a check fails before anything of that part is patched):
-    ``failed(error, what)`` is told, and may raise, which fails the import.
-    """
-    from wsd.integrations.vllm.imports import when_imported
-
-    worker_patched = False
-
-    def worker(module: Any) -> None:
-        nonlocal worker_patched
-        try:
-            check(WORKER)
-            _install_worker(module, manager_class=manager_class, attach=attach, detach=detach, engine=engine)
-        except Exception as e:
-            failed(e, "patching vLLM's worker")
-            return
-        worker_patched = True
-
-    def cpu_worker(module: Any) -> None:
-        if not worker_patched:  # it imports the worker first: that part failed, or was never
-            return
-        try:
-            _install_cpu_worker(module.CPUWorker, attach=attach, engine=engine)
-        except Exception as e:
-            failed(e, "patching vLLM's CPU worker")
-
-    def engine_core(module: Any) -> None:
-        try:
-            check(ENGINE_CORE)
-            _install_engine_core(module)
-        except Exception as e:
-            failed(e, "patching vLLM's engine core")
-
-    def api_server(module: Any) -> None:
-        try:
-            check(API_SERVER)
-            _install_api_server(module, served)
-        except Exception as e:
-            failed(e, "patching vLLM's /metrics")
-
-    when_imported(WORKER, worker)
-    when_imported(CPU_WORKER, cpu_worker)  # after the worker's: it imports the worker
-    when_imported(ENGINE_CORE, engine_core)
-    when_imported(API_SERVER, api_server)
-
-
-def _install_api_server(module: Any, served: Callable[[Any], None]) -> None:
-    """The API server's part: the registry ``attach_router`` serves at ``/metrics``, shown to
-    ``served`` before vLLM serves it."""
-    def get_prometheus_registry(original: Callable[[], Any]) -> Callable[[], Any]:
-        def registry() -> Any:
-            served_registry = original()
-            served(served_registry)
-            return served_registry
-        return registry
-
-    _apply(API_SERVER, {"get_prometheus_registry": get_prometheus_registry}, {}, module)
-
-
-def _install_worker(module: Any, *, manager_class: type, attach: Callable[[Any], None],
-                    detach: Callable[[], None], engine: EngineHooks) -> None:
-    """The worker's part: wsd's manager class in vLLM's place, the worker's methods wrapped and
-    ``wsd_step`` added."""
-    from wsd.integrations.vllm.wake import WSD_STEP
-
-    def reset_workspace_manager(original: Callable[[], None]) -> Callable[[], None]:
-        def reset() -> None:
-            detach()
-            original()
-        return reset
-
-    def stepping(original: Callable[..., Any]) -> Callable[..., Any]:
-        def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with engine.busy():
-                engine.step(agree=False)
-                return original(self, *args, **kwargs)
-        return execute
-
-    def shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
-        def stop(self: Any, *args: Any, **kwargs: Any) -> Any:
-            detach()
-            return original(self, *args, **kwargs)
-        return stop
-
-    def wsd_step(self: Any) -> list[int]:
-        """One agreement step outside ``execute_model`` (the engine core asks it of every worker)."""
-        with engine.busy():
-            return engine.step(agree=True)
-
-    _apply(WORKER, {"reset_workspace_manager": reset_workspace_manager, "execute_model": stepping,
-                    "execute_dummy_batch": stepping, "sample_tokens": _busy(engine), "shutdown": shutdown,
-                    **_lifecycle(attach, engine)},
-           {"WorkspaceManager": manager_class, WSD_STEP: wsd_step}, module)
-
-
-def _install_cpu_worker(cpu_worker: Any, *, attach: Callable[[Any], None], engine: EngineHooks) -> None:
-    """The CPU worker's own versions of the worker's life-cycle methods (no super()): wrapped
-    likewise, those ``POINTS`` marks ``cpu_worker``."""
-    lifecycle = _lifecycle(attach, engine)
-    for point in POINTS:
-        if point.cpu_worker and point.name in vars(cpu_worker):
-            wrap(cpu_worker, point.name, lifecycle[point.name])
-
-
-def _busy(engine: EngineHooks) -> Wrapper:
-    def busy(original: Callable[..., Any]) -> Callable[..., Any]:
-        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with engine.busy():
-                return original(self, *args, **kwargs)
-        return run
-    return busy
-
-
-def _lifecycle(attach: Callable[[Any], None], engine: EngineHooks) -> dict[str, Wrapper]:
-    """The wrappers of a worker's life-cycle methods, which the CPU worker overrides too:
-    device set-up (then ``attach``), warm-up, sleep and wake."""
-
-    def init_device(original: Callable[..., Any]) -> Callable[..., Any]:
-        def init(self: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(self, *args, **kwargs)
-            attach(self)
-            return result
-        return init
-
-    def warm_up(original: Callable[..., Any]) -> Callable[..., Any]:
-        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with engine.busy():
-                result = original(self, *args, **kwargs)
-            engine.warmed()
-            return result
-        return run
-
-    def sleep(original: Callable[..., Any]) -> Callable[..., Any]:
-        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with engine.busy():
-                engine.sleeping(True)  # first: nothing is applied from here on
-                return original(self, *args, **kwargs)
-        return run
-
-    def wake_up(original: Callable[..., Any]) -> Callable[..., Any]:
-        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with engine.busy():
-                result = original(self, *args, **kwargs)
-                engine.sleeping(False)  # last: the memory is back
-            return result
-        return run
-
-    return {"init_device": init_device, "compile_or_warm_up_model": warm_up, "sleep": sleep, "wake_up": wake_up}
-
-
-def _install_engine_core(core: Any) -> None:
-    """The engine core's part: it listens for the workers' wake-ups and turns each into one
-    ``wsd_step`` between engine steps."""
-    import zmq
-
-    from wsd.integrations.vllm.wake import WSD_STEP, WakeListener
-
-    def run_busy_loop(original: Callable[..., Any]) -> Callable[..., Any]:
-        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-            try:
-                self._wsd_wake = listener = WakeListener(self.input_queue)
-            except (OSError, zmq.ZMQError) as e:  # the engine serves on; commands wait for its steps
-                logger.error("wsd: cannot listen for wake-ups (%s); an idle engine will apply "
-                             "commands only at its next request", e)
-                return original(self, *args, **kwargs)
-            atexit.register(listener.close)  # also when the loop is left by a signal
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                listener.close()
-        return run
-
-
-    def handle_client_request(original: Callable[..., Any]) -> Callable[..., Any]:
-        def handle(self: Any, request_type: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-            if isinstance(request_type, str) and request_type == WSD_STEP:
-                wake = getattr(self, "_wsd_wake", None)
-                if wake is not None:
-                    wake.queued.clear()  # wake-ups from now on ask for another step
-                try:
-                    self.collective_rpc(WSD_STEP)
-                except Exception:  # a failed step must not take the engine down
-                    logger.exception("wsd: the agreement step on the workers failed")
-                return None
-            return original(self, request_type, request, *args, **kwargs)
-        return handle
-
-    # DPEngineCoreProc's run_busy_loop is its own (no super()): wrapped likewise.
-    _apply(ENGINE_CORE, {"run_busy_loop": run_busy_loop, "_handle_client_request": handle_client_request}, {},
-           core)

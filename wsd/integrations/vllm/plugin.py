@@ -16,20 +16,23 @@ worker class is chosen. It does nothing unless wsd is turned on (``mode``):
 - ``WSD_VLLM=off``, or neither: vLLM runs exactly as without wsd, and each
   worker says so in one line.
 
-On, it checks the patch points of each part (``patches``) in the processes
-that import what that part patches, when they import it (the workers, the
-engine core, the API server's ``/metrics``), then:
+On, and on a vLLM release wsd was verified with (``patches.verified``: any
+other leaves wsd off with one WARNING line, unless ``WSD_VLLM_UNVERIFIED=1``),
+it checks the patch points of each part (``patches``) in the processes that
+import what that part patches, when they import it (the workers, the engine
+core, the API server's ``/metrics``), then:
 
 - every manager vLLM builds is wsd's (``workspace.WorkspaceManager``); the CPU
   worker, which builds none, gets one sized from vLLM's configuration;
 - with a coordinator, each worker starts one agent: rank and world are vLLM's
   own (its world group: DP x PP x PCP x TP across data-parallel engines of one
   model, each dense data-parallel replica a world of its own, as vLLM runs it),
-  TP size from vLLM's parallel configuration, and the per-step agreement on
-  vLLM's own gloo group of the TP group;
-- ``execute_model`` (and ``execute_dummy_batch``, a data-parallel rank's idle
-  step) is the step boundary; an idle engine gets a step when a command waits
-  (``_Wake``);
+  TP size from vLLM's parallel configuration;
+- commands apply where vLLM's engine core puts a round in its ordered stream
+  to the workers, between two steps, when an agent asks for one
+  (``wsd.integrations.vllm.stream``); where no engine core drives the workers,
+  at the TP group's agreement on vLLM's gloo group of the TP group
+  (``wsd.integrations.vllm.lifecycle``);
 - shutdown (or ``reset_workspace_manager``) says goodbye and detaches.
 
 Fail-safe: no wsd error stops vLLM. An error while loading or attaching logs
@@ -47,13 +50,13 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 from wsd.config import Presize, WsdConfig, load_config
 from wsd.errors import ConfigError
 from wsd.integrations.vllm.layout import Placement, default_engine, identity, placement, served_model
+from wsd.integrations.vllm.lifecycle import Engine, Wake
 from wsd.integrations.vllm.logs import log_with_vllm
 
 __all__ = ["MODE", "STRICT", "VLLM_APPLY_EVERY", "Mode", "enabled", "mode", "register", "strict"]
@@ -150,6 +153,9 @@ def register() -> None:
         config = load_config()
         from wsd.integrations.vllm import metrics, patches
 
+        if not patches.verified():
+            return
+
         metrics.share_directory()  # named before this process starts the others
         endpoint = _endpoint(config) if _coordinator_configured(os.environ) else ""
         _install(config, endpoint)
@@ -187,95 +193,24 @@ def _endpoint(config: WsdConfig) -> str:
 # -- what the patches call ------------------------------------------------------
 
 
-class _Engine:
-    """This worker process's engine, as the patches see it: busy, warm, asleep.
-
-    ``busy`` is held for each of the engine's own uses of the workspace
-    (a step, its warm-up, sleeping and waking), so that an agreement step may
-    run on the agent's thread between them (``step_between``).
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.warm = False
-        self.asleep = False
-        self.steps = 0
-        """Engine steps (``execute_model``, ``execute_dummy_batch``) this process has run."""
-
-    @contextmanager
-    def busy(self) -> Iterator[None]:
-        """Held for each of the engine's own uses of the workspace. Once warm, that is a step
-        (or sleeping, or waking), and the agent's clock says the engine is inside one: a
-        worker inside one past ``stall_after`` (a TP peer frozen mid-collective) is stalled.
-        Warm-up (compilation, CUDA-graph capture) may take minutes, and is no step."""
-        with self.lock:
-            attachment = _attachment
-            clock = attachment.agent.clock if self.warm and attachment is not None and attachment.agent else None
-            if clock is None:
-                yield
-                return
-            clock.enter()
-            try:
-                yield
-            finally:
-                clock.leave()
-
-    def warmed(self) -> None:
-        """vLLM's warm-up returned (its profile run, CUDA-graph capture and the lock after
-        it): commands, a replayed desired state included, may apply from now on."""
-        self.warm = True
-        attachment = _attachment
-        if attachment is not None and attachment.agent is not None:
-            attachment.agent.mark_warm()
-
-    def sleeping(self, asleep: bool) -> None:
-        self.asleep = asleep
-
-    def step(self, *, agree: bool) -> list[int]:
-        """The step boundary (``execute_model``, or a woken engine's ``wsd_step``, which agrees).
-
-        Commands wait while the engine sleeps: a waiting ``reserve`` would
-        allocate the memory that sleep mode freed. Every rank of a TP group
-        sleeps and wakes together, so they skip the same steps.
-        """
-        if not agree:
-            self.steps += 1
-            if not self.warm:
-                self.warmed()  # an engine step comes after any warm-up: never wait for ever
-        attachment = _attachment
-        agent = None if attachment is None else attachment.agent
-        if agent is None or self.asleep:
-            return []
-        try:
-            return agent.step(agree=agree)
-        except Exception as e:
-            if strict():
-                raise
-            _off(e, "the agreement step")
-            # On a thread of its own: this may be the agent's thread, which stop() joins.
-            threading.Thread(target=_detach, name="wsd-detach", daemon=True).start()
-            return []
-
-    def step_between(self) -> None:
-        """One agreement step on the calling thread, if the engine is warm, awake and
-        between two of its own steps; else nothing (a TP group of one rank only)."""
-        if not self.warm or self.asleep or not self.lock.acquire(blocking=False):
-            return  # a busy engine agrees within apply_every steps anyway
-        try:
-            self.step(agree=True)
-        finally:
-            self.lock.release()
+def _agreement_failed(error: BaseException) -> None:
+    """Applying commands raised in this worker: wsd goes off here (or, strict, stops vLLM)."""
+    if strict():
+        raise error
+    _off(error, "applying commands")
+    # On a thread of its own: this may be the agent's thread, which stop() joins.
+    threading.Thread(target=_detach, name="wsd-detach", daemon=True).start()
 
 
-_engine = _Engine()
+_engine = Engine(_agreement_failed)
 
 
 def _install(config: WsdConfig, endpoint: str) -> None:
     """The patches, each part checked and applied where vLLM imports what it patches: the
     worker's in worker processes, the engine core's in engine cores; none in an API server."""
-    from wsd.integrations.vllm import metrics, patches, workspace
+    from wsd.integrations.vllm import install, metrics, workspace
 
-    patches.install_when_imported(manager_class=workspace.configured(config.workspace),
+    install.install_when_imported(manager_class=workspace.configured(config.workspace),
                                   attach=lambda worker: _attach(worker, config, endpoint), detach=_detach,
                                   engine=_engine, served=metrics.serve_workers, failed=_failed)
 
@@ -287,53 +222,6 @@ def _failed(error: BaseException, doing: str) -> None:
     _off(error, doing)
 
 
-class _Wake:
-    """The agent's ``on_pending``: how this worker gets an agreement step out of its engine.
-
-    In the order tried:
-
-    1. an engine core in this process listens (the ``uni`` executor, whose worker
-       lives in the engine core): ask it directly, and its own thread runs the step;
-    2. a TP group of one rank: run the step here, on the agent's thread, between
-       the engine's own steps (no other rank takes part, and the engine core is
-       not disturbed; also the only way for an engine in the caller's process,
-       ``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
-    3. the parent is an engine core (the multiprocess executor): tell it over its
-       socket, and it runs ``wsd_step`` on every worker of the engine;
-    4. none of these (Ray workers, a multi-node follower, the external launcher
-       with TP > 1): the command waits for the engine's next agreement step, at
-       most ``apply_every`` steps of traffic; said once at WARNING.
-    """
-
-    def __init__(self, rank: int, tp_size: int) -> None:
-        from wsd.integrations.vllm.wake import WakeSender, wake_endpoint
-
-        self.rank = rank
-        self.tp_size = tp_size
-        self.sender = WakeSender(wake_endpoint(os.getppid()))
-        self._warned = False
-
-    def __call__(self) -> None:
-        from wsd.integrations.vllm.wake import local_listener
-
-        listener = local_listener()
-        if listener is not None:
-            listener.request()
-        elif self.tp_size == 1:
-            _engine.step_between()
-        elif self.sender.listening():
-            self.sender()
-        elif not self._warned:
-            self._warned = True
-            logger.warning("wsd: rank %d cannot wake its engine (no engine core listens at %s: "
-                           "Ray, a multi-node follower or the external launcher); a waiting "
-                           "command applies at the engine's next agreement step, within %d "
-                           "steps of traffic", self.rank, self.sender.endpoint, VLLM_APPLY_EVERY)
-
-    def close(self) -> None:
-        self.sender.close()
-
-
 # -- one worker's attachment ------------------------------------------------------
 
 
@@ -341,7 +229,7 @@ class _Attachment:
     """What a worker attached: its figures for vLLM's /metrics, and its agent where a
     coordinator steers it; and what they need to stop."""
 
-    def __init__(self, publisher: Any, agent: Any = None, wake: _Wake | None = None) -> None:
+    def __init__(self, publisher: Any, agent: Any = None, wake: Wake | None = None) -> None:
         self.publisher = publisher
         self.agent = agent
         self.wake = wake
@@ -379,6 +267,7 @@ def _join(worker: Any, config: WsdConfig, endpoint: str) -> None:
 
     from wsd.agent.thread import gpu_uuid
     from wsd.integrations.vllm import metrics, workspace
+    from wsd.integrations.vllm.stream import driven_by_engine_core
     from wsd.manager.violationlog import ViolationLog
 
     with _attach_lock:
@@ -397,6 +286,7 @@ def _join(worker: Any, config: WsdConfig, endpoint: str) -> None:
         world = parallel_state.get_world_group()
         place = placement(parallel, world.rank, world.world_size)
         engine = config.agent.engine or default_engine(vllm_config, socket.gethostname())
+        stream = driven_by_engine_core(parallel, os.environ, os.getpid(), os.getppid())
         labels = identity(worker, place, engine=engine, endpoint=endpoint, device=str(manager.device),
                           gpu_labels=gpu_uuid(manager.device))
         publisher = metrics.Publisher(manager, labels,
@@ -405,13 +295,14 @@ def _join(worker: Any, config: WsdConfig, endpoint: str) -> None:
         agent = wake = None
         if endpoint:
             try:
-                agent, wake = _start_agent(worker, config, manager, place, engine, endpoint)
+                agent, wake = _start_agent(worker, config, manager, place, engine, endpoint, stream)
             except BaseException:
                 publisher.stop()
                 raise
         manager.add_violation_listener(ViolationLog(logger, rank=place.rank,
                                                     policy=config.workspace.on_locked_growth))
         _attachment = _Attachment(publisher, agent, wake)
+        _engine.attach(agent, stream=stream, group=place.tp_group)
         if agent is not None:  # [workspace] presize = "profile": after vLLM's start-of-worker memory
             # snapshot, before its profile run and capture, so its budget counts what is reserved
             agent.presize_from_profile(config.agent.connect_timeout)
@@ -422,7 +313,7 @@ def _join(worker: Any, config: WsdConfig, endpoint: str) -> None:
 
 
 def _start_agent(worker: Any, config: WsdConfig, manager: Any, place: Placement, engine: str,
-                 endpoint: str) -> tuple[Any, _Wake]:
+                 endpoint: str, stream: bool) -> tuple[Any, Wake]:
     """This worker's agent, joining the coordinator at ``endpoint``, and how it wakes its engine."""
     from vllm.distributed import parallel_state
 
@@ -436,13 +327,14 @@ def _start_agent(worker: Any, config: WsdConfig, manager: Any, place: Placement,
     tp = parallel_state.get_tp_group()
     token = load_agent_token(config.security)
     curve = agent_keys(config.security)
-    wake = _Wake(place.rank, place.tp_size)
+    apply_every = config.agent.apply_every or VLLM_APPLY_EVERY
+    wake = Wake(_engine, place.rank, place.tp_size, apply_every)
     try:
         agent = Agent(
             manager, endpoint=endpoint, rank=place.rank, world_size=place.world_size,
-            tp_size=place.tp_size, tp_group=tp.cpu_group if place.tp_size > 1 else None,
-            config=dataclasses.replace(config.agent, engine=engine,
-                                       apply_every=config.agent.apply_every or VLLM_APPLY_EVERY),
+            # Driven by its engine core, the group agrees through vLLM's stream: nothing on its cpu_group.
+            tp_size=place.tp_size, tp_group=tp.cpu_group if place.tp_size > 1 and not stream else None,
+            config=dataclasses.replace(config.agent, engine=engine, apply_every=apply_every),
             model=served_model(vllm_config),
             heartbeat_interval=config.coordinator.heartbeat_interval,
             heartbeat_timeout=config.coordinator.heartbeat_timeout,
@@ -467,6 +359,7 @@ def _detach() -> None:
     global _attachment
     with _attach_lock:
         attachment, _attachment = _attachment, None
+        _engine.detach()
     if attachment is not None:
         try:
             attachment.close()

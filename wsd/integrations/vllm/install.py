@@ -194,13 +194,10 @@ def _stepping(engine: EngineHooks) -> Wrapper:
     """``execute_model`` and ``execute_dummy_batch``: an outermost one is a step."""
     def stepping(original: Callable[..., Any]) -> Callable[..., Any]:
         def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if engine.enter():
-                try:
-                    engine.step()
-                except BaseException:
-                    engine.leave()
-                    raise
+            outermost = engine.enter()
             try:
+                if outermost:
+                    engine.step()
                 return original(self, *args, **kwargs)
             finally:
                 engine.leave()
@@ -276,8 +273,7 @@ def install_engine_core(core: Any) -> None:
 
     import zmq
 
-    from wsd.integrations.vllm.lifecycle import engine_core_streams
-    from wsd.integrations.vllm.stream import ENGINE_CORE_PID, WSD_APPLY, WSD_OFFER, agree
+    from wsd.integrations.vllm.stream import ENGINE_CORE_PID, WSD_APPLY, WSD_OFFER, agree, stream_shape
     from wsd.integrations.vllm.wake import WSD_STEP, WakeListener
 
     def init(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -303,7 +299,7 @@ def install_engine_core(core: Any) -> None:
 
     def round_(self: Any) -> None:
         """One round on the engine core's thread, between two engine steps."""
-        if not engine_core_streams(self.vllm_config):
+        if not stream_shape(self.vllm_config.parallel_config):
             self.collective_rpc(WSD_STEP)
             return
         agreed = agree(self.collective_rpc(WSD_OFFER))

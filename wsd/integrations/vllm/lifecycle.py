@@ -42,8 +42,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from wsd.integrations.vllm.stream import stream_shape
-
 __all__ = ["Engine", "Wake"]
 
 logger = logging.getLogger(__name__)
@@ -259,8 +257,3 @@ class Wake:
     def close(self) -> None:
         self.sender.close()
 
-
-def engine_core_streams(vllm_config: Any) -> bool:
-    """In the engine core: whether its rounds go through its ordered stream (``wsd_offer`` and
-    ``wsd_apply``) or are one ``wsd_step`` agreement on every worker."""
-    return stream_shape(vllm_config.parallel_config)

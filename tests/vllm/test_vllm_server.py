@@ -121,10 +121,12 @@ def test_the_local_recipe_serves_vllm_with_the_plugin_and_stops_everything(tmp_p
     env = {k: v for k, v in vllm_env().items() if not k.startswith("WSD_") and k != "VLLM_CPU_OMP_THREADS_BIND"}
     env.update(PYTHON=sys.executable, TMPDIR=str(tmp_path), ENGINE="vllm", NPROC="1", API_PORT=str(port),
                VLLM_MODEL=model, VLLM_ARGS=(
-                   "--load-format dummy --skip-tokenizer-init --dtype bfloat16 --enforce-eager --max-model-len 128 "
+                   "--load-format dummy --skip-tokenizer-init --dtype float32 --enforce-eager --max-model-len 128 "
                    f"--max-num-seqs 4 --max-num-batched-tokens 128 --kv-cache-memory-bytes {64 << 20}"),
                WSD_COORDINATOR_AGENT_ENDPOINT="tcp://127.0.0.1:0", WSD_COORDINATOR_CLIENT_ENDPOINT="tcp://127.0.0.1:0",
                WSD_COORDINATOR_METRICS_PORT="0", WSD_COORDINATOR_STATE_FILE=str(tmp_path / "state"))
+    # float32: vllm-cpu 0.32.0's bfloat16 attention kills a lone mp worker on an AMX host
+    # with SIGILL, wsd or not (docs/vllm.md, "What a CPU engine shows").
     proc = spawn(["bash", str(RUN_SH)], env=env, name="run.sh")
     client = proc.wait_for(r"wsd-local: clients on (\S+)", 60).group(1)
     proc.wait_for(rf"vLLM's API server on http://127\.0\.0\.1:{port}, 1 workers \(engine vllm\)", 5)

@@ -84,6 +84,7 @@ NOT_CONFIGURATION: dict[str, str] = {
     "WSD_VLLM_METRICS_DIR": "where vLLM's workers leave their figures for its /metrics (set by the plugin)",
     "WSD_VLLM_ENGINE_CORE": "the pid of the vLLM engine core that drives a worker's rounds (set by the plugin)",
     "WSD_VLLM_UNVERIFIED": "1: the vLLM plugin runs on a vLLM release wsd was not verified with",
+    "WSD_VLLM_SNAPSHOT": "1: this vLLM engine is being snapshotted (vllm snapshot create; set by the plugin)",
     "WSD_VLLM_RELEASES": "where .ci/vllm-releases keeps the verified vLLM releases' sources, for the tests",
 }
 """The ``WSD_*`` environment variables that are not ``WSD_<SECTION>_<KEY>``

@@ -65,6 +65,11 @@ case $ENGINE in
     wsd) ;;
     vllm)
         [[ -n $VLLM_MODEL ]] || die "ENGINE=vllm needs VLLM_MODEL, the model vLLM serves" 2
+        # Set, VLLM_PLUGINS is vLLM's allow-list of every plugin group: without wsd in it,
+        # vLLM would never load wsd, silently.
+        if [[ -n ${VLLM_PLUGINS+set} && ,$VLLM_PLUGINS, != *,wsd,* ]]; then
+            die "VLLM_PLUGINS='$VLLM_PLUGINS' leaves wsd out: vLLM loads only the plugins it names; add wsd (VLLM_PLUGINS=${VLLM_PLUGINS:+$VLLM_PLUGINS,}wsd) or unset it" 2
+        fi
         "$PYTHON" -c 'import vllm' 2>/dev/null || die "ENGINE=vllm: $PYTHON cannot import vllm" 2
         # vLLM's ranks are the coordinator's default engine: wsctl needs no --engine,
         # and the coordinator's world size (NPROC) is theirs.

@@ -970,6 +970,19 @@ def test_local_script_with_vllm_needs_its_model(tmp_path):
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("plugins", ["", "lora_resolver", "wsd-extra,other"])
+def test_local_script_with_vllm_refuses_an_allow_list_without_wsd(tmp_path, plugins):
+    """Set, VLLM_PLUGINS names every plugin vLLM loads: one without wsd would start vLLM
+    without wsd and say nothing, so the recipe says so and starts nothing."""
+    result = subprocess.run(["bash", str(RUN_SH)], env=_local_env(tmp_path, ENGINE="vllm", VLLM_MODEL="m",
+                                                                  VLLM_PLUGINS=plugins),
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (f"wsd-local: VLLM_PLUGINS='{plugins}' leaves wsd out: vLLM loads only the plugins "
+                             f"it names; add wsd (VLLM_PLUGINS={plugins + ',' if plugins else ''}wsd) or unset it\n")
+    assert leftovers(tmp_path) == []
+
+
 # -- CURVE keys, for real: the documented steps, the mounts, a coordinator --------------------------
 
 
@@ -1254,3 +1267,12 @@ def test_slurm_script_runs_one_vllm_engine_over_every_node_with_the_plugin(tmp_p
 def test_slurm_script_with_vllm_needs_its_model(tmp_path):
     code, output, steps = _run_sbatch(tmp_path, DEPLOY / "slurm" / "wsd.toml", "303", ENGINE="vllm")
     assert code == 2 and steps == [] and "ENGINE=vllm needs VLLM_MODEL" in output
+
+
+def test_slurm_script_with_vllm_refuses_an_allow_list_without_wsd(tmp_path):
+    code, output, steps = _run_sbatch(tmp_path, DEPLOY / "slurm" / "wsd.toml", "304", ENGINE="vllm",
+                                      VLLM_MODEL="m", VLLM_PLUGINS="lora_resolver")
+    assert code == 2 and steps == [] and "VLLM_PLUGINS='lora_resolver' leaves wsd out" in output, output
+    code, output, steps = _run_sbatch(tmp_path, DEPLOY / "slurm" / "wsd.toml", "305", ENGINE="vllm",
+                                      VLLM_MODEL="m", VLLM_PLUGINS="lora_resolver,wsd", SLURM_JOB_NODELIST="node1")
+    assert code == 0, output

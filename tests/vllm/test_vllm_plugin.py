@@ -68,6 +68,33 @@ def test_standalone_needs_no_coordinator_and_off_wins_over_one(tmp_path):
         plugin.mode({"WSD_VLLM": "on"})
 
 
+def test_an_engine_being_snapshotted_runs_wsd_standalone_and_says_so_once(monkeypatch, caplog):
+    """``vllm snapshot create`` runs the engine as ``python -m vllm.snapshot.server`` and refuses
+    a process tree with a TCP connection out of it: there, with a coordinator configured, the
+    workers attach standalone; the root says so in one WARNING line and tells its children."""
+    from importlib.machinery import ModuleSpec
+
+    endpoints: list[str] = []
+    _unloaded_plugin(monkeypatch, {"WSD_COORDINATOR_CONNECT_ENDPOINT": "tcp://10.0.0.9:7600"})
+    monkeypatch.setattr(plugin, "_install", lambda config, endpoint: endpoints.append(endpoint))
+    monkeypatch.setenv(plugin.SNAPSHOT, "0")  # the plugin sets it: gone again after the test
+    main = sys.modules["__main__"]
+    caplog.set_level("WARNING", logger=plugin.__name__)
+    plugin.register()
+    assert endpoints == ["tcp://10.0.0.9:7600"] and not caplog.records, "an engine not snapshotted"
+    monkeypatch.setattr(plugin, "_installed", False)
+    monkeypatch.setattr(main, "__spec__", ModuleSpec("vllm.snapshot.server", None), raising=False)
+    plugin.register()
+    assert endpoints[-1] == "", "the snapshot's root joined the coordinator"
+    assert os.environ[plugin.SNAPSHOT] == "1"
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "vllm snapshot create" in warned[0] and "standalone" in warned[0], warned
+    monkeypatch.setattr(plugin, "_installed", False)
+    monkeypatch.setattr(main, "__spec__", None, raising=False)  # a child: the engine core, a worker
+    plugin.register()
+    assert endpoints[-1] == "" and len(caplog.records) == 1
+
+
 def test_a_bad_config_file_fails_naming_it(tmp_path):
     config = tmp_path / "wsd.toml"
     config.write_text("[coordinator\n")
@@ -625,6 +652,41 @@ def test_a_round_settles_each_group_at_its_lowest_offer():
     assert engine.settle({0: 9}) == [] and engine.settle({1: 7}) == [7]
     engine.sleeping(True)
     assert engine.offer() is None and engine.settle({1: 9}) == []
+
+
+def test_an_engine_core_whose_executor_sleeps_calls_no_worker_for_a_round(monkeypatch):
+    """A wake-up reaching a sleeping engine core makes no round: no call reaches its workers
+    (a checkpointed executor refuses every one) until the executor is awake again."""
+    from wsd.integrations.vllm import install, patches
+    from wsd.integrations.vllm.stream import WSD_APPLY, WSD_OFFER
+
+    wrappers: dict[str, object] = {}
+    monkeypatch.setattr(patches, "apply_points",
+                        lambda part, wrapped, objects, module: wrappers.update(wrapped))
+    install.install_engine_core(None)
+    handle = wrappers["_handle_client_request"](lambda *a: pytest.fail("a wsd step reached vLLM's own handler"))
+    calls: list[str] = []
+
+    class Executor:
+        def __init__(self) -> None:
+            self.sleeping_tags = {"kv_cache"}
+
+        @property
+        def is_sleeping(self) -> bool:
+            return bool(self.sleeping_tags)
+
+    def collective_rpc(method, args=()):
+        calls.append(method)
+        return [{"group": 0, "held": 2, "applied": 1}] if method == WSD_OFFER else [[2]]
+
+    core = SimpleNamespace(model_executor=Executor(), collective_rpc=collective_rpc,
+                           vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(
+                               distributed_executor_backend="mp", nnodes=1)))
+    handle(core, WSD_STEP, None)
+    assert calls == [], "a round reached the workers of a sleeping executor"
+    core.model_executor.sleeping_tags = set()
+    handle(core, WSD_STEP, None)
+    assert calls == [WSD_OFFER, WSD_APPLY]
 
 
 def test_only_workers_their_engine_core_spawned_or_holds_take_commands_through_its_stream():

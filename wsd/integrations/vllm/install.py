@@ -298,7 +298,11 @@ def install_engine_core(core: Any) -> None:
         return run
 
     def round_(self: Any) -> None:
-        """One round on the engine core's thread, between two engine steps."""
+        """One round on the engine core's thread, between two engine steps; none while the
+        executor sleeps: its workers apply nothing asleep, and a checkpointed executor
+        (vLLM 0.34's ``cuda_checkpoint``) refuses every call to them."""
+        if getattr(getattr(self, "model_executor", None), "is_sleeping", False):
+            return
         if not stream_shape(self.vllm_config.parallel_config):
             self.collective_rpc(WSD_STEP)
             return

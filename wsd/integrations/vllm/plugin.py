@@ -158,6 +158,8 @@ def register() -> None:
 
         metrics.share_directory()  # named before this process starts the others
         endpoint = _endpoint(config) if _coordinator_configured(os.environ) else ""
+        if endpoint and _snapshotting():
+            endpoint = ""  # the snapshot may hold no connection out of its process tree
         _install(config, endpoint)
     except Exception as e:
         if strict():
@@ -167,6 +169,37 @@ def register() -> None:
     _installed = True
     logger.debug("wsd plugin loaded (vLLM %s, %s): coordinator %s", patches.vllm_version(), on.value,
                  endpoint or "none")
+
+
+SNAPSHOT = "WSD_VLLM_SNAPSHOT"
+"""Set by the plugin in the root of a vLLM snapshot (``vllm snapshot create`` runs the engine
+as ``python -m vllm.snapshot.server``), for the engine core and workers it starts."""
+
+
+def _snapshotting(main_module: str | None = None) -> bool:
+    """True in every process of an engine that ``vllm snapshot create`` (vLLM 0.34) runs to
+    snapshot; the root process says so, once, and tells its children.
+
+    CRIU refuses a process tree holding an established TCP connection to anything outside it
+    (``vllm/snapshot/runtime.py``, ``_validate_tcp_connections``), which an agent's
+    connection to a coordinator is; and a restored copy of that connection would be a second
+    rank under the same identity. So such an engine's workers run wsd standalone.
+    """
+    if os.environ.get(SNAPSHOT) == "1":
+        return True
+    if main_module is None:
+        import sys
+
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        main_module = getattr(spec, "name", None)
+    if main_module != "vllm.snapshot.server":
+        return False
+    os.environ[SNAPSHOT] = "1"
+    logger.warning("wsd: vllm snapshot create: this engine's workers run wsd standalone (wsd's manager, "
+                   "its figures in vLLM's /metrics) without joining the coordinator, since a snapshot may "
+                   "hold no connection out of its processes; an engine restored from it is not steered. "
+                   "To steer an engine, start it without a snapshot")
+    return True
 
 
 def _say_off_in_workers() -> None:

@@ -17,7 +17,8 @@ __all__ = ["TORCH_FREE", "TORCH_SIDE", "WSD_MODULES", "run"]
 # configuration section, the snapshots, the agent's protocol logic, the
 # simulated ranks, the launchers) must import without it, and so must the clients.
 TORCH_SIDE = {"wsd.manager.core", "wsd.manager.slots", "wsd.manager.demo", "wsd.manager.buffers",
-              "wsd.manager.refusals", "wsd.manager.persistent", "wsd.manager.operator_commands",
+              "wsd.manager.allocator", "wsd.manager.refusals", "wsd.manager.persistent",
+              "wsd.manager.operator_commands",
               "wsd.agent.thread", "wsd.worker.__main__",
               "wsd.programs.worker", "wsd.worker.distributed", "wsd.agent.collectives",
               "wsd.worker.workload", "wsd.integrations.vllm.plugin", "wsd.integrations.vllm.workspace"}

@@ -36,6 +36,7 @@ __all__ = [
     "VllmIntegrationError",
     "WorkspaceCaptureError",
     "WorkspaceError",
+    "WorkspaceHeadroomError",
     "WorkspaceLimitError",
     "WorkspaceLockHeldError",
     "WorkspaceLockedError",
@@ -228,6 +229,14 @@ class WorkspaceLimitError(WorkspaceError, ValueError):
     """A request larger than the configured ``max_slot_bytes`` of a slot.
 
     Raise ``[workspace] max_slot_bytes`` or make the request smaller.
+    """
+
+
+class WorkspaceHeadroomError(WorkspaceError, MemoryError):
+    """An operator's command (``reserve``, ``equalize``, ``set-ubatches``, ``presize``) would
+    grow the workspace beyond what the device allocator may still reserve under its cap
+    (vLLM's extensible KV cache caps it after warm-up). Refused before anything is allocated;
+    ``stats`` shows the cap and the headroom.
     """
 
 

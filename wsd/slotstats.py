@@ -153,15 +153,15 @@ GROUP_COLUMNS = (*SLOT_KEY, *(c.name for n in SLOT_NUMBERS for c in n.group))
 carries them (which ranks have each slot is in the ranks' own ``slots`` table)."""
 
 RANK_TABLE = ("rank", "tp_group", "device", "num_ubatches", "num_lanes", "locked", "total_bytes",
-              "capacity_bytes", "lock_violations", "step", "confirmed_at")
-"""The columns of the answer's ``ranks`` table, one row per rank reporting. The last two
-change without a push: ``step`` and ``confirmed_at`` are the step and the time at which the
-rank last said its snapshot is current (a push, or a heartbeat finding it unchanged), the
-step ``ranks`` shows too."""
+              "capacity_bytes", "lock_violations", "allocator_cap_bytes", "allocator_headroom_bytes", "step",
+              "confirmed_at")
+"""The columns of the answer's ``ranks`` table, one row per rank reporting (no allocator cap:
+None). The last two change without a push: ``step`` and ``confirmed_at`` are the step and the
+time at which the rank last said its snapshot is current (a push, or a heartbeat finding it
+unchanged), the step ``ranks`` shows too."""
 GROUP_TABLE = ("tp_group", "ranks", "reporting", "missing", "total_bytes", "rank_bytes_min", "rank_bytes_max",
                "skew_bytes", "locked_consistent", "num_ubatches_consistent")
 """The columns of the answer's ``groups`` table, one row per TP group in scope."""
-
 
 
 def one_rank_summary(columns: dict[str, Sequence[Any]]) -> dict[str, list[Any]]:
@@ -303,13 +303,16 @@ class SlotStats:
 
 @dataclass(frozen=True, slots=True)
 class ManagerStats:
-    """A whole manager: its configuration and every slot."""
+    """A whole manager: its configuration and every slot; where the device allocator is capped,
+    the cap and what it may still reserve under it (``wsd.manager.allocator``)."""
 
     device: str
     num_ubatches: int
     num_lanes: int
     locked: bool
     slots: tuple[SlotStats, ...]
+    allocator_cap_bytes: int | None = None
+    allocator_headroom_bytes: int | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -339,7 +342,11 @@ class ManagerStats:
                     row[table.name] = None if value is None else _record_dict(table, value)
             slots.append(row)
         return {"device": self.device, "num_ubatches": self.num_ubatches, "num_lanes": self.num_lanes,
-                "locked": self.locked, "slots": tuple(slots), "total_bytes": total}
+                "locked": self.locked, "slots": tuple(slots), "total_bytes": total, **self._allocator()}
+
+    def _allocator(self) -> dict[str, int]:  # absent where the allocator has no cap
+        cap, headroom = self.allocator_cap_bytes, self.allocator_headroom_bytes
+        return {} if cap is None else {"allocator_cap_bytes": cap, "allocator_headroom_bytes": headroom or 0}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ManagerStats:
@@ -360,14 +367,13 @@ class ManagerStats:
             num_lanes=data["num_lanes"],
             locked=data["locked"],
             slots=tuple(slots),
-        )
+            allocator_cap_bytes=data.get("allocator_cap_bytes"), allocator_headroom_bytes=data.get(
+                "allocator_headroom_bytes"))
 
     def to_wire(self) -> dict[str, Any]:
-        """The compact form agents send: ``slots`` as columns (see the module docstring).
-
-        Per slot, msgpack then carries a few small numbers instead of a map of
-        named fields: about a fifth of the bytes, and a fraction of the
-        coordinator's decoding, checking and encoding per rank.
+        """The compact form agents send: ``slots`` as columns (see the module docstring). Per
+        slot, msgpack carries a few small numbers instead of a map of named fields: about a
+        fifth of the bytes, and a fraction of the coordinator's work per rank.
         """
         slots = self.slots
         columns: dict[str, Any] = {c: [getattr(s, c) for s in slots] for c in SLOT_COLUMNS}
@@ -384,7 +390,7 @@ class ManagerStats:
             columns[attribute] = entries
         total = sum(s.capacity_bytes + s.persistent_bytes for s in slots)
         return {"device": self.device, "num_ubatches": self.num_ubatches, "num_lanes": self.num_lanes,
-                "locked": self.locked, "slots": columns, "total_bytes": total}
+                "locked": self.locked, "slots": columns, "total_bytes": total, **self._allocator()}
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> ManagerStats:
@@ -420,7 +426,8 @@ def _record_dict(table: SparseTable, record: Any) -> dict[str, Any]:
 # -- deltas of the wire form: what an agent pushes when its snapshot changed ------------------
 
 # A snapshot's own values, besides its slots.
-_SCALARS = ("device", "num_ubatches", "num_lanes", "locked", "total_bytes")
+_SCALARS = ("device", "num_ubatches", "num_lanes", "locked", "total_bytes", "allocator_cap_bytes",
+            "allocator_headroom_bytes")
 _NUMBER_COLUMNS = frozenset(n.name for n in SLOT_NUMBERS)
 _TABLES = tuple(table.name for table in SPARSE_TABLES)
 _DELTA_KEYS = frozenset({"fields", "columns", "tables"})

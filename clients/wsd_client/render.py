@@ -242,6 +242,7 @@ def _numbers(names_and_headers: Iterable[tuple[str, str]]) -> list[Column]:
 _RANK_COLUMNS = (Column("RANK"), Column("GROUP"), Column("STEP", drop=3), Column("AGE"), Column("DEVICE", drop=4),
                  Column("UBATCHES", drop=2), Column("LANES", drop=6), Column("LOCKED"), Column("CAPACITY"),
                  Column("TOTAL", drop=1), Column("VIOLATIONS"))
+_CAP_COLUMNS = (Column("ALLOCATOR CAP"), Column("HEADROOM"))
 _SLOT_COLUMNS = (Column("RANK"), Column("UBATCH"), Column("LANE", drop=4),
                  *_numbers((n.name, n.header) for n in SLOT_NUMBERS),
                  Column("PERSISTENT", drop=6), Column("RETAINED", drop=6, cut_to=24),
@@ -279,10 +280,18 @@ def _summary_hint(doc: dict[str, Any], width: int | None) -> str:
 def _stats_tables(doc: dict[str, Any], width: int | None) -> list[str]:
     lines = []
     if doc["ranks"]:
-        lines += ["", fit(_RANK_COLUMNS, [
-            [r["rank"], r["tp_group"], r["step"], _age(r), r["device"], r["num_ubatches"], r["num_lanes"],
-             _opt(r["locked"]), format_bytes(r["capacity_bytes"]), format_bytes(r["total_bytes"]),
-             r["lock_violations"]] for r in doc["ranks"]], width)]
+        rows = [[r["rank"], r["tp_group"], r["step"], _age(r), r["device"], r["num_ubatches"], r["num_lanes"],
+                 _opt(r["locked"]), format_bytes(r["capacity_bytes"]), format_bytes(r["total_bytes"]),
+                 r["lock_violations"]] for r in doc["ranks"]]
+        columns: tuple[Column, ...] = _RANK_COLUMNS
+        if any(r.get("allocator_cap_bytes") is not None for r in doc["ranks"]):
+            # a capped allocator (vLLM's extensible KV cache): what an operator's growth may take
+            columns += _CAP_COLUMNS
+            for row, r in zip(rows, doc["ranks"]):
+                capped = r.get("allocator_cap_bytes") is not None
+                row += [format_bytes(r["allocator_cap_bytes"]) if capped else "-",
+                        format_bytes(r["allocator_headroom_bytes"]) if capped else "-"]
+        lines += ["", fit(columns, rows, width)]
         lines += ["", fit(_SLOT_COLUMNS, [
             [r["rank"], s["ubatch"], s["lane"], *(_number(n.name, s[n.name]) for n in SLOT_NUMBERS),
              format_bytes(sum(p["nbytes"] for p in s["persistent"])), _retained(s), _violation(s)]

@@ -172,3 +172,28 @@ def test_only_an_operators_allocation_records_the_streams_that_use_it():
     assert manager._slots[0].made_on is None
     commands.call(manager, "reserve", {"bytes": 4 << 20})
     assert manager._slots[0].made_on == torch.cuda.current_stream()
+
+
+def test_an_operators_growth_that_the_capped_allocator_cannot_hold_is_refused_before_it_allocates():
+    """vLLM 0.34's extensible KV cache caps torch's allocator after warm-up
+    (``set_per_process_memory_fraction``): the manager's stats show the cap and what torch may
+    still reserve under it, and a reserve beyond that is refused, naming both, with nothing
+    allocated; one within it applies."""
+    from wsd.errors import WorkspaceHeadroomError
+
+    device = torch.device("cuda")
+    total = torch.cuda.get_device_properties(device).total_memory
+    manager = WorkspaceManager(device, 2)
+    assert manager.stats().allocator_cap_bytes is None  # torch's default: no cap
+    try:
+        torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(device) + (256 << 20)) / total, device)
+        stats = manager.stats()
+        assert stats.allocator_cap_bytes is not None and 0 < stats.allocator_headroom_bytes <= 256 << 20
+        with pytest.raises(WorkspaceHeadroomError, match=rf"under its cap of {stats.allocator_cap_bytes}"):
+            manager.reserve_bytes(stats.allocator_headroom_bytes)  # two slots: twice the headroom
+        assert [s.capacity_bytes for s in manager.stats().slots] == [0, 0]
+        manager.reserve_bytes(32 << 20)
+        assert [s.capacity_bytes for s in manager.stats().slots] == [32 << 20] * 2
+        assert manager.stats().allocator_headroom_bytes <= stats.allocator_headroom_bytes - (64 << 20)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)

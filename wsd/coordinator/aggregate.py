@@ -82,7 +82,9 @@ class CheckedSnapshot:
         row = {"rank": rank, "tp_group": tp_group, "device": stats["device"],
                "num_ubatches": self.num_ubatches, "num_lanes": stats["num_lanes"], "locked": self.locked,
                "total_bytes": self.total_bytes, "capacity_bytes": sum(columns["capacity_bytes"]),
-               "lock_violations": sum(columns["lock_violations"])}
+               "lock_violations": sum(columns["lock_violations"]),
+               "allocator_cap_bytes": stats.get("allocator_cap_bytes"),
+               "allocator_headroom_bytes": stats.get("allocator_headroom_bytes")}
         # step and confirmed_at: per answer (packed_answer).
         self.entry: tuple[bytes, ...] = tuple(_packer.pack(row[c]) for c in RANK_TABLE[:-2])
         slots = stats["slots"]

@@ -19,6 +19,7 @@ from wsd.slotstats import MAX_LANES, MAX_UBATCHES, SLOT_COLUMNS, SLOT_KEY, SLOT_
 __all__ = ["MAX_NUMBER", "MAX_SLOTS", "checked_changes", "checked_columns"]
 
 _RANK_FIELDS = {"device": str, "num_ubatches": int, "num_lanes": int, "locked": bool, "slots": dict}
+_ALLOCATOR_FIELDS = ("allocator_cap_bytes", "allocator_headroom_bytes")
 # Each sparse table's columns and the type of each.
 _SPARSE_TYPES = {table.name: table.types for table in SPARSE_TABLES}
 # The type of each slot column: the key's are ints, each number's its declared kind.
@@ -67,6 +68,13 @@ def _check_rank_fields(stats: dict[str, Any]) -> None:
         _need("total_bytes", stats["total_bytes"], int)
         if not 0 <= stats["total_bytes"] <= 2 * MAX_SLOTS * MAX_NUMBER:  # scratch and persistent
             raise ValueError(f"total_bytes: {stats['total_bytes']} out of range 0..{2 * MAX_SLOTS * MAX_NUMBER}")
+    for key in _ALLOCATOR_FIELDS:  # a capped device's allocator: both or neither
+        if (key in stats) != (_ALLOCATOR_FIELDS[0] in stats):
+            raise ValueError(f"{key}: the allocator's cap and headroom come together")
+        if key in stats:
+            _need(key, stats[key], int)
+            if not 0 <= stats[key] <= MAX_NUMBER:
+                raise ValueError(f"{key}: {stats[key]} out of range 0..{MAX_NUMBER}")
 
 
 def _need(where: str, value: Any, kind: type) -> None:

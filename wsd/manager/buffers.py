@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from wsd.errors import WorkspaceCaptureError, WorkspaceLimitError
+from wsd.manager.allocator import AllocatorCap, Cap, growth_fits
 from wsd.manager.config import GrowthPolicy, WorkspaceConfig
 from wsd.manager.slots import Slot
 
@@ -67,6 +68,8 @@ class Buffers:
         self._device = device
         self._alloc_context = alloc_context
         self._config = config
+        self.cap: Callable[[], AllocatorCap | None] = Cap(device)
+        """The device allocator's cap and headroom (``wsd.manager.allocator``)."""
 
     def capturing(self) -> bool:
         """Whether the current stream is capturing a CUDA graph."""
@@ -122,17 +125,27 @@ class Buffers:
         elif not slot.persistent:  # a kernel's own growth: on the stream that uses it
             slot.made_on = None
 
-    def reserve(self, slots: Iterable[Slot], nbytes: int) -> None:
-        """Grow every slot smaller than ``nbytes`` to the policy's size for it (an operator's)."""
-        for slot in slots:
-            if slot.capacity_bytes < nbytes:
-                self.allocate(slot, self.target_size(nbytes), operator=True)
+    def fits(self, what: str, sizes: Iterable[tuple[Slot, int]]) -> None:
+        """Refuse an operator's ``what`` that would grow the slots to these sizes beyond what the
+        allocator may still reserve under its cap (``wsd.manager.allocator``), before anything
+        of it is allocated. Each growth counts as the new size less the old buffer, freed first."""
+        growth = sum(max(size - slot.capacity_bytes, 0) for slot, size in sizes)
+        if growth:
+            growth_fits(what, growth, self.cap())
 
-    def grow_to(self, slots: Iterable[Slot], nbytes: int) -> None:
-        """Grow every slot smaller than ``nbytes`` to exactly ``nbytes`` (an operator's)."""
-        for slot in slots:
-            if slot.capacity_bytes < nbytes:
-                self.allocate(slot, nbytes, operator=True)
+    def reserve(self, slots: Sequence[Slot], nbytes: int) -> None:
+        """Grow every slot smaller than ``nbytes`` to the policy's size for it (an operator's)."""
+        grown = [(slot, self.target_size(nbytes)) for slot in slots if slot.capacity_bytes < nbytes]
+        self.fits("reserve", grown)
+        for slot, size in grown:
+            self.allocate(slot, size, operator=True)
+
+    def grow_to(self, slots: Sequence[Slot], nbytes: int, what: str = "equalize") -> None:
+        """Grow every slot smaller than ``nbytes`` to exactly ``nbytes`` (an operator's ``what``)."""
+        grown = [(slot, nbytes) for slot in slots if slot.capacity_bytes < nbytes]
+        self.fits(what, grown)
+        for slot, size in grown:
+            self.allocate(slot, size, operator=True)
 
     def drop(self, slots: Iterable[Slot]) -> None:
         """Release every slot's buffer, and the allocator's cache after them."""

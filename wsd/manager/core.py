@@ -430,12 +430,15 @@ class WorkspaceManager(OperatorCommands):
     def stats(self) -> ManagerStats:
         """An immutable snapshot; safe to call from another thread."""
         slots = tuple(self._slots)
+        cap = self._buffers.cap()
         return ManagerStats(
             device=str(self._device),
             num_ubatches=len(slots) // self._num_lanes,
             num_lanes=self._num_lanes,
             locked=self._locked,
             slots=tuple(s.stats() for s in slots),
+            allocator_cap_bytes=None if cap is None else cap.cap_bytes,
+            allocator_headroom_bytes=None if cap is None else cap.headroom_bytes,
         )
 
 

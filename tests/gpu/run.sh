@@ -3,7 +3,8 @@
 #   bash tests/gpu/run.sh
 # Needs torch with CUDA already installed (this script never installs torch), and no vLLM.
 # Installs wsd (editable, no dependencies) and only those of its runtime and test
-# dependencies that are missing, then runs tests/gpu and the CUDA tests of
+# dependencies that are missing, from tests/gpu/wheels only (tests/gpu/install.sh; no
+# network), then runs tests/gpu and the CUDA tests of
 # tests/integration/test_manager_reconfig.py. The log, nvidia-smi and the torch version go to $OUT
 # (default /tmp). Bounded: pytest is stopped after 7 minutes, each test after its timeout.
 set -euo pipefail
@@ -22,30 +23,16 @@ fi
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || echo "nvidia-smi failed (exit $?)" >>"$OUT/nvidia-smi.txt"
 "$PYTHON" -c 'import torch; print(torch.__version__, torch.version.cuda)' | tee "$OUT/torch-version.txt"
 
-# pyproject.toml: [project] dependencies and the [test] extra (torch aside), as "requirement import-name".
-missing=()
-while read -r requirement module; do
-    "$PYTHON" -c "import $module" 2>/dev/null || missing+=("$requirement")
-done <<'EOF'
-pyzmq>=25 zmq
-msgpack>=1.0 msgpack
-prometheus-client>=0.17 prometheus_client
-numpy>=1.24 numpy
-pytest>=8 pytest
-pytest-timeout>=2.2 pytest_timeout
-hypothesis>=6.100 hypothesis
-EOF
-"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || "$PYTHON" -c 'import tomli' 2>/dev/null \
-    || missing+=("tomli>=2")
-if ((${#missing[@]})); then
-    echo "run.sh: installing ${missing[*]}"
-    "$PYTHON" -m pip install -q --retries 1 --timeout 20 "${missing[@]}"
-fi
-# --no-build-isolation: the build backend (setuptools) from this environment, nothing downloaded.
-if ! "$PYTHON" -m pip install -q -e . --no-deps --no-build-isolation; then
-    echo "run.sh: pip install -e . failed; running from the source tree (PYTHONPATH) instead" >&2
-    export PYTHONPATH="$PWD:$PWD/clients${PYTHONPATH:+:$PYTHONPATH}"
-fi
+# What is missing besides torch, from the wheels that travel with the checkout (tests/gpu/wheels,
+# made by tests/gpu/wheels.sh where a registry is reachable): this machine reaches none.
+installed=0
+PYTHON="$PYTHON" bash tests/gpu/install.sh || installed=$?
+case $installed in
+    0) ;;
+    3) echo "run.sh: running wsd from the source tree (PYTHONPATH)"
+       export PYTHONPATH="$PWD:$PWD/clients${PYTHONPATH:+:$PYTHONPATH}" ;;
+    *) exit 1 ;;
+esac
 
 status=0
 timeout 420 "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu tests/integration/test_manager_reconfig.py -k "cuda or capture" \

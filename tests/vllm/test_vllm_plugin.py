@@ -689,6 +689,32 @@ def test_an_engine_core_whose_executor_sleeps_calls_no_worker_for_a_round(monkey
     assert calls == [WSD_OFFER, WSD_APPLY]
 
 
+def test_under_fault_tolerance_a_group_no_stream_drives_reports_and_joins_no_collective():
+    """vLLM's --enable-fault-tolerance runs a barrier on the TP group's cpu_group every step and
+    asks that nothing else run on it: where no engine core drives the workers through its
+    stream, a TP group of several ranks is not steered (no agreement, no offer, no wake-up)."""
+    from wsd.integrations.vllm.stream import steered
+
+    ft = SimpleNamespace(enable_fault_tolerance=True)
+    assert steered(ft, stream=True, tp_size=4), "through the stream: no collective at all"
+    assert steered(ft, stream=False, tp_size=1), "a group of one rank agrees alone"
+    assert not steered(ft, stream=False, tp_size=2)
+    assert steered(SimpleNamespace(), stream=False, tp_size=2), "0.32: no fault tolerance"
+    agent = _FakeAgent()
+    agent.held = 3
+    engine = Engine(print)
+    engine.attach(agent, stream=False, group=0, steered=False)
+    engine.warmed()
+    for _ in range(40):
+        assert engine.enter()
+        engine.step()
+        engine.leave()
+    assert agent.steps == ["warm", *["count"] * 40], "an unsteered rank agreed at its steps"
+    assert engine.agree_now() == [] and engine.offer() is None and engine.settle({0: 3}) == []
+    engine.step_between()
+    assert agent.steps == ["warm", *["count"] * 40]
+
+
 def test_only_workers_their_engine_core_spawned_or_holds_take_commands_through_its_stream():
     from wsd.integrations.vllm.stream import ENGINE_CORE_PID, driven_by_engine_core
 

@@ -13,6 +13,7 @@ Commands:
   {"op": "generate", "n": N, "max_tokens": T}     greedy, token-id prompts
   {"op": "generate_async", ...}         the same, in a thread; "wait" joins it
   {"op": "rpc", "fn": NAME, "args": [...]}   a function below, on every worker
+  {"op": "sleep", "level": 1} / {"op": "wake_up", "tags": [...]}   vLLM's sleep mode
   {"op": "stop"}                        shut the engine down
 """
 
@@ -111,6 +112,14 @@ class Driver:
 
     def rpc(self, fn: str, args: list[Any] | None = None) -> dict[str, Any]:
         return {"results": self.llm.collective_rpc(FUNCTIONS[fn], args=tuple(args or ()))}
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        self.llm.sleep(level=level)
+        return {"asleep": True}
+
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        self.llm.wake_up(tags=tags)
+        return {"asleep": False}
 
     def stop(self) -> dict[str, Any]:
         began = time.monotonic()

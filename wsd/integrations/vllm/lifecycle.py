@@ -76,17 +76,21 @@ class Engine:
         """The engine core drives this worker's rounds through vLLM's ordered stream."""
         self.group = 0
         """The worker's TP group (its index in its world)."""
+        self.steered = True
+        """Commands may apply here (``wsd.integrations.vllm.stream.steered``); if not, the worker
+        only reports."""
         self._clock: Any = None  # the agent's StepClock, while warm and attached
 
     # -- attachment ----------------------------------------------------------------
 
-    def attach(self, agent: Any, *, stream: bool, group: int) -> None:
+    def attach(self, agent: Any, *, stream: bool, group: int, steered: bool = True) -> None:
         """The worker's agent from now on (None: standalone); ``stream``: the engine core drives
         its rounds (``wsd.integrations.vllm.stream.driven_by_engine_core``); ``group``: the
-        worker's TP group, which its offers name."""
+        worker's TP group, which its offers name; ``steered``: commands may apply here."""
         self.agent = agent
         self.stream = stream
         self.group = group
+        self.steered = steered
         self._clock = agent.clock if agent is not None and self.warm else None
 
     def detach(self) -> None:
@@ -132,7 +136,7 @@ class Engine:
         agent = self.agent
         if agent is None:
             return
-        if self.stream:
+        if self.stream or not self.steered:
             agent.count_step()
         elif not self.asleep:
             self._agree(agent, agree=False)
@@ -165,14 +169,14 @@ class Engine:
         """``wsd_offer``: what this worker holds and may apply, for its TP group; None where it
         takes no part (no agent, asleep)."""
         agent = self.agent
-        if agent is None or self.asleep:
+        if agent is None or self.asleep or not self.steered:
             return None
         return {"group": self.group, "held": agent.offer(), "applied": agent.applied_seq}
 
     def settle(self, agreed: dict[int, int]) -> list[int]:
         """``wsd_apply``: apply up to this worker's group's number in ``agreed`` (none: nothing)."""
         agent = self.agent
-        if agent is None or self.asleep or self.group not in agreed:
+        if agent is None or self.asleep or not self.steered or self.group not in agreed:
             return []
         return self._guarded(lambda: agent.settle(agreed[self.group]))
 
@@ -180,14 +184,14 @@ class Engine:
         """``wsd_step``: one agreement of the TP group, asked of every worker by the engine core
         (shapes where it does not drive the rounds through its stream)."""
         agent = self.agent
-        if agent is None or self.asleep:
+        if agent is None or self.asleep or not self.steered:
             return []
         return self._agree(agent, agree=True)
 
     def step_between(self) -> None:
         """On the agent's thread: one agreement (a TP group of one rank) if the engine is warm,
         awake and between two of its own steps; else nothing (its next wake-up asks again)."""
-        if not self.warm or self.asleep or not self._between.acquire(blocking=False):
+        if not self.warm or self.asleep or not self.steered or not self._between.acquire(blocking=False):
             return
         try:
             self.applying = True

@@ -300,7 +300,7 @@ def _join(worker: Any, config: WsdConfig, endpoint: str) -> None:
 
     from wsd.agent.thread import gpu_uuid
     from wsd.integrations.vllm import metrics, workspace
-    from wsd.integrations.vllm.stream import driven_by_engine_core
+    from wsd.integrations.vllm.stream import driven_by_engine_core, steered
     from wsd.manager.violationlog import ViolationLog
 
     with _attach_lock:
@@ -320,6 +320,11 @@ def _join(worker: Any, config: WsdConfig, endpoint: str) -> None:
         place = placement(parallel, world.rank, world.world_size)
         engine = config.agent.engine or default_engine(vllm_config, socket.gethostname())
         stream = driven_by_engine_core(parallel, os.environ, os.getpid(), os.getppid())
+        steers = steered(parallel, stream, place.tp_size)
+        if endpoint and not steers:
+            logger.warning("wsd: rank %d reports and applies no command: vLLM's --enable-fault-tolerance "
+                           "claims the TP group's cpu_group, and with the %s executor no engine core drives "
+                           "its workers through one stream", place.rank, parallel.distributed_executor_backend)
         labels = identity(worker, place, engine=engine, endpoint=endpoint, device=str(manager.device),
                           gpu_labels=gpu_uuid(manager.device))
         publisher = metrics.Publisher(manager, labels,
@@ -328,14 +333,14 @@ def _join(worker: Any, config: WsdConfig, endpoint: str) -> None:
         agent = wake = None
         if endpoint:
             try:
-                agent, wake = _start_agent(worker, config, manager, place, engine, endpoint, stream)
+                agent, wake = _start_agent(worker, config, manager, place, engine, endpoint, stream, steers)
             except BaseException:
                 publisher.stop()
                 raise
         manager.add_violation_listener(ViolationLog(logger, rank=place.rank,
                                                     policy=config.workspace.on_locked_growth))
         _attachment = _Attachment(publisher, agent, wake)
-        _engine.attach(agent, stream=stream, group=place.tp_group)
+        _engine.attach(agent, stream=stream, group=place.tp_group, steered=steers)
         if agent is not None:  # [workspace] presize = "profile": after vLLM's start-of-worker memory
             # snapshot, before its profile run and capture, so its budget counts what is reserved
             agent.presize_from_profile(config.agent.connect_timeout)
@@ -346,8 +351,9 @@ def _join(worker: Any, config: WsdConfig, endpoint: str) -> None:
 
 
 def _start_agent(worker: Any, config: WsdConfig, manager: Any, place: Placement, engine: str,
-                 endpoint: str, stream: bool) -> tuple[Any, Wake]:
-    """This worker's agent, joining the coordinator at ``endpoint``, and how it wakes its engine."""
+                 endpoint: str, stream: bool, steers: bool) -> tuple[Any, Wake]:
+    """This worker's agent, joining the coordinator at ``endpoint``, and how it wakes its engine
+    (never, where it is not ``steers``: it applies nothing)."""
     from vllm.distributed import parallel_state
 
     from wsd.agent.thread import Agent
@@ -366,7 +372,7 @@ def _start_agent(worker: Any, config: WsdConfig, manager: Any, place: Placement,
         agent = Agent(
             manager, endpoint=endpoint, rank=place.rank, world_size=place.world_size,
             # Driven by its engine core, the group agrees through vLLM's stream: nothing on its cpu_group.
-            tp_size=place.tp_size, tp_group=tp.cpu_group if place.tp_size > 1 and not stream else None,
+            tp_size=place.tp_size, tp_group=tp.cpu_group if place.tp_size > 1 and not stream and steers else None,
             config=dataclasses.replace(config.agent, engine=engine, apply_every=apply_every),
             model=served_model(vllm_config),
             heartbeat_interval=config.coordinator.heartbeat_interval,
@@ -377,7 +383,7 @@ def _start_agent(worker: Any, config: WsdConfig, manager: Any, place: Placement,
                    "dp_index": getattr(parallel, "data_parallel_index", None),
                    "dp_size": parallel.data_parallel_size,
                    "executor": str(parallel.distributed_executor_backend)},
-            curve=curve, on_pending=wake, token=token,
+            curve=curve, on_pending=wake if steers else None, token=token,
             warm=_engine.warm,  # attached in init_device: warm-up is still to come
             presize=config.workspace.presize is Presize.PROFILE,
         ).start()

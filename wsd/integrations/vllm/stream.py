@@ -20,7 +20,11 @@ fault tolerance uses every step) and nothing inside ``execute_model``.
 Where no engine core drives the workers through such a stream (vLLM's
 ``external_launcher`` under torchrun, an engine in the caller's own process,
 an mp executor across nodes, Ray), the TP group agrees as before, with one
-small ``all_reduce`` every ``apply_every`` steps (``wsd.agent.thread.Agent.step``).
+small ``all_reduce`` every ``apply_every`` steps (``wsd.agent.thread.Agent.step``),
+on vLLM's gloo ``cpu_group`` of the TP group; except under vLLM's
+``--enable-fault-tolerance``, whose barrier runs on that group every step and which
+asks that nothing else run on it (vllm-project/vllm#48720): there a TP group of more
+than one rank is not steered (``steered``): its ranks report, and apply no command.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["ENGINE_CORE_PID", "STREAM_EXECUTORS", "WSD_APPLY", "WSD_OFFER", "agree", "driven_by_engine_core",
-           "stream_shape"]
+           "steered", "stream_shape"]
 
 WSD_OFFER = "wsd_offer"
 """The worker method that offers what the worker holds: ``{"group": g, "held": n, "applied": m}``,
@@ -63,6 +67,13 @@ def driven_by_engine_core(parallel: Any, env: Mapping[str, str], pid: int, ppid:
     Every worker of one engine answers alike: they share the configuration and the engine core."""
     owner = env.get(ENGINE_CORE_PID, "")
     return stream_shape(parallel) and owner.isdigit() and int(owner) in (pid, ppid)
+
+
+def steered(parallel: Any, stream: bool, tp_size: int) -> bool:
+    """Whether this worker's commands may apply: through the stream, in a TP group of one rank,
+    or by the group's agreement on vLLM's ``cpu_group`` where vLLM's fault tolerance (0.33+,
+    ``enable_fault_tolerance``) does not claim that group for itself."""
+    return stream or tp_size == 1 or not getattr(parallel, "enable_fault_tolerance", False)
 
 
 def agree(offers: Sequence[Mapping[str, int] | None]) -> dict[int, int] | None:

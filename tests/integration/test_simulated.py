@@ -96,12 +96,17 @@ def test_bad_arguments_are_named():
 
 
 def test_snapshot_wire_form_is_the_dataclasses():
-    """ManagerStats.to_dict is written by hand for speed; it must stay asdict plus total_bytes."""
+    """ManagerStats.to_dict is written by hand for speed; it must stay asdict plus total_bytes,
+    the allocator's cap and headroom left out where the device's allocator has none."""
     import dataclasses
 
     stats = _sample_stats()
-    assert stats.to_dict() == {**dataclasses.asdict(stats), "total_bytes": stats.total_bytes}
+    uncapped = {k: v for k, v in dataclasses.asdict(stats).items() if not k.startswith("allocator_")}
+    assert stats.to_dict() == {**uncapped, "total_bytes": stats.total_bytes}
     assert ManagerStats.from_dict(stats.to_dict()) == stats
+    capped = dataclasses.replace(stats, allocator_cap_bytes=8 << 30, allocator_headroom_bytes=1 << 30)
+    assert capped.to_dict() == {**dataclasses.asdict(capped), "total_bytes": stats.total_bytes}
+    assert ManagerStats.from_dict(capped.to_dict()) == capped
 
 
 def test_columnar_wire_form_expands_to_the_row_form():

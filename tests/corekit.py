@@ -98,12 +98,15 @@ class Harness:
 
     # -- clients -------------------------------------------------------------
 
-    def client(self, op: Op, body: dict[str, Any] | None = None, request_id: int = 1) -> list[Sent]:
-        return decode_all(self.core.handle_client(CLIENT_ROUTE, p.encode(op, body, request_id)))
+    def client(self, op: Op, body: dict[str, Any] | None = None, request_id: int = 1,
+               role: str | None = None) -> list[Sent]:
+        """A client's request; ``role``: its CURVE role as the transport proved it (None: no CURVE)."""
+        return decode_all(self.core.handle_client(CLIENT_ROUTE, p.encode(op, body, request_id), role))
 
-    def call(self, op: Op, body: dict[str, Any] | None = None, request_id: int = 1) -> p.Reply:
+    def call(self, op: Op, body: dict[str, Any] | None = None, request_id: int = 1,
+             role: str | None = None) -> p.Reply:
         """A request answered at once: its one reply."""
-        return only_reply(self.client(op, body, request_id))
+        return only_reply(self.client(op, body, request_id, role))
 
     def ok(self, op: Op, body: dict[str, Any] | None = None) -> Any:
         reply = self.call(op, body)

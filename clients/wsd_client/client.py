@@ -34,6 +34,7 @@ from wsd.errors import BadEndpoint, ClientError, ConfigError, TransportError, Un
 from wsd.wire import protocol as p
 from wsd.wire import transport
 from wsd.wire.protocol import ErrorCode, Op
+from wsd.wire.schemas import MAX_PROFILE_PAGE
 from wsd_client.profiles import Profiles
 from wsd_client.results import Engines, Events, PerEngine, Pong, Ranks, Stats, Status, per_engine
 from wsd_client.stacks import Stacks
@@ -304,10 +305,19 @@ class Client:
         return per_engine(self.call(Op.STACKS, {"rank": rank, "group": group, "timeout": timeout,
                                                 "engine": engine}), Stacks)
 
-    def profiles(self) -> Profiles:
+    def profiles(self, offset: int | None = None, limit: int = MAX_PROFILE_PAGE) -> Profiles:
         """Every sizing profile the coordinator keeps: per engine profile (``NAME:tpT:ubU:lnL``),
-        the largest request each slot has served or refused (docs/manager.md, "Sizing profiles")."""
-        return Profiles(self.call(Op.PROFILES))
+        the largest request each slot has served or refused (docs/manager.md, "Sizing profiles").
+        The coordinator answers a page at a time: with ``offset``, that page (``limit``
+        profiles, by key); without, every page in turn, as one answer."""
+        if offset is not None:
+            return Profiles(self.call(Op.PROFILES, {"offset": offset, "limit": limit}))
+        doc = dict(self.call(Op.PROFILES, {"offset": 0, "limit": limit}))
+        profiles = list(doc["profiles"])
+        while doc["profiles"] and len(profiles) < doc.get("profiles_total", 0):
+            doc = dict(self.call(Op.PROFILES, {"offset": len(profiles), "limit": limit}))
+            profiles += doc["profiles"]
+        return Profiles({**doc, "profiles": profiles, "offset": 0})
 
     def drop_profile(self, key: str) -> dict[str, Any]:
         """Forget sizing profile ``key`` (as ``profiles`` lists it): ``{dropped, saved}``. Under
@@ -322,13 +332,17 @@ class Client:
         return per_engine(self.call(op, body, timeout=timeout, server_wait=True), CommandResult.from_dict)
 
     def command(self, action: str, group: int | None = None, *, wait: bool = True, timeout: float | None = None,
-                engine: str | None = None, **args: Any) -> CommandResult | PerEngine[CommandResult]:
+                engine: str | None = None, new_engine: bool = False,
+                **args: Any) -> CommandResult | PerEngine[CommandResult]:
         """Any command of the table (``wsd.commands.COMMANDS``) by its name, with its arguments.
         Naming no engine where the coordinator serves several, every engine numbers and applies
-        it, each answering for itself."""
+        it, each answering for itself. An ``engine`` the coordinator does not serve is refused
+        (``bad_field``, naming those it does) unless ``new_engine``: the command then sets the
+        desired state that engine starts into."""
         if action not in COMMANDS:
             raise ValueError(f"unknown command {action!r} (commands: {', '.join(COMMANDS)})")
-        return self._command(Op(action), args, group, wait, timeout, engine)
+        extra = {**args, "new_engine": True} if new_engine else args
+        return self._command(Op(action), extra, group, wait, timeout, engine)
 
     def lock(self, group: int | None = None, *, wait: bool = True, timeout: float | None = None,
              engine: str | None = None) -> CommandResult | PerEngine[CommandResult]:

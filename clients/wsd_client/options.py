@@ -145,6 +145,9 @@ def target(p: argparse.ArgumentParser) -> None:
     group(p)
     p.add_argument("--no-wait", dest="wait", action="store_false",
                    help="return once the command is numbered, without waiting for the ranks")
+    p.add_argument("--new-engine", action="store_true",
+                   help="--engine names an engine that has not started yet: set the state it starts "
+                        "into (without this, an engine the coordinator does not serve is refused)")
 
 
 def count_interval(interval: float, what: str) -> Callable[[argparse.ArgumentParser], None]:

@@ -228,6 +228,7 @@ def _keygen(client: Client | None, args: argparse.Namespace, out: Output) -> Exi
 
 def _send(spec: CommandSpec) -> Handler:
     return _command(lambda c, a: c.command(spec.name, a.group, wait=a.wait, engine=a.engine,
+                                           new_engine=a.new_engine,
                                            **{arg.name: getattr(a, arg.name) for arg in spec.args}))
 
 

@@ -120,9 +120,14 @@ def test_an_engine_not_served_is_named_in_the_error_with_those_that_are(h):
 
 
 def test_a_command_for_an_engine_not_served_yet_is_its_desired_state_when_it_starts(h):
-    """A replica's desired state may be set before it starts: the command adds the engine
-    (at most max_engines), and its first rank takes the lock on."""
-    numbered = only_reply(h.client(Op.LOCK, {"engine": "later", "wait": False})).result
+    """A replica's desired state may be set before it starts, when the command says so
+    (``new_engine``): it adds the engine (at most max_engines), and its first rank takes the
+    lock on. Without it, a typo in ``--engine`` is refused, naming the engines served, and
+    creates nothing (it once made a phantom engine, pre-locked, and exited 0)."""
+    typo = h.call(Op.LOCK, {"engine": "latter", "wait": False})
+    assert not typo.ok and typo.code is ErrorCode.BAD_FIELD and "no engine 'latter' (it serves default)" in typo.message
+    assert "--new-engine" in typo.message and sorted(h.core.engines) == ["default"]
+    numbered = only_reply(h.client(Op.LOCK, {"engine": "later", "wait": False, "new_engine": True})).result
     assert numbered["seq"] == 1 and h.core.engine("later").log.seq == 1
     assert [e["engine"] for e in h.events("engine_added")] == ["later"]
     sent = h.register(0, peer=peer("later", 0), engine="later", instance="later-0")
@@ -158,10 +163,35 @@ def test_engines_beyond_max_engines_are_refused_and_cost_nothing(tmp_path):
     sent = h.register(0, peer=b"third", engine="e3", instance="x")
     body = to_agents(sent, Op.REJECTED)[b"third"]
     assert body["code"] == "conflict" and "max_engines = 3" in body["message"]
-    refused = h.call(Op.LOCK, {"engine": "e4"})
+    refused = h.call(Op.LOCK, {"engine": "e4", "new_engine": True})
     assert refused.code is ErrorCode.CONFLICT and "max_engines = 3" in refused.message
     assert sorted(h.core.engines) == ["default", "e1", "e2"]
     assert not os.path.exists(f"{h.config.state_file}@e3")
+
+
+def test_engines_that_hold_nothing_are_forgotten_and_count_toward_no_limit(tmp_path):
+    """63 junk engine names from one token holder once filled max_engines for ever: a real
+    engine was refused until a restart. One whose ranks are gone and that never numbered a
+    command is forgotten after ENGINE_GRACE heartbeat timeouts (at once when the limit is
+    reached), leaving no file; one with a desired state is kept."""
+    from wsd.coordinator.core import ENGINE_GRACE
+
+    h = make(tmp_path, max_engines=3)
+    join(h, "junk", range(1))
+    join(h, "kept", range(1))
+    only_reply(h.client(Op.LOCK, {"engine": "kept", "wait": False}))
+    for name in ("junk", "kept"):
+        h.agent(peer(name, 0), Op.GOODBYE, {"rank": 0, "step": 1})
+    join(h, "real", range(1))  # at the limit: junk, holding nothing, makes room at once
+    assert sorted(h.core.engines) == ["default", "kept", "real"]
+    assert [e["engine"] for e in h.events("engine_forgotten")] == ["junk"]
+    h.agent(peer("real", 0), Op.GOODBYE, {"rank": 0, "step": 1})
+    h.advance(ENGINE_GRACE * h.config.heartbeat_timeout - 1.0)
+    assert "real" in h.core.engines, "forgotten before its grace"
+    h.advance(2.0)
+    assert sorted(h.core.engines) == ["default", "kept"] and os.path.exists(f"{h.config.state_file}@kept")
+    assert sorted(p.name for p in tmp_path.iterdir() if "@" in p.name) == ["coordinator.state@kept",
+                                                                           "coordinator.state@kept.journal"]
 
 
 def test_each_engine_keeps_its_desired_state_in_its_own_file_across_a_restart(tmp_path):

@@ -382,7 +382,34 @@ def test_unavailable_storage_numbers_nothing_and_loses_nothing(made, monkeypatch
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-def test_full_disk_for_real_with_dev_full(made):
+class DevFull:
+    """While on, every temporary file the state writes (``tempfile.mkstemp`` in
+    ``wsd.coordinator.statefile``) is /dev/full under a name of its own: the kernel's own
+    ENOSPC on its write. (A link planted at the temporary file's name no longer works:
+    that name is made afresh and never followed, which is the point.)"""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
+        import tempfile
+
+        from wsd.coordinator import statefile
+
+        self.names: list[str] = []
+
+        def mkstemp(prefix: str = "", suffix: str = "", dir: str | None = None) -> tuple[int, str]:
+            self.names.append(os.path.join(dir or str(folder), f"{prefix}full{suffix}"))
+            return os.open("/dev/full", os.O_WRONLY), self.names[-1]
+
+        original = tempfile.mkstemp
+        self._patch = lambda on: monkeypatch.setattr(statefile.tempfile, "mkstemp", mkstemp if on else original)
+
+    def on(self) -> None:
+        self._patch(True)
+
+    def off(self) -> None:  # space is back
+        self._patch(False)
+
+
+def test_full_disk_for_real_with_dev_full(made, monkeypatch):
     """The kernel's own ENOSPC: the journal, then the snapshot's temporary file,
     pointed at /dev/full. Without the translation the coordinator would answer a
     full disk as a bug in wsd."""
@@ -394,30 +421,58 @@ def test_full_disk_for_real_with_dev_full(made):
     with pytest.raises(StateFileError, match=f"^{journal}: storage unavailable \\(no space left on device\\)"):
         log.append("lock", {}, None, 1.0)
     assert log.seq == 4
-    tmp = path.parent / "state.tmp"
-    tmp.symlink_to("/dev/full")  # the next append compacts first: its snapshot cannot be written either
+    full = DevFull(monkeypatch, path.parent)
+    full.on()  # the next append compacts first: its snapshot cannot be written either
+    tmp = path.parent / "state.full.tmp"
     with pytest.raises(StateFileError, match=f"^{tmp}: storage unavailable \\(no space left on device\\)"):
         log.append("lock", {}, None, 1.0)
-    assert log.seq == 4
-    tmp.unlink()  # space is back
+    assert log.seq == 4 and full.names == [str(tmp)]
+    full.off()
     assert log.append("unlock", {}, None, 2.0).seq == 5
     assert not journal.is_symlink()
     assert state(reopened(path, 8)) == state(log)
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-def test_compaction_on_a_full_disk_loses_nothing_and_appends_go_on(tmp_path):
+def test_compaction_on_a_full_disk_loses_nothing_and_appends_go_on(tmp_path, monkeypatch):
     """Folding the journal needs space for a new snapshot; the journal itself does
     not. A compaction that cannot write its snapshot must leave both files as they
     were and the command it followed recorded, and the next commands too."""
     path = tmp_path / "state"
     log = CommandLog(str(path), 2)
     fill(log, 3)
-    (tmp_path / "state.tmp").symlink_to("/dev/full")
+    full = DevFull(monkeypatch, tmp_path)
+    full.on()
     fill(log, 2, 3)  # the 4th reaches 2 * capacity records: its compaction fails, logged
     assert log.seq == 5 and counted(tmp_path / "state.journal") == 5
-    (tmp_path / "state.tmp").unlink()  # space is back (a start-up compacts, so needs it)
+    full.off()  # space is back (a start-up compacts, so needs it)
     assert state(reopened(path, 2)) == state(log)
+
+
+def test_a_link_planted_where_the_state_writes_its_temporary_file_is_never_followed(tmp_path):
+    """A link at the old fixed name (``STATE.tmp``) pointing at a file of someone else's:
+    compaction writes its own new file beside it, and the linked file is untouched; nothing
+    temporary is left behind."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    path = tmp_path / "state"
+    (tmp_path / "state.tmp").symlink_to(victim)
+    (tmp_path / "state.journal.tmp").symlink_to(victim)
+    log = CommandLog(str(path), 2)
+    fill(log, 6)  # compacts more than once
+    assert victim.read_bytes() == b"keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state", "state.journal", "state.journal.tmp",
+                                                           "state.tmp", "victim"]
+    assert state(reopened(path, 2)) == state(log)
+
+
+def test_a_fifo_planted_as_the_state_file_is_refused_without_blocking(tmp_path):
+    """Reading the state never waits on a FIFO (or a device) planted at its path: refused at
+    once, naming the file, and the coordinator does not start on it."""
+    path = tmp_path / "state"
+    os.mkfifo(path)
+    with pytest.raises(StateFileError, match=f"^{path}: cannot read the coordinator state: not a regular file"):
+        CommandLog(str(path), 2).load()
 
 
 # -- numbering and cost --------------------------------------------------------

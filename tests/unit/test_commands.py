@@ -24,7 +24,7 @@ def test_every_row_is_an_operation_with_its_arguments_on_the_wire(name):
     assert op in protocol.COMMAND_OPS and op in protocol.CLIENT_OPS
     wire = {f.name: (f.low, f.high) for f in protocol.SCHEMAS[op]}
     assert {a.name: (a.low, a.high) for a in spec.args}.items() <= wire.items()
-    assert set(wire) - {a.name for a in spec.args} == {"engine", "group", "wait", "timeout"}
+    assert set(wire) - {a.name for a in spec.args} == {"engine", "group", "wait", "timeout", "new_engine"}
 
 
 def test_the_wire_has_no_state_changing_operation_outside_the_table():

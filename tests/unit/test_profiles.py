@@ -55,10 +55,10 @@ def test_each_slot_learns_its_own_largest_request_served_or_refused():
     store = Profiles(None, wall=lambda: WALL0, clock=lambda: 0.0)
     wire = grid_snapshot({(0, 0): 100, (1, 1): 300}, refused={(0, 1): 700})
     columns = wire["slots"]
-    assert learned_sizes(key, columns, columns["last_violation"]) == {(0, 0): 100, (1, 1): 300, (0, 1): 700}
+    assert learned_sizes(key, columns, columns["last_violation"], 1 << 40) == {(0, 0): 100, (1, 1): 300, (0, 1): 700}
     assert store.learn(key, "e", 0, {(0, 0): 100, (1, 1): 300, (0, 1): 700})
     assert not store.learn(key, "e", 1, {(0, 0): 50})  # smaller: nothing grows
-    assert store.learn(key, "e", 1, {(0, 0): 150})
+    assert store.learn(key, "e", 1, {(0, 0): 150}) == [profiles_module.Growth(0, 0, 100, 150)]
     assert store.sizes(key) == [[0, 0, 150], [0, 1, 700], [1, 1, 300]]
     [row] = store.public()
     assert (row["key"], row["ranks"], row["engines"], row["total_bytes"]) == ("m:tp1:ub2:ln2", 2, 1, 1150)
@@ -67,7 +67,57 @@ def test_each_slot_learns_its_own_largest_request_served_or_refused():
 def test_slots_outside_the_keys_grid_are_left_out():
     key = ProfileKey("m", 1, 1, 1)
     columns = grid_snapshot({(0, 0): 10, (1, 0): 20}, ubatches=2, lanes=1)["slots"]
-    assert learned_sizes(key, columns, None) == {(0, 0): 10}
+    assert learned_sizes(key, columns, None, 1 << 40) == {(0, 0): 10}
+
+
+def test_a_slot_learns_no_more_than_its_own_snapshot_shows_nor_the_cap():
+    """A push claiming a 1 TiB peak on a slot that holds 4 KiB and refused nothing teaches
+    4 KiB; a refused request counts as what it asked; nothing beyond the configured cap."""
+    key = ProfileKey("victim-model", 2, 1, 2)
+    slots = (SlotStats.of(0, 0, capacity_bytes=4096, peak_requested_bytes=1 << 40, requests=1),
+             SlotStats.of(0, 1, capacity_bytes=4096, peak_requested_bytes=1 << 40, requests=1,
+                          last_violation=LockViolation("x.py:1:f", 1 << 30, 4096, WALL0)))
+    columns = ManagerStats("cpu", 1, 2, True, slots).to_wire()["slots"]
+    assert learned_sizes(key, columns, columns["last_violation"], 1 << 40) == {(0, 0): 4096, (0, 1): 1 << 30}
+    assert learned_sizes(key, columns, columns["last_violation"], 1 << 20) == {(0, 0): 4096, (0, 1): 1 << 20}
+    store = Profiles(None, wall=lambda: WALL0, clock=lambda: 0.0, max_slot_bytes=1 << 20)
+    assert store.learn(key, "attacker", 0, {(0, 0): 1 << 40}) == [profiles_module.Growth(0, 0, 0, 1 << 20)]
+
+
+def test_one_registration_creates_a_few_profiles_and_all_hold_a_bounded_number_of_slots(monkeypatch):
+    """A token holder claiming grid after grid from one registration creates at most
+    NEW_PER_REGISTRATION profiles; every profile's slots together stay within MAX_SLOTS,
+    the least recently grown going first."""
+    store = Profiles(None, wall=lambda: WALL0, clock=lambda: 0.0)
+    created = [store.learn(ProfileKey("m", 1, u, 1), "e", 0, {(0, 0): 1}, registration=("e", 0, b"peer"))
+               for u in range(1, 11)]
+    assert sum(bool(c) for c in created) == profiles_module.NEW_PER_REGISTRATION == len(store.profiles)
+    assert store.learn(ProfileKey("m", 1, 9, 1), "e", 0, {(0, 0): 1}, registration=("e", 0, b"again"))
+    monkeypatch.setattr(profiles_module, "MAX_SLOTS", 10)
+    store = Profiles(None, wall=lambda: WALL0, clock=lambda: 0.0)
+    for i in range(5):
+        store.learn(ProfileKey(f"m{i}", 1, 4, 1), "e", 0, {(u, 0): 1 for u in range(4)})
+    assert store.slots == 8 and [k.name for k in store.profiles] == ["m3", "m4"]
+    assert store.drop(ProfileKey("m4", 1, 4, 1)) and store.slots == 4
+
+
+def test_profiles_are_answered_a_page_at_a_time():
+    store = Profiles(None, wall=lambda: WALL0, clock=lambda: 0.0)
+    for i in range(5):
+        store.learn(ProfileKey(f"m{i}", 1, 1, 1), "e", 0, {(0, 0): 1})
+    assert [p["name"] for p in store.public(1, 2)] == ["m1", "m2"]
+    assert [p["name"] for p in store.public(4, 2)] == ["m4"] and store.public(9, 2) == []
+
+
+def test_a_fifo_planted_as_the_profiles_file_never_stops_the_coordinator(tmp_path, caplog):
+    """Opened without blocking and refused as not a regular file: the coordinator starts with
+    no profiles and never writes over what it could not read."""
+    path = tmp_path / "s.profiles"
+    os.mkfifo(path)
+    with caplog.at_level(logging.ERROR, logger="wsd.coordinator.profiles"):
+        store = Profiles(str(path), wall=lambda: WALL0, clock=lambda: 0.0)
+    assert store.profiles == {} and store.path is None
+    assert "not a regular file" in caplog.text
 
 
 def test_the_store_is_bounded_dropping_the_least_recently_grown(monkeypatch):
@@ -205,6 +255,29 @@ def test_presize_gives_each_slot_its_own_size_and_a_warm_up_that_fits_grows_noth
     manager.lock()
     with pytest.raises(WorkspaceLockHeldError, match="presize refused"):
         manager.presize([[1, 0, 10]])
+
+
+def test_a_presize_that_fails_part_way_releases_what_it_grew(monkeypatch):
+    """All or nothing: the second allocation running out of memory leaves no slot holding
+    what the first took (a poisoned profile once left a manager holding 8 GiB)."""
+    torch = pytest.importorskip("torch", reason="the manager's own test: the unit tier also runs without torch")
+
+    from wsd.manager.core import WorkspaceManager
+
+    manager = WorkspaceManager("cpu", 2, 1)
+    real = torch.empty
+    made = []
+
+    def empty(*args, **kwargs):
+        if made:
+            raise torch.OutOfMemoryError("out of memory (a stand-in for the device's)")
+        made.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    with pytest.raises(torch.OutOfMemoryError):
+        manager.presize([[0, 0, 4096], [1, 0, 8192]])
+    assert made and [s.capacity_bytes for s in manager.stats().slots] == [0, 0]
 
 
 def test_a_clean_stop_pushes_the_last_snapshot_the_coordinator_lacks():

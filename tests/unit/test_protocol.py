@@ -165,7 +165,7 @@ def test_defaults_filled_in_and_not_shared():
     """Optional fields get their documented default; a mutable default is a fresh
     copy, so one message mutating its body cannot change the next one's."""
     body = p.decode(p.encode(Op.LOCK)).body
-    assert body == {"engine": None, "group": None, "wait": True, "timeout": None}
+    assert body == {"engine": None, "group": None, "wait": True, "timeout": None, "new_engine": False}
     assert p.decode(p.encode(Op.EVENTS)).body == {"cursor": 0, "limit": 100, "engine": None}
     minimal = {k: VALID[Op.REGISTER][k] for k in
                ("rank", "world_size", "tp_size", "tp_group", "host", "pid", "device")}

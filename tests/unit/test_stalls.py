@@ -100,6 +100,43 @@ def test_a_stall_that_ends_before_its_event_is_written_writes_neither(h):
     assert shown(h)[1] == "live" and h.events("stalled") == [] and h.events("unstalled") == []
 
 
+def test_a_stall_event_keeps_a_few_kb_and_the_whole_stacks_stay_for_an_admins_stacks(h):
+    """A rank's whole stacks (64 threads of 64 frames of 256 characters: about 1 MB) once went
+    into each stalled event: two ranks flipping evicted an operator's commands in seconds. The
+    event keeps the innermost frames of the engine's thread and one other; ``stacks`` still
+    shows everything the agent sent at the stall, while it lasts."""
+    from wsd.coordinator.stalls import STALL_FRAMES, innermost
+
+    threads = [{"name": f"t{i}", "ident": i, "engine": i == 5, "daemon": True, "dropped": 0,
+                "frames": [f"{'x' * 200}.py:{j}:f{j}" for j in range(64)]} for i in range(64)]
+    h.register_all([0, 1])
+    beat(h, 0, 30.0)
+    stacks_from(h, 0, 0, in_step=30.0, threads=threads)
+    (event,) = h.events("stalled")
+    assert [t["name"] for t in event["stacks"]] == ["t5", "t0"]
+    assert event["stacks"][0]["frames"] == [f"{'x' * 200}.py:{j}:f{j}" for j in range(64 - STALL_FRAMES, 64)]
+    assert event["stacks"][0]["dropped"] == 64 - STALL_FRAMES
+    import msgpack
+    assert len(msgpack.packb(event)) < 6000
+    request = to_agents(h.client(Op.STACKS, {"rank": 0}), Op.STACKS_REQUEST)[peer_of(0)]["request"]
+    (reply,) = [s.reply for s in stacks_from(h, 0, request, in_step=31.0)]
+    assert len(reply.result["ranks"][0]["at_stall"]) == 64, "the whole stacks of the stall, for an admin"
+    assert innermost(None) is None
+
+
+def test_a_viewer_sees_no_frames_in_events(h):
+    """A CURVE viewer key may not call ``stacks``; it must not read the same frames through
+    ``events``. An admin key (or no CURVE) sees them."""
+    h.register_all([0, 1])
+    beat(h, 0, 30.0)
+    stacks_from(h, 0, 0, in_step=30.0)
+    as_viewer = h.call(Op.EVENTS, {"cursor": 0}, role="viewer").result["events"]
+    (stalled,) = [e for e in as_viewer if e["kind"] == "stalled"]
+    assert stalled["stacks"] is None and stalled["stacks_withheld"]
+    as_admin = h.call(Op.EVENTS, {"cursor": 0}, role="admin").result["events"]
+    assert next(e for e in as_admin if e["kind"] == "stalled")["stacks"][0]["frames"] == THREADS[0]["frames"]
+
+
 def test_the_stall_metric_and_the_count_by_state(h):
     h.register_all([0, 1])
     beat(h, 0, 30.0)

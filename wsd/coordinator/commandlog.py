@@ -61,6 +61,7 @@ from wsd.coordinator.statefile import (
     read_state,
     rename_durably,
     storage_error,
+    unlink_quietly,
     write_temporary,
 )
 from wsd.errors import StateFileError
@@ -218,6 +219,15 @@ class CommandLog:
                 self.seq = old
                 raise
 
+    def discard(self) -> None:
+        """A log that never numbered a command, given up (its engine forgotten): its files go,
+        if a start wrote any (an empty log is the same with or without them). A log with
+        commands is never discarded."""
+        if self.seq > 0:
+            raise StateFileError(f"{self.path}: holds commands up to seq {self.seq}: never discarded")
+        for path in (self.path, self.journal_path):
+            unlink_quietly(path)
+
     def compact(self) -> None:
         """Write the whole state as a snapshot of the next generation, then its empty journal.
 
@@ -241,16 +251,19 @@ class CommandLog:
         head = JournalHead(generation, self.seq, 0, 0)
         writes = [(self.path, SNAPSHOT_MAGIC + frame(msgpack.packb(document, use_bin_type=True))),
                   (self.journal_path, head.pack())]
+        renames: list[tuple[str, str]] = []
         try:
             # A full disk fails here, with both files as they were: appends go on.
-            renames = [(write_temporary(path, data), path)
-                       for path, data in (writes if self.generation else reversed(writes))]
+            for path, data in (writes if self.generation else reversed(writes)):
+                renames.append((write_temporary(path, data), path))
             # From the first rename on, the journal on disk may not follow the
             # snapshot on disk: no record may be appended until both are in place.
             self._journal_ready = False
             for tmp, path in renames:
                 rename_durably(tmp, path)
         except OSError as e:
+            for tmp, _ in renames:  # those not renamed yet: none left behind
+                unlink_quietly(tmp)
             raise storage_error(self.path, "write the coordinator state", e) from e
         self.generation = generation
         self._head = head

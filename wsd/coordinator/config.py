@@ -107,6 +107,9 @@ class CoordinatorConfig:
     ``STATE_FILE@NAME``. ``wsd up`` names it after its cluster."""
     max_engines: int = 64
     """Engines served at most: a registration that would add one more is refused."""
+    max_profile_slot_bytes: int = 32 << 30
+    """The most a sizing profile learns for one slot (a slot's size beyond it is cut to it):
+    what a rank pushes is a claim, and a profile is handed to every engine of its model."""
     resume_seq: int | None = None
     """Recovery after the state file was lost: number commands after this seq, the highest
     ``applied_seq`` that refused agents report (the events name it). No effect once the
@@ -160,6 +163,7 @@ class CoordinatorConfig:
         if problem is not None:
             raise ValueError(f"engine: {problem}")
         check_range("max_engines", self.max_engines, 1, 4096)
+        check_range("max_profile_slot_bytes", self.max_profile_slot_bytes, 1, 1 << 40)
         if self.resume_seq is not None:
             check_range("resume_seq", self.resume_seq, 0, 2**62)
 

@@ -21,6 +21,7 @@ import logging
 import math
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -37,6 +38,7 @@ from wsd.coordinator.outbox import AGENT, CLIENT, Answer, Out, Route
 from wsd.coordinator.profiles import MAX_PROFILES, ProfileKey, Profiles, profiles_path
 from wsd.errors import StateFileError
 from wsd.wire import protocol as p
+from wsd.wire.curve import Role
 from wsd.wire.protocol import ErrorCode, Op, ProtocolError
 
 __all__ = ["AGENT", "CLIENT", "RESEND_WINDOW", "CoordinatorCore", "Out"]
@@ -72,6 +74,11 @@ def _direct(route: Route, request_id: int) -> Answer:
     return send
 
 
+ENGINE_GRACE = 10
+"""Heartbeat timeouts after which an engine that holds nothing (no live rank, no command) is
+forgotten: a restart of its ranks within that keeps its name and history."""
+
+
 class CoordinatorCore:
     """Every decision of the coordinator, driven by messages and a clock."""
 
@@ -92,7 +99,8 @@ class CoordinatorCore:
         self.gate = AgentGate(agent_token, config.heartbeat_timeout, clock)
         self.events = EventLog(config.event_capacity)
         # Advisory: a damaged profiles file is moved aside and the coordinator starts with none.
-        self.profiles = Profiles(profiles_path(config.state_file), wall=wall, clock=clock)
+        self.profiles = Profiles(profiles_path(config.state_file), wall=wall, clock=clock,
+                                 max_slot_bytes=config.max_profile_slot_bytes)
         self.shared = Shared(config, clock, wall, self.epoch, self.gate, self.events, CommandStats(), self.profiles)
         # The default engine is there from the start: its state file is the configured one,
         # and a command before any rank registered is its.
@@ -240,9 +248,28 @@ class CoordinatorCore:
                 self._peers.pop(old.peer, None)
         return out
 
+    def _forget_engines(self, now: float, grace: float | None = None) -> None:
+        """Forget every engine but the default one that holds nothing (no live rank, no command
+        ever numbered: no desired state) and has held nothing for ``grace`` seconds (default
+        ``ENGINE_GRACE`` heartbeat timeouts): junk names and engines long gone count toward no
+        limit, and leave no file behind."""
+        grace = ENGINE_GRACE * self.config.heartbeat_timeout if grace is None else grace
+        for name, engine in list(self.engines.items()):
+            if name == self.config.engine or engine.log.seq > 0:
+                continue
+            if engine.registry.live():
+                engine.held_at = now
+            elif now - engine.held_at >= grace:
+                del self.engines[name]
+                self._peers = {peer: e for peer, e in self._peers.items() if e is not engine}
+                engine.log.discard()
+                self.events.add(EventKind.ENGINE_FORGOTTEN, self.wall(), engine=name)
+
     def _add_engine(self, name: str) -> Engine:
         """A new engine, its command log loaded from its state file if it has one; a
-        ProtocolError (``conflict``) beyond ``max_engines``."""
+        ProtocolError (``conflict``) beyond ``max_engines`` engines that hold something."""
+        if len(self.engines) >= self.config.max_engines:
+            self._forget_engines(self.clock(), grace=0.0)  # those that hold nothing count toward no limit
         if len(self.engines) >= self.config.max_engines:
             raise ProtocolError(ErrorCode.CONFLICT, (
                 f"engine {name!r} would be engine {len(self.engines) + 1} of this coordinator, which "
@@ -268,12 +295,13 @@ class CoordinatorCore:
         heard = self.gate.heard(now)
         for engine in list(self.engines.values()):
             out += engine.tick(now, heard)
+        self._forget_engines(now)
         self.profiles.tick(now)
         if now >= self._next_pulse:
             self._next_pulse = now + self.config.heartbeat_interval
-            suppressed = self.gate.take_suppressed()
+            suppressed = self.events.take_over_budget() + Counter(self.gate.take_suppressed())
             if suppressed:  # one line for a flood, at most once an interval
-                self.events.add(EventKind.SUPPRESSED, self.wall(), counts=suppressed)
+                self.events.add(EventKind.SUPPRESSED, self.wall(), counts=dict(suppressed))
             pulse = p.encode(Op.PULSE, {"epoch": self.epoch})
             out += [(AGENT, (i.peer,), pulse) for e in self.engines.values() for i in e.registry.live()]
             if self._metrics:
@@ -318,15 +346,17 @@ class CoordinatorCore:
     def _addressed(self, name: str | None, *, add: bool = False) -> list[Engine]:
         """The engines a request is for: the one it names, else the only one in use (the
         default engine while none is), else every engine in use. ``add``: one named that the
-        coordinator does not serve yet is added (a command may set an engine's desired state
-        before its first rank starts)."""
+        coordinator does not serve yet is added (a command with ``new_engine`` sets an engine's
+        desired state before its first rank starts); else it is refused, naming those served."""
         if name is not None:
             engine = self.engines.get(name)
             if engine is None and add:
                 return [self._add_engine(name)]
             if engine is None:
-                raise ProtocolError(ErrorCode.BAD_FIELD, f"engine: this coordinator serves no engine {name!r} "
-                                                         f"(it serves {', '.join(sorted(self.engines))})")
+                raise ProtocolError(ErrorCode.BAD_FIELD, (
+                    f"engine: this coordinator serves no engine {name!r} (it serves "
+                    f"{', '.join(sorted(self.engines))}); a command that sets the state an engine not "
+                    f"started yet starts into says so (wsctl --new-engine, new_engine=True)"))
             return [engine]
         used = [e for e in self.engines.values() if e.in_use]
         return used if used else [self.engine()]
@@ -353,7 +383,7 @@ class CoordinatorCore:
         return [(CLIENT, route, p.ok_reply(message.id, {"engines": rows, "default": self.config.engine}))]
 
     def _command(self, route: Route, message: p.Message) -> list[Out]:
-        engines = self._addressed(message.body["engine"], add=True)
+        engines = self._addressed(message.body["engine"], add=message.body["new_engine"])
         action = str(message.op)
         for engine in engines:  # refused by one: numbered by none
             engine.check_group(message.body["group"])
@@ -382,7 +412,10 @@ class CoordinatorCore:
                             lambda e, answer: e.stacks.start(answer, targets[e.name], timeout))
 
     def _profiles(self, route: Route, message: p.Message) -> list[Out]:
-        result = {"profiles": self.profiles.public(), "file": self.profiles.path, "max_profiles": MAX_PROFILES}
+        body = message.body
+        result = {"profiles": self.profiles.public(body["offset"], body["limit"]), "offset": body["offset"],
+                  "profiles_total": len(self.profiles.profiles), "file": self.profiles.path,
+                  "max_profiles": MAX_PROFILES, "max_slot_bytes": self.profiles.max_slot_bytes}
         return [(CLIENT, route, p.ok_reply(message.id, result))]
 
     def _drop_profile(self, route: Route, message: p.Message) -> list[Out]:
@@ -395,7 +428,8 @@ class CoordinatorCore:
             known = ", ".join(str(k) for k in list(self.profiles.profiles)[:8]) or "none"
             raise ProtocolError(ErrorCode.BAD_FIELD, f"key: no sizing profile {text!r} (known: {known})")
         saved = self.profiles.save()  # at once: an operator's change is durable when answered
-        self.events.add(EventKind.PROFILE_DROPPED, self.wall(), key=text, **({"by": message.by} if message.by else {}))
+        who: dict[str, Any] = {"by": message.by} if message.by else {}
+        self.events.add(EventKind.PROFILE_DROPPED, self.wall(), key=text, **who)
         return [(CLIENT, route, p.ok_reply(message.id, {"dropped": text, "saved": saved}))]
 
     def _events(self, route: Route, message: p.Message) -> list[Out]:
@@ -403,6 +437,8 @@ class CoordinatorCore:
         if name is not None:
             self._addressed(name)  # a name it serves, or an error that says which it does
         events, cursor = self.events.since(message.body["cursor"], message.body["limit"], engine=name)
+        if (message.by or {}).get("role") not in (None, Role.ADMIN):  # frames are an admin's, as stacks are
+            events = [{**e, "stacks": None, "stacks_withheld": True} if e.get("stacks") else e for e in events]
         # The epoch tells a follower that ids started again (a restarted coordinator).
         result = {"events": events, "cursor": cursor, "epoch": self.epoch}
         return [(CLIENT, route, p.ok_reply(message.id, result))]

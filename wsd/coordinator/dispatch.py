@@ -47,7 +47,7 @@ class Dispatch:
     """Numbers an engine's commands, sends and resends them, and gathers their acknowledgements."""
 
     def __init__(self, config: CoordinatorConfig, registry: Registry, log: CommandLog, stats: CommandStats, *,
-                 clock: Callable[[], float], wall: Callable[[], float], event: Callable[..., None]) -> None:
+                 clock: Callable[[], float], wall: Callable[[], float], event: Callable[..., object]) -> None:
         """``event(kind, **detail)``: one of the engine's events."""
         self.config = config
         self.registry = registry
@@ -85,7 +85,7 @@ class Dispatch:
         (``body["wait"]``) or at once with its number. ``check`` first. ``by``: who sent it (the
         client's user and host as it says, its CURVE role), for the event."""
         group = body["group"]
-        args = {k: v for k, v in body.items() if k not in ("group", "wait", "timeout", "engine")}
+        args = {k: v for k, v in body.items() if k not in ("group", "wait", "timeout", "engine", "new_engine")}
         now = self.clock()
         command = self.log.append(action, args, group, self.wall())
         self._sent_at[command.seq] = now

@@ -7,8 +7,8 @@ command log (with a state file of its own), commands in flight
 The coordinator (``wsd.coordinator.core.CoordinatorCore``) routes each agent
 frame to the engine its connection registered with, and each client request to
 the engines it names; what engines share (the agent gate, the event log, the
-command counters) comes in a ``Shared``. Plain methods, no I/O: each returns
-the frames to send. Imports no torch.
+command counters) comes in a ``Shared``. Plain methods, no I/O, no torch: each
+returns the frames to send.
 """
 
 from __future__ import annotations
@@ -45,8 +45,7 @@ logger = logging.getLogger(__name__)
 
 def state_path(state_file: str, name: str, default: str) -> str:
     """Where engine ``name`` keeps its command log: the configured state file for the
-    coordinator's default engine (so a single-engine coordinator's file is as it always was),
-    ``STATE_FILE@NAME`` beside it for every other (engine names hold no ``/`` or ``@``)."""
+    coordinator's default engine, ``STATE_FILE@NAME`` beside it for any other."""
     return state_file if name == default else f"{state_file}@{name}"
 
 
@@ -78,15 +77,15 @@ class Engine:
         self.clock = shared.clock
         self.wall = shared.wall
         self.gate = shared.gate
-        # The configured world (``[coordinator] world_size``, ``tp_size``) is the default engine's,
-        # the cluster the coordinator was set up for; any other engine (a vLLM replica beside
-        # it) has the world its own ranks register with.
+        # The configured world (``[coordinator] world_size``, ``tp_size``) is the default engine's;
+        # any other engine (a vLLM replica beside it) has the world its own ranks register with.
         own = name == config.engine
         self.registry = Registry(config.world_size if own else None, config.tp_size if own else None,
                                  config.heartbeat_timeout, wall=shared.wall)
         self.log = CommandLog(state_file, config.log_capacity)
         self.recovered = self.log.load()
         self.started = shared.wall()
+        self.held_at = shared.clock()  # when it last held a live rank (``CoordinatorCore._forget_engines``)
         self._add(first, seq=self.log.seq, recovered=self.recovered)
         if self.log.repaired:  # a torn last journal record was dropped: tell the operator
             self._add(EventKind.STATE_REPAIRED, detail=self.log.repaired)
@@ -133,14 +132,14 @@ class Engine:
     def dropped_bad_agent_frames(self) -> int:
         return self.snapshots.invalid
 
-    def _add(self, kind: EventKind, **detail: Any) -> None:
-        self.shared.events.add(kind, self.wall(), engine=self.name, **detail)
+    def _add(self, kind: EventKind, source: Any = None, **detail: Any) -> bool:
+        return self.shared.events.add(kind, self.wall(), source=source, engine=self.name, **detail) is not None
 
-    def _event(self, source: tuple[Any, ...], kind: EventKind, **detail: Any) -> None:
-        """An event from a source a peer controls: rate-limited per source (within this engine),
-        the rest counted and summed up in one ``suppressed`` event a heartbeat interval later."""
-        if self.gate.event_allowed((self.name, *source), str(kind)):
-            self._add(kind, **detail)
+    def _event(self, source: tuple[Any, ...], kind: EventKind, **detail: Any) -> bool:
+        """An event from a source a peer controls, rate-limited per source and held to its share
+        of the log's bytes (the rest summed up in one ``suppressed`` event); whether it was kept."""
+        source = (self.name, *source)
+        return self.gate.event_allowed(source, str(kind)) and self._add(kind, source, **detail)
 
     # -- time -----------------------------------------------------------------
 
@@ -298,10 +297,13 @@ class Engine:
         if info is None or info.state is not RankState.LIVE:
             return out  # the heartbeat's answer asks it to register; its snapshot waits until then
         ok = self.snapshots.push(info, body)
-        if ok:  # what its slots asked for feeds its sizing profile
+        if ok:  # what its slots asked for feeds its sizing profile, and whoever grew one is named
             held = self.snapshots.latest.ranks[info.rank]
-            self.shared.profiles.learn_push(self.name, info.rank, info.model, self.registry.tp_size, body, held.wire,
-                                            held.snapshot.columns)
+            key, grown = self.shared.profiles.learn_push(self.name, info, self.registry.tp_size, body, held.wire,
+                                                         held.snapshot.columns)
+            if grown:
+                self._event(("profile", info.rank), EventKind.PROFILE_GREW, rank=info.rank, key=str(key),
+                            grew=[list(g) for g in grown[:16]], slots=len(grown))
         return [*out, (AGENT, (peer,), p.encode(Op.STATS_ACK, {"version": body["version"], "ok": ok}))]
 
     def _check_group(self, group: int, now: float) -> None:

@@ -11,8 +11,15 @@ restarts and the coordinator's. It learns from what ranks push already: each slo
 A manager with ``[workspace] presize = "profile"`` is handed its profile's sizes in
 its registration's answer and reserves them before its engine warms up and locks.
 
-``Profiles`` is the store: bounded (``MAX_PROFILES``, the least recently grown dropped
-first; at most ``MAX_PROFILE_SLOTS`` slots each), written to its own file beside the
+What a rank pushes is its claim, and a profile is handed to every engine of its model:
+so a profile learns a slot's size only up to what the same snapshot shows that slot
+holds or was refused (its capacity, or its own last violation's request), and never
+beyond ``max_profile_slot_bytes``; every growth says which engine and rank caused it
+(``grew``: the ``profile_grew`` event); one registration creates at most
+``NEW_PER_REGISTRATION`` profiles.
+
+``Profiles`` is the store: bounded (``MAX_PROFILES``, and ``MAX_SLOTS`` slots in all,
+the least recently grown dropped first; at most ``MAX_PROFILE_SLOTS`` slots each), written to its own file beside the
 state file (``STATE_FILE.profiles``, docs/state-file.md) atomically, at most every
 ``SAVE_EVERY`` seconds while it changed, and when the coordinator stops. The data is
 advisory: a damaged file is moved aside, never overwritten, and the coordinator starts
@@ -32,11 +39,11 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from wsd.coordinator.statefile import rename_durably, storage_error, write_temporary
+from wsd.coordinator.statefile import read_regular, rename_durably, storage_error, write_temporary
 from wsd.slotstats import MAX_LANES, MAX_UBATCHES
 
-__all__ = ["MAX_PROFILES", "MAX_PROFILE_SLOTS", "PROFILES_SUFFIX", "SAVE_EVERY", "Profile", "ProfileKey",
-           "Profiles", "learned_sizes", "profiles_path"]
+__all__ = ["MAX_PROFILES", "MAX_PROFILE_SLOTS", "MAX_SLOTS", "NEW_PER_REGISTRATION", "PROFILES_SUFFIX", "SAVE_EVERY",
+           "Growth", "Profile", "ProfileKey", "Profiles", "learned_sizes", "profiles_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +51,15 @@ MAX_PROFILES = 1024
 """Profiles kept at most; one more drops the one whose sizes grew least recently."""
 MAX_PROFILE_SLOTS = MAX_UBATCHES * MAX_LANES
 """Slots one profile holds at most: a manager's whole grid."""
-MAX_NAMED = 1024
+MAX_SLOTS = 1 << 16
+"""Slots of every profile together at most; beyond, the least recently grown profiles go."""
+NEW_PER_REGISTRATION = 4
+"""Profiles one registration of a rank may create: its grid at start and a few changes of it."""
+MAX_NAMED = 256
 """Ranks (and engines) a profile names as its contributors at most; beyond, it counts no more."""
+MAX_FILE_BYTES = 64 << 20
+"""A profiles file larger than this is not one these bounds write: set aside unread."""
+
 SAVE_EVERY = 5.0
 """Least seconds between two writes of the profiles file while profiles change."""
 PROFILES_SUFFIX = ".profiles"
@@ -130,38 +144,58 @@ class Profile:
 
 
 def learned_sizes(key: ProfileKey, columns: dict[str, list[Any]],
-                  violations: dict[str, list[Any]] | None) -> dict[tuple[int, int], int]:
+                  violations: dict[str, list[Any]] | None, limit: int) -> dict[tuple[int, int], int]:
     """Per slot of ``key``'s grid, the largest request a checked snapshot shows it served or
-    refused: its ``peak_requested_bytes`` (refused requests counted), or its last
-    violation's ``requested`` if larger. Slots outside the grid are left out."""
+    refused: its ``peak_requested_bytes`` (refused requests counted) or its last violation's
+    ``requested``, whichever is larger, but never beyond what the snapshot shows the slot
+    holds or was refused (its ``capacity_bytes``, that violation's ``requested``) nor beyond
+    ``limit``. Slots outside the grid are left out."""
     ubatches, lanes = columns["ubatch"], columns["lane"]
-    seen: dict[tuple[int, int], int] = {}
-    for u, lane, peak in zip(ubatches, lanes, columns["peak_requested_bytes"]):
-        if u < key.num_ubatches and lane < key.num_lanes and peak > 0:
-            seen[u, lane] = peak
+    refused: dict[int, int] = {}
     if violations:
         for index, requested in zip(violations.get("slot", ()), violations.get("requested", ())):
             if 0 <= index < len(ubatches):
-                slot = (ubatches[index], lanes[index])
-                if slot[0] < key.num_ubatches and slot[1] < key.num_lanes and requested > seen.get(slot, 0):
-                    seen[slot] = requested
+                refused[index] = max(requested, refused.get(index, 0))
+    seen: dict[tuple[int, int], int] = {}
+    for index, (u, lane, peak, capacity) in enumerate(zip(ubatches, lanes, columns["peak_requested_bytes"],
+                                                          columns["capacity_bytes"])):
+        if u < key.num_ubatches and lane < key.num_lanes:
+            shown = max(capacity, refused.get(index, 0))  # what the slot holds, or was refused
+            size = min(max(peak, refused.get(index, 0)), shown, limit)
+            if size > 0:
+                seen[u, lane] = size
     return seen
 
 
+class Growth(NamedTuple):
+    """One slot of a profile grown by one snapshot: what the ``profile_grew`` event says."""
+
+    ubatch: int
+    lane: int
+    old: int
+    new: int
+
+
 def _touches_sizes(delta: dict[str, Any]) -> bool:
-    return ("peak_requested_bytes" in delta.get("columns", ()) or "last_violation" in delta.get("tables", ())
+    return (bool({"peak_requested_bytes", "capacity_bytes"} & set(delta.get("columns", ())))
+            or "last_violation" in delta.get("tables", ())
             or bool({"num_ubatches", "num_lanes"} & set(delta.get("fields", ()))))
 
 
 class Profiles:
     """Every sizing profile of a coordinator, and its file."""
 
-    def __init__(self, path: str | None, *, wall: Callable[[], float], clock: Callable[[], float]) -> None:
-        """``path`` None: kept in memory only."""
+    def __init__(self, path: str | None, *, wall: Callable[[], float], clock: Callable[[], float],
+                 max_slot_bytes: int = 32 << 30) -> None:
+        """``path`` None: kept in memory only; ``max_slot_bytes``: the most one slot learns."""
         self.path = path
         self.wall = wall
         self.clock = clock
+        self.max_slot_bytes = max_slot_bytes
         self.profiles: OrderedDict[ProfileKey, Profile] = OrderedDict()  # the least recently grown first
+        self.slots = 0
+        """Slots of every profile together (``MAX_SLOTS`` at most)."""
+        self._created: OrderedDict[Any, int] = OrderedDict()  # profiles created, per registration
         self.dirty = False
         self._next_save = clock()
         self._failing = False  # the last write failed (said once until one succeeds)
@@ -170,21 +204,25 @@ class Profiles:
 
     # -- learning and reading -------------------------------------------------
 
-    def learn(self, key: ProfileKey, engine: str, rank: int, seen: dict[tuple[int, int], int]) -> bool:
-        """What one rank's snapshot shows its slots asked for; True if a size grew."""
+    def learn(self, key: ProfileKey, engine: str, rank: int, seen: dict[tuple[int, int], int],
+              registration: Any = None) -> list[Growth]:
+        """What one rank's snapshot shows its slots asked for (``learned_sizes``); the slots it
+        grew. ``registration``: the rank's registration, which creates at most
+        ``NEW_PER_REGISTRATION`` profiles (None: no such budget)."""
         profile = self.profiles.get(key)
         if profile is None:
-            if not seen:
-                return False
+            if not seen or not self._may_create(registration):
+                return []
             profile = self.profiles[key] = Profile()
-            while len(self.profiles) > MAX_PROFILES:
-                self.profiles.popitem(last=False)
-        grew = False
+        grown = []
         slots = profile.slots
-        for slot, size in seen.items():
-            if size > slots.get(slot, 0):
-                slots[slot] = size
-                grew = True
+        for (u, lane), size in seen.items():
+            size = min(size, self.max_slot_bytes)
+            old = slots.get((u, lane), 0)
+            if size > old:
+                slots[u, lane] = size
+                self.slots += old == 0
+                grown.append(Growth(u, lane, old, size))
         who = f"{engine}/{rank}"
         if who not in profile.ranks and len(profile.ranks) < MAX_NAMED:
             profile.ranks.add(who)
@@ -192,25 +230,47 @@ class Profiles:
         if engine not in profile.engines and len(profile.engines) < MAX_NAMED:
             profile.engines.add(engine)
             self.dirty = True
-        if grew:
+        if grown:
             profile.updated = self.wall()
             self.profiles.move_to_end(key)
             self.dirty = True
-        return grew
+            self._trim(keep=key)
+        return grown
 
-    def learn_push(self, engine: str, rank: int, model: str | None, tp_size: int | None, body: dict[str, Any],
-                   wire: dict[str, Any], columns: dict[str, list[Any]]) -> bool:
-        """A ``stats_push`` (``body``) a rank's snapshot is now (``wire``, checked, with its slot
-        ``columns``): learned from when it can change what a profile holds (a whole snapshot,
-        or a delta touching the peaks, the last violations or the grid). True if a size grew."""
+    def _may_create(self, registration: Any) -> bool:
+        """Whether ``registration`` may create one more profile (counted when it may)."""
+        if registration is None:
+            return True
+        created = self._created.pop(registration, 0)
+        self._created[registration] = created + 1
+        while len(self._created) > MAX_PROFILES:  # bounded: the oldest registrations forgotten
+            self._created.popitem(last=False)
+        return created < NEW_PER_REGISTRATION
+
+    def _trim(self, keep: ProfileKey) -> None:
+        """Drop the least recently grown profiles (never ``keep``) beyond the bounds."""
+        while len(self.profiles) > MAX_PROFILES or self.slots > MAX_SLOTS:
+            oldest = next(iter(self.profiles))
+            if oldest == keep:
+                break
+            self.slots -= len(self.profiles.pop(oldest).slots)
+
+    def learn_push(self, engine: str, rank: Any, tp_size: int | None, body: dict[str, Any], wire: dict[str, Any],
+                   columns: dict[str, list[Any]]) -> tuple[ProfileKey | None, list[Growth]]:
+        """A ``stats_push`` (``body``) of ``rank`` (its ``RankInfo``: number, model, registration)
+        of ``engine``, whose snapshot is now ``wire`` (checked, with its slot ``columns``):
+        learned from when it can change what a profile holds (a whole snapshot, or a delta
+        touching the peaks, capacities, the last violations or the grid). The key learned
+        into and the slots grown."""
         delta = body.get("delta") if body.get("base") is not None else None
         if tp_size is None or (delta is not None and not _touches_sizes(delta)):
-            return False
+            return None, []
         try:
-            key = ProfileKey.of(model, engine, tp_size, wire["num_ubatches"], wire["num_lanes"])
+            key = ProfileKey.of(rank.model, engine, tp_size, wire["num_ubatches"], wire["num_lanes"])
         except (KeyError, TypeError, ValueError):
-            return False
-        return self.learn(key, engine, rank, learned_sizes(key, columns, wire["slots"].get("last_violation")))
+            return None, []
+        seen = learned_sizes(key, columns, wire["slots"].get("last_violation"), self.max_slot_bytes)
+        return key, self.learn(key, engine, rank.rank, seen, (engine, rank.rank, rank.peer, rank.registered_at))
 
     def for_registration(self, body: dict[str, Any], engine: str) -> list[list[int]] | None:
         """The ``registered`` answer's ``presize`` for a registration ``body`` of ``engine``:
@@ -231,14 +291,18 @@ class Profiles:
 
     def drop(self, key: ProfileKey) -> bool:
         """Forget ``key``'s profile; whether there was one."""
-        if self.profiles.pop(key, None) is None:
+        profile = self.profiles.pop(key, None)
+        if profile is None:
             return False
+        self.slots -= len(profile.slots)
         self.dirty = True
         return True
 
-    def public(self) -> list[dict[str, Any]]:
-        """Every profile, by key, for ``profiles``' answer."""
-        return [profile.public(key) for key, profile in sorted(self.profiles.items(), key=lambda kv: str(kv[0]))]
+    def public(self, offset: int = 0, limit: int = MAX_PROFILES) -> list[dict[str, Any]]:
+        """The profiles ``offset`` to ``offset + limit`` by key, for ``profiles``' answer (one
+        page: bounded work on the coordinator's loop whatever the number of profiles)."""
+        keys = sorted(self.profiles, key=str)[offset:offset + limit]
+        return [self.profiles[key].public(key) for key in keys]
 
     # -- the file -------------------------------------------------------------
 
@@ -307,8 +371,7 @@ class Profiles:
 
     def _load(self, path: str) -> None:
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
+            raw = read_regular(path, MAX_FILE_BYTES)
         except FileNotFoundError:
             return
         except OSError as e:
@@ -321,6 +384,11 @@ class Profiles:
         except ValueError as e:
             self._set_aside(path, str(e))
             return
+        for profile in self.profiles.values():  # learned under a larger bound, or none: cut to this one
+            profile.slots = {slot: min(size, self.max_slot_bytes) for slot, size in profile.slots.items()}
+        self.slots = sum(len(profile.slots) for profile in self.profiles.values())
+        if self.profiles:
+            self._trim(keep=next(reversed(self.profiles)))
         logger.info("%s: %d sizing profile(s) loaded", path, len(self.profiles))
 
     def _set_aside(self, path: str, why: str) -> None:

@@ -79,6 +79,8 @@ class RankInfo:
     """The session key of its registration (``wsd.security.session_key``): its commands are
     sent authenticated under it. None: registrations are not authenticated."""
     state: RankState = RankState.LIVE
+    stall_stacks: list[dict[str, Any]] | None = field(default=None, repr=False)
+    """Every thread's stack its agent sent when it stalled, while it is stalled (for ``stacks``)."""
     registered_at: float = 0.0
     """Wall-clock time (``time.time()``) of the registration."""
     last_seen: float = 0.0

@@ -42,7 +42,9 @@ def checked_columns(stats: dict[str, Any]) -> dict[str, list[Any]]:
     """The slot columns of ``stats``, a whole snapshot, checked; ValueError naming the key."""
     _check_rank_fields(stats)
     columns = _plain(stats)
-    return _checked_columns(stats["slots"]) if columns is None else columns
+    columns = _checked_columns(stats["slots"]) if columns is None else columns
+    _check_grid(stats, len(columns[SLOT_KEY[0]]))
+    return columns
 
 
 def checked_changes(before: dict[str, list[Any]], stats: dict[str, Any],
@@ -53,6 +55,7 @@ def checked_changes(before: dict[str, list[Any]], stats: dict[str, Any],
     slots = stats["slots"]
     columns = dict(before)
     count = len(columns[SLOT_KEY[0]])
+    _check_grid(stats, count)
     for name in changed:
         if name in _SLOT_KINDS:
             columns[name] = _column(f"slots.{name}", slots.get(name, _MISSING), _SLOT_KINDS[name], count)
@@ -75,6 +78,14 @@ def _check_rank_fields(stats: dict[str, Any]) -> None:
             _need(key, stats[key], int)
             if not 0 <= stats[key] <= MAX_NUMBER:
                 raise ValueError(f"{key}: {stats[key]} out of range 0..{MAX_NUMBER}")
+
+
+def _check_grid(stats: dict[str, Any], count: int) -> None:
+    """A manager has one slot per ubatch and lane: a snapshot claiming another grid is not
+    one a manager made (and would feed a sizing profile of a grid it never ran)."""
+    if stats["num_ubatches"] * stats["num_lanes"] != count:
+        raise ValueError(f"slots: {count} slots for a grid of {stats['num_ubatches']} ubatch(es) x "
+                         f"{stats['num_lanes']} lane(s)")
 
 
 def _need(where: str, value: Any, kind: type) -> None:

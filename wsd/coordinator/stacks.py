@@ -97,7 +97,7 @@ class StackRounds:
         else:
             work.replies[info.rank] = {"rank": info.rank, "tp_group": info.tp_group, "host": info.host,
                                        "pid": info.pid, "step": body["step"], "in_step": body["in_step"],
-                                       "threads": threads}
+                                       "threads": threads, "at_stall": info.stall_stacks}
         return self._finish(body["request"]) if not work.owed else []
 
     def rank_gone(self, rank: int, why: str | None) -> list[Out]:

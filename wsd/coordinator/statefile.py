@@ -14,15 +14,36 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import struct
+import tempfile
 import zlib
 from typing import NamedTuple
 
 from wsd.errors import StateFileError
 
-__all__ = ["FORMAT", "HEAD", "JOURNAL_MAGIC", "MAX_RECORD", "OLD_MAGICS", "RECORD", "SNAPSHOT_MAGIC", "JournalHead",
-           "datasync", "frame", "frame_end", "frame_problem", "is_unborn", "pwrite_all", "read_state",
-           "rename_durably", "storage_error", "write_temporary"]
+__all__ = [
+    "FORMAT",
+    "HEAD",
+    "JOURNAL_MAGIC",
+    "MAX_RECORD",
+    "OLD_MAGICS",
+    "RECORD",
+    "SNAPSHOT_MAGIC",
+    "JournalHead",
+    "datasync",
+    "frame",
+    "frame_end",
+    "frame_problem",
+    "is_unborn",
+    "pwrite_all",
+    "read_regular",
+    "read_state",
+    "rename_durably",
+    "storage_error",
+    "unlink_quietly",
+    "write_temporary",
+]
 
 FORMAT = 3
 SNAPSHOT_MAGIC = b"WSDSNAP3"
@@ -93,12 +114,30 @@ class JournalHead(NamedTuple):
 
 def read_state(path: str) -> bytes | None:
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        return read_regular(path)
     except FileNotFoundError:
         return None
     except OSError as e:
         raise StateFileError(f"{path}: cannot read the coordinator state: {e.strerror or e}") from e
+
+
+def read_regular(path: str, max_bytes: int | None = None) -> bytes:
+    """The whole of ``path``, a regular file: opened without blocking (a FIFO or a device
+    planted there never stalls the coordinator) and refused, as an OSError naming what it
+    is, if it is not a regular file or holds more than ``max_bytes``."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        if max_bytes is not None and info.st_size > max_bytes:
+            raise OSError(errno.EFBIG, f"{info.st_size} bytes, more than {max_bytes}", path)
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def storage_error(path: str, doing: str, e: OSError) -> StateFileError:
@@ -130,18 +169,29 @@ def _fsync_dir(path: str) -> None:
 
 
 def write_temporary(path: str, data: bytes) -> str:
-    """``data`` in ``path + ".tmp"``, synced, for ``rename_durably`` to put in place."""
-    tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """``data`` in a new file beside ``path`` (``PATH.XXXXXXXX.tmp``), synced, for
+    ``rename_durably`` to put in place. Created exclusively under a name no one could
+    predict (``tempfile.mkstemp``: ``O_EXCL``, never through a link planted there); removed
+    again if the write fails."""
+    folder, name = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f"{name}.", suffix=".tmp", dir=folder)
     try:
         pwrite_all(fd, data, 0)
         os.fsync(fd)
     except OSError as e:
         e.filename = e.filename or tmp  # a failed write names no file: say which
-        raise
-    finally:
         os.close(fd)
+        unlink_quietly(tmp)
+        raise
+    os.close(fd)
     return tmp
+
+
+def unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def rename_durably(tmp: str, path: str) -> None:

@@ -123,7 +123,8 @@ class OperatorCommands:
         Unlike ``reserve``, per slot: each gets what it was seen to need, not the largest.
         A size beyond ``max_slot_bytes`` is cut to it. Unlocked only. Every entry is checked
         before any slot grows (ValueError naming the first that is not a slot of this
-        manager's grid). Returns the bytes the named slots hold afterwards.
+        manager's grid), and all or nothing: an allocation that fails releases what this
+        call grew before it raises. Returns the bytes the named slots hold afterwards.
         """
         wanted: dict[tuple[int, int], int] = {}
         for entry in sizes:
@@ -146,8 +147,14 @@ class OperatorCommands:
                 if slot.capacity_bytes < size:
                     grown.append((slot, self._buffers.target_size(size)))
         self._buffers.fits("presize", grown)
-        for slot, size in grown:
-            self._buffers.allocate(slot, size, operator=True)
+        done: list[Slot] = []
+        try:
+            for slot, size in grown:
+                self._buffers.allocate(slot, size, operator=True)
+                done.append(slot)
+        except BaseException:  # all or nothing: what this presize grew is released again
+            self._buffers.drop(done)
+            raise
         return sum(slot.capacity_bytes for slot in self._slots if (slot.ubatch, slot.lane) in wanted)
 
     def equalize(self) -> None:

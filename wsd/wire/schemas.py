@@ -32,6 +32,7 @@ __all__ = [
     "COORDINATOR_STATE_OPS",
     "INT_MAX",
     "MAX_PRESIZE_SLOTS",
+    "MAX_PROFILE_PAGE",
     "MAX_STATUS_GROUPS",
     "NEVER_REGISTERED",
     "READ_ONLY_OPS",
@@ -101,6 +102,8 @@ COORDINATOR_OPS = frozenset({Op.REGISTERED, Op.CHALLENGE, Op.PULSE, Op.COMMAND, 
 
 INT_MAX = 2**63 - 1
 MAX_STATUS_GROUPS = 4096
+MAX_PROFILE_PAGE = 256
+"""The most sizing profiles one ``profiles`` answer carries (each up to a grid's slots)."""
 """The most TP groups one ``status`` answer lists (``limit``); the rest are further pages."""
 NEVER_REGISTERED = "never registered"
 """The reason a missing rank reads in ``ranks``, ``status`` and ``stats`` when it has not
@@ -211,6 +214,9 @@ _TARGET = (
     _opt(_int("group", 0, 65535)),
     _opt(_f("wait", bool), True),
     _opt(Field("timeout", (float,), low=0.0, high=3600.0)),
+    # The named engine may be one the coordinator does not serve yet: the command sets the
+    # desired state it starts into. Without it, an unknown engine is refused (a typo).
+    _opt(_f("new_engine", bool), False),
 )
 _RANK = _int("rank", 0, 1 << 20)
 # Bounds of what agents send: generous for every legitimate sender, small enough
@@ -274,7 +280,7 @@ SCHEMAS: dict[Op, tuple[Field, ...]] = {
     Op.STACKS: (_ENGINE, _opt(_int("group", 0, 65535)), _opt(_int("rank", 0, 1 << 20)),
                 _opt(Field("timeout", (float,), low=0.0, high=60.0))),
     # Every sizing profile the coordinator keeps (wsd.coordinator.profiles).
-    Op.PROFILES: (),
+    Op.PROFILES: (_opt(_int("offset", 0, 1 << 20), 0), _opt(_int("limit", 1, MAX_PROFILE_PAGE), 64)),
     # Forget the sizing profile of this key (NAME:tpT:ubU:lnL, as ``profiles`` lists it).
     Op.DROP_PROFILE: (_str("key", MAX_PROFILE_KEY),),
     **{Op(spec.name): (*(_int(a.name, a.low, a.high) for a in spec.args), *_TARGET) for spec in COMMANDS.values()},

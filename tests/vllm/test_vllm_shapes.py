@@ -141,7 +141,7 @@ def test_an_engine_started_into_a_locked_desired_state_locks_only_after_its_warm
     agents, client_endpoint = coordinator
     before = shm_segments()
     with Client(client_endpoint, timeout=10) as client, processes() as start:
-        client.lock(wait=False, engine="replica")  # its desired state, before it starts: locked
+        client.command("lock", wait=False, engine="replica", new_engine=True)  # its desired state, before it starts
         proc = start(python(DRIVER, str(tmp_path / "model")), name="vllm-driver", stdin=True,
                      env=one_rank_env("mp", WSD_COORDINATOR_CONNECT_ENDPOINT=agents, WSD_ENGINE="replica"))
         proc.wait_for("DRIVER READY", 60)

@@ -6,7 +6,7 @@ import re
 import time
 from collections.abc import Sequence
 
-__all__ = ["cut", "format_bytes", "format_time", "printable", "table"]
+__all__ = ["cut", "format_bytes", "format_time", "one_line", "printable", "table"]
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
@@ -22,9 +22,29 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 def printable(text: str) -> str:
-    """``text`` with every control character but newline and tab escaped (``\\x1b``): what a
-    peer put in a name or a message never reaches a terminal raw (ESC sequences, BEL)."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    """``text`` with every character a terminal would act on or show as something else escaped
+    (``\\x1b``, ``\\u202e``), but newline and tab: control characters (ESC sequences, BEL),
+    format characters (bidi overrides such as U+202E, which reorder what follows), and line
+    and paragraph separators (U+2028, U+2029). What a peer put in a name or a message never
+    reaches a terminal raw; a table's own line breaks stay."""
+    if text.isascii():
+        return _CONTROL.sub(_escape, text)
+    return "".join(c if c.isprintable() or c in "\n\t" else _escape_char(c) for c in text)
+
+
+def one_line(text: str) -> str:
+    """``text`` as ``printable`` makes it, newlines and tabs escaped too: for one field of a
+    line (a frame, a thread's or a model's name), which may not start a line of its own."""
+    return printable(text).replace("\n", "\\n").replace("\t", "\\t")
+
+
+def _escape(match: re.Match[str]) -> str:
+    return _escape_char(match.group())
+
+
+def _escape_char(c: str) -> str:
+    code = ord(c)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def format_bytes(n: int) -> str:

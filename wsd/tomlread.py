@@ -28,7 +28,8 @@ def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The TOML document at ``path``; ConfigError naming the file if it cannot be read or parsed.
 
     A regular file of at most ``MAX_CONFIG_BYTES`` (a FIFO would hang the reader, a device
-    such as ``/dev/zero`` would never end), nested no deeper than the parser's stack allows.
+    such as ``/dev/zero`` would never end), owned by this user or root and writable by no one
+    else, nested no deeper than the parser's stack allows.
     """
     source = str(path)
     not_regular = f"{source}: not a regular file (a folder, a FIFO or a device): give a configuration file"
@@ -36,8 +37,10 @@ def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
         # Non-blocking, then checked on the open file: a FIFO neither hangs the open nor is read.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
                 raise ConfigError(not_regular)
+            _owned(source, info)
             data = f.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"{source}: configuration file not found") from None
@@ -48,6 +51,18 @@ def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     if len(data) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{source}: a configuration file of more than {MAX_CONFIG_BYTES} bytes: not one of wsd's")
     return parse_toml(data, source)
+
+
+def _owned(source: str, info: os.stat_result) -> None:
+    """A configuration names the token and key files, and the endpoints to trust: one that
+    another user may have written is refused, as those files are (``wsd.files.read_owned``)."""
+    mode = stat.S_IMODE(info.st_mode)
+    if info.st_uid not in (os.getuid(), 0):
+        raise ConfigError(f"{source}: belongs to uid {info.st_uid}, not to this user (uid {os.getuid()}) or root: "
+                          f"whoever owns it can rewrite the configuration")
+    if mode & 0o022:
+        raise ConfigError(f"{source}: has mode {mode:04o}: group and others must not be able to write a "
+                          f"configuration file (chmod 644 {source})")
 
 
 def parse_toml(data: bytes, source: str) -> dict[str, Any]:

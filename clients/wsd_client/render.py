@@ -393,9 +393,10 @@ def contexts(doc: dict[str, Any]) -> str:
 def _detail_value(key: str, value: Any) -> str:
     if key in _BYTE_KEYS and isinstance(value, int) and not isinstance(value, bool):
         return format_bytes(value)
-    if key == "by" and isinstance(value, dict):  # a command's issuer: user@host, and its CURVE role
-        who = "@".join(str(value[k]) for k in ("user", "host") if k in value) or "?"
-        return who + (f"({value['role']})" if "role" in value else "")
+    if key == "by" and isinstance(value, dict):  # a command's issuer as its client says: a claim
+        return ("@".join(str(value[k]) for k in ("user", "host") if k in value) or "?") + " (claimed)"
+    if key == "proven" and isinstance(value, dict):  # what CURVE proved: the key's role and name
+        return f"{value.get('role', '?')} key {value.get('key', '?')}"
     if isinstance(value, (dict, list)):
         return json.dumps(value, separators=(",", ":"), sort_keys=True)
     return _opt(value)

@@ -107,9 +107,9 @@ def test_admin_key_may_change_state(keys, serve):
         result = admin.lock(wait=False)
         assert result.seq == 1
         assert admin.status()["desired"]["locked"] is True
-        # The command's event names the role CURVE proved, beside what the client says.
+        # The command's event names the role and key CURVE proved, apart from what the client says.
         (event,) = [e for e in admin.events()["events"] if e["kind"] == "command"]
-        assert event["by"]["role"] == "admin" and set(event["by"]) == {"user", "host", "role"}
+        assert event["proven"] == {"role": "admin", "key": "admin"} and set(event["by"]) == {"user", "host"}
 
 
 def test_viewer_key_reads_and_every_state_changing_op_is_forbidden(keys, serve):
@@ -421,17 +421,17 @@ def test_a_viewers_frame_is_decoded_once(monkeypatch):
     reached: list[bytes] = []
 
     class Core:  # the core decodes what reaches it (CoordinatorCore.handle_client does)
-        def handle_client(self, route: tuple[bytes, ...], frame: bytes, role: str | None) -> list:
+        def handle_client(self, route: tuple[bytes, ...], frame: bytes, role: str | None, key: str | None) -> list:
             reached.append(frame)
             p.decode(frame, p.CLIENT_OPS)
             return []
 
     loop = SimpleNamespace(core=Core())
     query, command = p.encode(Op.STATUS, {}, 7), p.encode(Op.LOCK, {"group": None}, 8)
-    assert Coordinator._client_frame(loop, (b"peer",), query, "viewer") == []  # type: ignore[arg-type]
+    assert Coordinator._client_frame(loop, (b"peer",), query, "viewer:alice") == []  # type: ignore[arg-type]
     assert (decoded, reached) == ([query], [query])
     decoded.clear()
-    ((_, _, reply),) = Coordinator._client_frame(loop, (b"peer",), command, "viewer")  # type: ignore[arg-type]
+    ((_, _, reply),) = Coordinator._client_frame(loop, (b"peer",), command, "viewer:alice")  # type: ignore[arg-type]
     answer = p.decode_reply(reply)
     assert (answer.id, answer.code) == (8, ErrorCode.FORBIDDEN)
     assert (decoded, reached) == ([command], [query])

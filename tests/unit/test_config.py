@@ -367,3 +367,17 @@ def test_dev_zero_as_a_configuration_file_is_refused_at_once():
     with pytest.raises(ConfigError, match="not a regular file"):
         load_config("/dev/zero", env={})
     assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("mode", [0o666, 0o664, 0o646])
+def test_a_configuration_file_others_may_write_is_refused_naming_the_fix(tmp_path, mode):
+    """A configuration names the token and key files and the endpoints to trust; the token
+    file was checked for its owner and mode while a world-writable configuration naming it
+    was loaded silently."""
+    path = tmp_path / "wsd.toml"
+    path.write_text("[coordinator]\nheartbeat_interval = 1.0\n")
+    path.chmod(mode)
+    with pytest.raises(ConfigError, match=rf"has mode {mode:04o}: group and others must not be able to write"):
+        load_config(str(path), env={})
+    path.chmod(0o644)
+    assert load_config(str(path), env={}).coordinator.heartbeat_interval == 1.0

@@ -1297,18 +1297,26 @@ def test_a_peer_flipping_fast_cannot_flood_the_event_log(h):
 
 
 def test_a_command_event_says_who_issued_it(h):
-    """The user and host a client says (the envelope's ``by``) and, with CURVE, the role the
-    transport proved: an operator reading the event log sees who locked what."""
+    """The user and host a client says (the envelope's ``by``: a claim) and, apart, with CURVE,
+    the role and key the transport proved: an operator reading the event log sees who locked
+    what, and nothing a client sends can read as proven (a host claimed as ``ops-1(admin)``
+    once rendered exactly like a CURVE-proven admin)."""
+    from wsd_client.render import event_line
+
     h.register_all()
-    h.core.handle_client(CLIENT_ROUTE, p.encode(Op.LOCK, {"wait": False}, 1, by={"user": "alice", "host": "ops-1"}))
+    h.core.handle_client(CLIENT_ROUTE, p.encode(Op.LOCK, {"wait": False}, 1, by={"user": "alice",
+                                                                                  "host": "ops-1(admin)"}))
     h.core.handle_client(CLIENT_ROUTE, p.encode(Op.UNLOCK, {"wait": False}, 2, by={"user": "bob", "host": "ops-2"}),
-                         role="admin")
+                         role="admin", key="bob-laptop")
     h.core.handle_client(CLIENT_ROUTE, p.encode(Op.LOCK, {"wait": False}, 3))  # an older client: says nothing
     commands = [e for e in h.ok(Op.EVENTS)["events"] if e["kind"] == "command"]
-    assert [(e["action"], e.get("by")) for e in commands] == [
-        ("lock", {"user": "alice", "host": "ops-1"}),
-        ("unlock", {"user": "bob", "host": "ops-2", "role": "admin"}),
-        ("lock", None)]
+    assert [(e["action"], e.get("by"), e.get("proven")) for e in commands] == [
+        ("lock", {"user": "alice", "host": "ops-1(admin)"}, None),
+        ("unlock", {"user": "bob", "host": "ops-2"}, {"role": "admin", "key": "bob-laptop"}),
+        ("lock", None, None)]
+    lines = [event_line(e) for e in commands]
+    assert "by=alice@ops-1(admin) (claimed)" in lines[0] and "proven" not in lines[0]
+    assert "by=bob@ops-2 (claimed)" in lines[1] and "proven=admin key bob-laptop" in lines[1]
 
 
 def test_stats_and_ranks_read_the_same_step_for_a_snapshot_a_heartbeat_confirmed(h):

@@ -46,3 +46,17 @@ def test_ids_stay_consecutive_across_both_parts_and_the_tail_finds_the_last_ones
         log.add(kind, 0.0, source=None if kind is EventKind.COMMAND else ("e", i), n=i)
     assert log.since(2**63 - 1, 1) == ([], 6)
     assert [e["n"] for e in log.since(6 - 3, 100)[0]] == [3, 4, 5]
+
+
+def test_what_a_terminal_would_act_on_is_escaped_and_one_field_stays_on_one_line():
+    """wsctl prints every answer through ``printable``: ESC, BEL and C1 controls, bidi overrides
+    (U+202E reverses what follows) and line separators are escaped, a table's own newlines
+    kept; ``one_line`` escapes those too, for a field that must not start a line."""
+    from wsd.coordinator.events import bounded_detail
+    from wsd.fmt import one_line, printable
+
+    assert printable("a\x1b[2Jb\x9bc\nd\te") == "a\\x1b[2Jb\\x9bc\nd\te"
+    assert printable("model \u202eevil\u2028next\u200f café 中") == "model \\u202eevil\\u2028next\\u200f café 中"
+    assert one_line("f\nrank 1: forged\tx") == "f\\nrank 1: forged\\tx"
+    detail = bounded_detail({"caller\n": "x.py:1\nrank 2 (node): lost", "note": "\u202eabc"})
+    assert detail == {"caller\\n": "x.py:1\\nrank 2 (node): lost", "note": "\\u202eabc"}

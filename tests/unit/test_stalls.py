@@ -160,6 +160,32 @@ def test_stacks_asks_the_live_ranks_named_and_answers_once_each_did(h):
     assert reply.result["missing"] == []
 
 
+def test_a_second_stacks_request_joins_the_round_in_flight_and_a_rank_is_asked_once_a_second(h):
+    """8 stepping ranks answered 99-148 stacks requests a second and their steps slowed 17-22%:
+    one round per engine at a time (another request joins it), and a rank whose stacks were
+    gathered less than MIN_INTERVAL ago is not interrupted again."""
+    from wsd.coordinator.stacks import MIN_INTERVAL
+
+    h.register_all([0, 1])
+    first = h.client(Op.STACKS, {"group": 0}, request_id=1)
+    asked = to_agents(first, Op.STACKS_REQUEST)
+    joined = h.client(Op.STACKS, {"rank": 1}, request_id=2)
+    assert ops(joined, AGENT) == [], "a second round while one runs"
+    request = asked[peer_of(0)]["request"]
+    assert stacks_from(h, 0, request) == []
+    replies = {s.reply.id: s.reply for s in stacks_from(h, 1, request) if s.reply is not None}
+    assert [r["rank"] for r in replies[1].result["ranks"]] == [0, 1]
+    assert [r["rank"] for r in replies[2].result["ranks"]] == [1] and replies[2].result["missing"] == []
+    again = h.client(Op.STACKS, {"group": 0}, request_id=3)
+    assert ops(again, AGENT) == []  # both replied just now
+    (reply,) = [s.reply for s in again if s.reply is not None]
+    assert {m["rank"] for m in reply.result["missing"]} == {0, 1}
+    assert "at most once every 1 s" in reply.result["missing"][0]["reason"]
+    h.advance(MIN_INTERVAL + 0.1)
+    assert set(to_agents(h.client(Op.STACKS, {"group": 0}, request_id=4), Op.STACKS_REQUEST)) == {peer_of(0),
+                                                                                                 peer_of(1)}
+
+
 def test_stacks_of_a_rank_that_never_answers_or_is_gone_say_why(h):
     h.register_all([0])
     sent = h.client(Op.STACKS, {"timeout": 1.0})
@@ -203,6 +229,17 @@ def test_an_agents_stacks_are_cut_to_size_and_made_printable():
     assert len(thread["frames"][0]) < 300  # cut, saying how much was left out
     with pytest.raises(ValueError, match="at most 64 strings"):
         checked_threads([{"name": "t", "frames": ["f"] * 65}])
+
+
+def test_a_frame_can_forge_no_line_and_reorder_no_text():
+    """A token holder's frame holding a newline printed a forged line in ``wsctl stacks``
+    (``rank 1 (...): inside its step for 912.0 s``); one holding U+202E reversed what followed."""
+    (thread,) = checked_threads([{"name": "main\u2028x", "dropped": 0, "frames": [
+        "a.py:1:f\nrank 1 (host): inside its step for 912.0 s", "b.py:2:\u202eg\u2029h\tz"]}])
+    assert thread["frames"] == ["a.py:1:f\\nrank 1 (host): inside its step for 912.0 s",
+                                "b.py:2:\\u202eg\\u2029h\\tz"]
+    assert thread["name"] == "main\\u2028x"
+    assert all("\n" not in f and f.isprintable() for f in thread["frames"])
 
 
 # -- the agent's reading of its own threads ----------------------------------------------------

@@ -174,6 +174,32 @@ def test_the_directory_is_made_once_for_the_processes_this_one_starts(tmp_path, 
     assert metrics.share_directory() == "/named/by/the/parent"
 
 
+def test_a_killed_vllms_metrics_directory_is_removed_at_the_next_start(tmp_path, monkeypatch):
+    """The plugin's standalone metrics folder was left in TMPDIR after every SIGKILL of vLLM and
+    never reclaimed: the next start removes this user's folders whose process is gone, and
+    nothing else (a live process's, another name, a link)."""
+    import subprocess
+    import sys
+
+    monkeypatch.delenv(metrics.DIRECTORY, raising=False)
+    monkeypatch.setattr(metrics.tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True, timeout=30)
+    prefix = f"wsd-vllm-metrics-{os.getuid()}-"
+    stale = tmp_path / f"{prefix}{gone.stdout.strip()}-abc"
+    live = tmp_path / f"{prefix}{os.getppid()}-def"
+    other = tmp_path / "wsd-vllm-metrics-somethingelse"
+    for folder in (stale, live, other):
+        folder.mkdir()
+        (folder / "1.msgpack").write_bytes(b"x")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (tmp_path / f"{prefix}{gone.stdout.strip()}-link").symlink_to(victim)
+    made = metrics.share_directory()
+    assert not stale.exists() and live.exists() and other.exists() and victim.exists()
+    assert os.path.basename(made).startswith(f"{prefix}{os.getpid()}-")
+
+
 def test_the_registry_vllm_serves_gets_the_collector_once(tmp_path, monkeypatch):
     """The API server's part: whatever ``get_prometheus_registry`` returns to vLLM's
     ``attach_router`` holds the workers' figures, however often it is asked."""

@@ -992,12 +992,16 @@ def test_a_hook_runs_once_its_module_has_run_or_at_once_if_it_has(tmp_path, monk
         sys.modules.pop("wsd_hooked_a", None)
 
 
-def test_a_hook_that_raises_fails_the_import_and_leaves_no_module(tmp_path, monkeypatch):
+def test_a_hook_that_raises_fails_the_import_and_every_later_one_without_running_it_again(tmp_path, monkeypatch):
+    """A second import once executed the module a second time, unhooked (a strict plugin's
+    refusal undone by whoever caught it and imported again)."""
     from wsd.integrations.vllm import imports
 
     monkeypatch.setattr(imports, "_hooks", {})
+    monkeypatch.setattr(imports, "_failed", {})
     monkeypatch.syspath_prepend(str(tmp_path))
-    (tmp_path / "wsd_hooked_b.py").write_text("VALUE = 2\n")
+    runs = tmp_path / "runs"
+    (tmp_path / "wsd_hooked_b.py").write_text(f"open({str(runs)!r}, 'a').write('ran ')\nVALUE = 2\n")
 
     def refuse(module):
         raise RuntimeError("strict: refused")
@@ -1005,9 +1009,35 @@ def test_a_hook_that_raises_fails_the_import_and_leaves_no_module(tmp_path, monk
     imports.when_imported("wsd_hooked_b", refuse)
     try:
         with pytest.raises(RuntimeError, match="strict: refused"):
-            import wsd_hooked_b  # noqa: F401
+            import wsd_hooked_b
         assert "wsd_hooked_b" not in sys.modules
+        with pytest.raises(ImportError, match=r"not imported again: wsd's hook failed .*strict: refused"):
+            import wsd_hooked_b  # noqa: F401
+        assert runs.read_text() == "ran ", "the module's code ran again"
     finally:
         sys.modules.pop("wsd_hooked_b", None)
+        if imports._finder in sys.meta_path:
+            sys.meta_path.remove(imports._finder)
+
+
+def test_while_a_hook_waits_the_modules_loader_answers_as_its_own(tmp_path, monkeypatch):
+    """runpy, pkgutil and coverage ask a module's loader for its code, source and data before
+    it runs: the hook's loader once had none of them."""
+    import importlib.util
+
+    from wsd.integrations.vllm import imports
+
+    monkeypatch.setattr(imports, "_hooks", {})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "wsd_hooked_c.py").write_text("VALUE = 3\n")
+    imports.when_imported("wsd_hooked_c", lambda m: None)
+    try:
+        spec = importlib.util.find_spec("wsd_hooked_c")
+        assert spec is not None and type(spec.loader).__name__ == "_Loader"
+        assert spec.loader.get_source("wsd_hooked_c") == "VALUE = 3\n"
+        assert spec.loader.get_code("wsd_hooked_c") is not None and not spec.loader.is_package("wsd_hooked_c")
+        assert spec.loader.get_filename("wsd_hooked_c").endswith("wsd_hooked_c.py")
+    finally:
+        imports._hooks.clear()
         if imports._finder in sys.meta_path:
             sys.meta_path.remove(imports._finder)

@@ -147,8 +147,9 @@ class CoordinatorCore:
 
     # -- entry points --------------------------------------------------------
 
-    def handle_client(self, route: Route, frame: bytes, role: str | None = None) -> list[Out]:
-        """One client frame; ``role``: the sender's CURVE role (ZAP's User-Id), None without CURVE."""
+    def handle_client(self, route: Route, frame: bytes, role: str | None = None, key: str | None = None) -> list[Out]:
+        """One client frame; ``role`` and ``key``: the sender's CURVE role and key name (ZAP's
+        User-Id), None without CURVE."""
         request_id: int | None = None
         try:
             if len(frame) > self.config.max_message_bytes:
@@ -158,8 +159,8 @@ class CoordinatorCore:
                 )
             message = p.decode(frame, p.CLIENT_OPS)
             request_id = message.id
-            if role is not None:  # who sent it, as the transport proved it
-                message = dataclasses.replace(message, by={**(message.by or {}), "role": role})
+            if role is not None:  # who sent it, as the transport proved it: apart from the claim
+                message = dataclasses.replace(message, proven={"role": role, **({"key": key} if key else {})})
             return self._client_ops[message.op](route, message)
         except ProtocolError as e:
             return [(CLIENT, route, p.error_reply(e.request_id, e.code, str(e)))]
@@ -389,7 +390,8 @@ class CoordinatorCore:
             engine.check_group(message.body["group"])
             engine.dispatch.check(action, message.body["group"])
         return self._answer(route, message, engines,
-                            lambda e, answer: e.dispatch.command(action, message.body, answer, by=message.by))
+                            lambda e, answer: e.dispatch.command(action, message.body, answer, by=message.by,
+                                                                 proven=message.proven))
 
     def _stats_request(self, route: Route, message: p.Message) -> list[Out]:
         body = message.body
@@ -428,7 +430,7 @@ class CoordinatorCore:
             known = ", ".join(str(k) for k in list(self.profiles.profiles)[:8]) or "none"
             raise ProtocolError(ErrorCode.BAD_FIELD, f"key: no sizing profile {text!r} (known: {known})")
         saved = self.profiles.save()  # at once: an operator's change is durable when answered
-        who: dict[str, Any] = {"by": message.by} if message.by else {}
+        who: dict[str, Any] = {k: v for k, v in (("by", message.by), ("proven", message.proven)) if v}
         self.events.add(EventKind.PROFILE_DROPPED, self.wall(), key=text, **who)
         return [(CLIENT, route, p.ok_reply(message.id, {"dropped": text, "saved": saved}))]
 
@@ -437,7 +439,7 @@ class CoordinatorCore:
         if name is not None:
             self._addressed(name)  # a name it serves, or an error that says which it does
         events, cursor = self.events.since(message.body["cursor"], message.body["limit"], engine=name)
-        if (message.by or {}).get("role") not in (None, Role.ADMIN):  # frames are an admin's, as stacks are
+        if (message.proven or {}).get("role") not in (None, Role.ADMIN):  # frames are an admin's, as stacks are
             events = [{**e, "stacks": None, "stacks_withheld": True} if e.get("stacks") else e for e in events]
         # The epoch tells a follower that ids started again (a restarted coordinator).
         result = {"events": events, "cursor": cursor, "epoch": self.epoch}

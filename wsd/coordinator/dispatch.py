@@ -80,10 +80,11 @@ class Dispatch:
                 raise ProtocolError(ErrorCode.CONFLICT, f"{action}: TP group(s) {locked} are locked; unlock first")
 
     def command(self, action: str, body: dict[str, Any], answer: Answer, *,
-                by: dict[str, str] | None = None) -> list[Out]:
+                by: dict[str, str] | None = None, proven: dict[str, str] | None = None) -> list[Out]:
         """Number a command, send it to every live rank, and answer when its targets applied it
-        (``body["wait"]``) or at once with its number. ``check`` first. ``by``: who sent it (the
-        client's user and host as it says, its CURVE role), for the event."""
+        (``body["wait"]``) or at once with its number. ``check`` first. ``by``: who sent it, as
+        the client says (user and host); ``proven``: what CURVE proved (role, key name); both for
+        the event, apart."""
         group = body["group"]
         args = {k: v for k, v in body.items() if k not in ("group", "wait", "timeout", "engine", "new_engine")}
         now = self.clock()
@@ -92,7 +93,7 @@ class Dispatch:
         while len(self._sent_at) > self.config.log_capacity:  # older ones left the log
             del self._sent_at[next(iter(self._sent_at))]
         self.event(EventKind.COMMAND, seq=command.seq, action=action, group=group, args=args,
-                   **({"by": by} if by else {}))
+                   **{k: v for k, v in (("by", by), ("proven", proven)) if v})
         live = self.registry.live()
         out = [self._frame(command, i) for i in live]  # every rank holds every seq
         targets = {i.rank for i in live if command.targets(i.tp_group)}

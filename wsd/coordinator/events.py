@@ -22,7 +22,7 @@ from typing import Any
 import msgpack
 
 from wsd.errors import StrEnum
-from wsd.fmt import cut
+from wsd.fmt import cut, one_line
 
 __all__ = ["OPERATOR", "SOURCE_SHARE", "EventKind", "EventLog"]
 
@@ -89,11 +89,11 @@ def bounded_detail(detail: dict[Any, Any], *, reserved: tuple[str, ...] = ()) ->
             break
         if not isinstance(key, str) or key in reserved:
             continue
-        key = key[:_MAX_KEY]
+        key = one_line(key[:_MAX_KEY])
         if value is None or isinstance(value, (bool, int, float)):
             out[key] = value
         elif isinstance(value, str):
-            out[key] = cut(value, _MAX_TEXT)
+            out[key] = cut(one_line(value), _MAX_TEXT)
         elif isinstance(value, bytes):
             out[key] = f"<{len(value)} bytes>"
         else:

@@ -19,7 +19,7 @@ from wsd.coordinator.core import AGENT, CLIENT, CoordinatorCore, Out
 from wsd.coordinator.metrics_server import MetricsServer
 from wsd.errors import WsdError
 from wsd.security import SecurityConfig, load_agent_token
-from wsd.wire.curve import AGENT_DOMAIN, CLIENT_DOMAIN, CurveGate, Role, is_loopback, refusal
+from wsd.wire.curve import AGENT_DOMAIN, CLIENT_DOMAIN, CurveGate, Role, is_loopback, refusal, user_id
 from wsd.wire.protocol import READ_ONLY_OPS, ErrorCode, error_reply, peek_op
 from wsd.wire.transport import bind, make_socket, raise_fd_limit, send_nowait
 
@@ -154,8 +154,8 @@ class Coordinator:
                 else:
                     heard_until = polled
                 if self._clients in ready:
-                    for route, frame, role in self._drain_clients():
-                        out += self._client_frame(route, frame, role)
+                    for route, frame, identity in self._drain_clients():
+                        out += self._client_frame(route, frame, identity)
                 # Timers run only once one is due: while replies stream in, most
                 # passes have nothing for them, and a round is one pass per reply.
                 core.note_heard(heard_until)
@@ -171,7 +171,9 @@ class Coordinator:
             finally:
                 self._close()
 
-    def _client_frame(self, route: tuple[bytes, ...], frame: bytes, role: str | None) -> list[Out]:
+    def _client_frame(self, route: tuple[bytes, ...], frame: bytes, identity: str | None) -> list[Out]:
+        """``identity``: the sender's ZAP User-Id (``ROLE:KEY NAME``), None without CURVE."""
+        role, key = user_id(identity) if identity is not None else (None, None)
         if not route:
             return []
         if len(route) > 2 or (len(route) == 2 and route[1] != b""):
@@ -185,10 +187,10 @@ class Coordinator:
             refused = refusal(role, frame)
             if refused is not None:  # a viewer's command: answered here, so it consumes no seq
                 return [(CLIENT, route, refused)]
-        return self.core.handle_client(route, frame, role)
+        return self.core.handle_client(route, frame, role, key)
 
     def _drain_clients(self) -> list[tuple[tuple[bytes, ...], bytes, str | None]]:
-        """Client frames with the sender's role (ZAP's User-Id), None without CURVE."""
+        """Client frames with the sender's ZAP User-Id (``ROLE:KEY NAME``), None without CURVE."""
         if not self._gate.roles:
             return [(route, frame, None) for route, frame in self._drain(self._clients)[0]]
         frames: list[tuple[tuple[bytes, ...], bytes, str | None]] = []
@@ -200,8 +202,8 @@ class Coordinator:
             if len(parts) >= 2:
                 # No User-Id would be a libzmq surprise: treat it as the least privilege.
                 # cast: pyzmq types every frame property int | str; User-Id is a str.
-                role = cast(str, parts[-1].get("User-Id")) or Role.VIEWER
-                frames.append((tuple(f.bytes for f in parts[:-1]), parts[-1].bytes, role))
+                identity = cast(str, parts[-1].get("User-Id")) or Role.VIEWER
+                frames.append((tuple(f.bytes for f in parts[:-1]), parts[-1].bytes, identity))
         return frames
 
     @staticmethod

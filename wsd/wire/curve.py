@@ -31,12 +31,13 @@ from zmq.utils import z85
 
 from wsd.errors import ConfigError, StrEnum
 from wsd.files import read_owned
+from wsd.fmt import one_line
 from wsd.wire import protocol as p
 from wsd.wire.protocol import ErrorCode
 from wsd.wire.transport import TransportError
 
 __all__ = ["AGENT_DOMAIN", "CLIENT_DOMAIN", "ClientKeys", "CurveGate", "CurveSettings", "Role", "agent_keys",
-           "is_loopback", "keygen", "load_folder", "load_public", "load_secret", "refusal"]
+           "is_loopback", "keygen", "load_folder", "load_public", "load_secret", "refusal", "user_id"]
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +144,10 @@ class _KeyList:
         return False
 
 
-def _role_authenticator(context: zmq.Context, roles: dict[bytes, Role]) -> Any:
-    """pyzmq's ZAP thread, with the User-Id of a client key set to its role.
+def _role_authenticator(context: zmq.Context, roles: dict[bytes, Role], names: dict[bytes, str]) -> Any:
+    """pyzmq's ZAP thread, with the User-Id of a client key set to ``ROLE:NAME``: its role and
+    its key file's name (``alice`` for ``admin_keys/alice.key``), which the coordinator reads
+    as what CURVE proved of the sender (``user_id``).
 
     Its module is imported here, by the coordinator only: it imports asyncio, which
     a client's start (``wsctl``) has no use for.
@@ -153,7 +156,9 @@ def _role_authenticator(context: zmq.Context, roles: dict[bytes, Role]) -> Any:
 
     class RoleAuthenticator(ThreadAuthenticator):
         def curve_user_id(self, client_public_key: bytes) -> str:
-            return roles.get(z85.encode(client_public_key), Role.AGENT)
+            key = z85.encode(client_public_key)
+            role = roles.get(key)
+            return Role.AGENT if role is None else f"{role}:{names[key]}"
 
     return RoleAuthenticator(context, log=logger)
 
@@ -175,6 +180,7 @@ class CurveGate:
                               "when curve_clients or curve_agents is true")
         self.public, self.secret = load_secret(security.server_secret_key, "[security] server_secret_key")
         roles: dict[bytes, Role] = {}
+        names: dict[bytes, str] = {}
         providers: dict[str, _KeyList] = {}
         if security.curve_clients:
             clients: dict[bytes, str] = {}
@@ -184,12 +190,13 @@ class CurveGate:
                         raise ConfigError(f"[security] the same key is in {clients[key]} and {path}: "
                                           f"a client key has one role; remove one of them")
                     clients[key], roles[key] = path, role
+                    names[key] = one_line(Path(path).stem)[:64]
             providers[CLIENT_DOMAIN] = _KeyList(clients)
         if security.curve_agents:
             if security.agent_keys is None:
                 raise ConfigError("[security] agent_keys must be set when curve_agents is true")
             providers[AGENT_DOMAIN] = _KeyList(load_folder(security.agent_keys, "[security] agent_keys"))
-        auth = _role_authenticator(context, roles)
+        auth = _role_authenticator(context, roles, names)
         try:
             auth.start()
         except zmq.ZMQError as e:
@@ -244,6 +251,13 @@ def refusal(role: str | None, frame: bytes) -> bytes | None:
     return p.error_reply(message.id, ErrorCode.FORBIDDEN,
                          f"op: {message.op} changes state, and this client's key is a {role} key: "
                          f"only keys in [security] admin_keys may")
+
+
+def user_id(text: str | None) -> tuple[str, str | None]:
+    """A client frame's ZAP User-Id (``ROLE:NAME``) as its role and key name; none (a libzmq
+    surprise) is the least privilege."""
+    role, _, name = (text or Role.VIEWER).partition(":")
+    return role, name or None
 
 
 def is_loopback(endpoint: str) -> bool:

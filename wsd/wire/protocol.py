@@ -145,7 +145,11 @@ class Message:
     by: dict[str, str] | None = None
     """Who sent it, as the client says (``ISSUER_KEYS``): the envelope's ``by``, which a
     coordinator that predates it skips, so a newer client still talks to it. Not proof
-    of anything: a CURVE role, where there is one, is the coordinator's own knowledge."""
+    of anything, and shown as a claim."""
+    proven: dict[str, str] | None = None
+    """What the transport proved of the sender: its CURVE key's ``role`` and ``key`` (the
+    key file's name). Set by the coordinator only, never from the message; None without
+    CURVE."""
 
 
 ISSUER_KEYS = ("user", "host")

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 from wsd.commands import COMMANDS
 from wsd.errors import ErrorCode, ProtocolError, StrEnum
+from wsd.fmt import one_line
 from wsd.names import ENGINE_NAME, MAX_ENGINE_NAME, engine_name_problem
 from wsd.slotstats import MAX_LANES, MAX_UBATCHES
 
@@ -112,6 +113,12 @@ registered since the coordinator started (else ``lost`` or ``stopped``)."""
 _PLAIN = frozenset({int, str, bool, dict, list, bytes})
 _SIZED = frozenset({str, bytes, dict, list})
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _unprintable(value: str) -> bool:
+    """A control character, or beyond ASCII a format character (a bidi override), a line or
+    paragraph separator, or anything else a terminal would not show as itself."""
+    return bool(_CONTROL.search(value)) if value.isascii() else not value.isprintable()
 """C0 and C1 control characters, DEL: never in a host name, a device or an event kind."""
 
 
@@ -142,7 +149,7 @@ class Field:
         if kind in self.types and kind in _PLAIN:
             if kind in _SIZED:
                 if (self.max_len is None or len(value) <= self.max_len) and not (
-                        self.printable and _CONTROL.search(value)) and (
+                        self.printable and _unprintable(value)) and (
                         self.pattern is None or self.pattern.fullmatch(value)):
                     return value
             elif (self.low is None or self.low <= value) and (self.high is None or value <= self.high):
@@ -171,9 +178,9 @@ class Field:
             unit = "characters" if isinstance(value, str) else "bytes" if isinstance(value, bytes) else "entries"
             raise ProtocolError(ErrorCode.BAD_FIELD,
                                 f"{where}{self.name}: at most {self.max_len} {unit}, got {len(value)}")
-        if self.printable and isinstance(value, str) and _CONTROL.search(value):
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{where}{self.name}: must hold no control character, "
-                                                     f"got {_CONTROL.sub('?', value)[:80]!r}")
+        if self.printable and isinstance(value, str) and _unprintable(value):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{where}{self.name}: must hold no control, format (bidi) or "
+                                                     f"line-separator character, got {one_line(value)[:80]!r}")
         if self.pattern is not None and isinstance(value, str) and not self.pattern.fullmatch(value):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"{where}{self.name}: {engine_name_problem(value)}")
         return value

@@ -38,6 +38,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -92,14 +93,17 @@ def labels(family: str) -> tuple[str, ...]:
 
 def share_directory(env: Mapping[str, str] = os.environ) -> str:
     """The directory this process's workers write into: ``WSD_VLLM_METRICS_DIR`` where an
-    ancestor named it, else a new one (mode 0700), named for the processes this one starts,
-    and removed as this process exits."""
+    ancestor named it, else a new one (mode 0700, named for this user and this process),
+    named for the processes this one starts, and removed as this process exits. Those a
+    SIGKILLed process of this user left behind are removed first."""
     named = env.get(DIRECTORY)
     if named:
         return named
-    directory = tempfile.mkdtemp(prefix="wsd-vllm-metrics-")
-    os.environ[DIRECTORY] = directory
     creator = os.getpid()
+    prefix = f"wsd-vllm-metrics-{os.getuid()}-"
+    _remove_stale(tempfile.gettempdir(), prefix)
+    directory = tempfile.mkdtemp(prefix=f"{prefix}{creator}-")
+    os.environ[DIRECTORY] = directory
 
     def remove() -> None:
         if os.getpid() == creator:  # never in a forked child that runs this process's atexit
@@ -107,6 +111,27 @@ def share_directory(env: Mapping[str, str] = os.environ) -> str:
 
     atexit.register(remove)
     return directory
+
+
+def _remove_stale(folder: str, prefix: str) -> None:
+    """Remove this user's metrics directories (``PREFIX<pid>-...``) whose process is gone: a
+    vLLM killed by SIGKILL (or whose atexit never ran) leaves its directory behind."""
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        pid_text = name[len(prefix):].split("-", 1)[0]
+        path = os.path.join(folder, name)
+        try:
+            info = os.lstat(path)
+            if not pid_text.isdigit() or not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                continue  # not one of ours: never followed, never removed
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # alive under another user (EPERM), or gone meanwhile
+            continue
 
 
 # -- a worker's side ------------------------------------------------------------------------

@@ -69,8 +69,9 @@ REAL_ENGINE = "default"
 WIDE = SimulatedManager(64, 64).snapshot()
 _ASCII = "abcxyz019 _-./:\"'\\{}[]\x00\x7f"
 _ALPHABET = _ASCII + "éß☃\u202e\U0001f600"
-# Names that may hold no control character (the wire refuses them there: tests/unit/test_protocol.py).
-_PRINTABLE = "".join(c for c in _ALPHABET if not (ord(c) < 0x20 or 0x7f <= ord(c) <= 0x9f))
+# Names that may hold no control, format (bidi) or line-separator character (the wire refuses
+# them there: tests/unit/test_protocol.py).
+_PRINTABLE = "".join(c for c in _ALPHABET if c.isprintable())
 
 
 # -- the generator ---------------------------------------------------------------------------------

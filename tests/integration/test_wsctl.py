@@ -400,9 +400,9 @@ def test_events_follow_prints_new_events_until_count(cluster, capsys):
         polls: list[str] = []
         handle = coordinator.core.handle_client
 
-        def counting(route, frame, role=None):
+        def counting(route, frame, role=None, key=None):
             polls.append(msgpack.unpackb(frame)["op"])
-            return handle(route, frame, role)
+            return handle(route, frame, role, key)
 
         coordinator.core.handle_client = counting
         codes: list[int] = []

@@ -27,10 +27,10 @@ __all__ = ["MIN_INTERVAL", "StackRounds", "checked_threads"]
 MAX_FRAMES = 64
 MAX_TEXT = 256
 MIN_INTERVAL = 1.0
-"""Seconds before a rank's stacks are gathered again (a request sooner names it missing, saying
-when to ask): gathering interrupts the rank's agent, and 8 ranks asked 99-148 times a second
-slowed their engines' steps 17-22 %."""
-_REMEMBERED = 4096  # ranks whose last reply time is kept (the oldest forgotten first)
+"""Seconds before a rank's stacks are gathered again: a request sooner is answered with the
+ones it sent last (``age`` says how old). Gathering interrupts the rank's agent, and 8 ranks
+asked 99-148 times a second slowed their engines' steps 17-22 %."""
+_KEPT_BYTES = 32 << 20  # the last replies kept for that second, in all (roughly: their text)
 
 
 def checked_threads(threads: list[Any]) -> list[dict[str, Any]]:
@@ -70,7 +70,8 @@ class StackRounds:
         self.clock = clock
         self._rounds: dict[int, _Round] = {}
         self._ids = 0
-        self._last: dict[int, float] = {}  # rank: when it last replied
+        self._last: dict[int, tuple[float, int, dict[str, Any]]] = {}  # rank: when, size, its last reply
+        self._kept = 0  # the sizes of the replies in ``_last``
 
     def next_deadline(self) -> float:
         return min((r.deadline for r in self._rounds.values()), default=math.inf)
@@ -87,12 +88,13 @@ class StackRounds:
         now = self.clock()
         known = [self.registry.ranks.get(r) for r in ranks]
         live = [i for i in known if i is not None and i.state is RankState.LIVE]
-        recent = {i.rank: self._last[i.rank] for i in live if now - self._last.get(i.rank, -math.inf) < MIN_INTERVAL}
+        self._forget_before(now - MIN_INTERVAL)
+        recent = {i.rank: self._last[i.rank] for i in live if i.rank in self._last}
         live = [i for i in live if i.rank not in recent]
-        work = _Round(answer=answer, targets={i.rank for i in live}, deadline=now + timeout)
-        for rank, when in recent.items():
-            work.why[rank] = (f"its stacks were gathered {now - when:.2f} s ago: at most once every "
-                              f"{MIN_INTERVAL:g} s (ask again in a moment)")
+        work = _Round(answer=answer, targets={i.rank for i in live} | set(recent), deadline=now + timeout)
+        for rank, (when, _, reply) in recent.items():
+            work.replies[rank] = {**reply, "age": round(now - when, 3)}
+            work.owed.discard(rank)
         if len(live) < len(ranks):
             missing = self.registry.missing()  # once: it walks the whole world
             for rank in ranks:
@@ -118,12 +120,28 @@ class StackRounds:
         else:
             work.replies[info.rank] = {"rank": info.rank, "tp_group": info.tp_group, "host": info.host,
                                        "pid": info.pid, "step": body["step"], "in_step": body["in_step"],
-                                       "threads": threads, "at_stall": info.stall_stacks}
-            self._last.pop(info.rank, None)
-            self._last[info.rank] = self.clock()
-            if len(self._last) > _REMEMBERED:
-                del self._last[next(iter(self._last))]
+                                       "threads": threads, "at_stall": info.stall_stacks, "age": 0.0}
+            self._remember(info.rank, work.replies[info.rank])
         return self._finish(body["request"]) if not work.owed else []
+
+    def _remember(self, rank: int, reply: dict[str, Any]) -> None:
+        """Keep ``rank``'s reply for ``MIN_INTERVAL``, within ``_KEPT_BYTES`` in all."""
+        now = self.clock()
+        self._forget_before(now - MIN_INTERVAL)
+        size = sum(len(t["name"]) + sum(len(f) for f in t["frames"]) + 64 for t in reply["threads"])
+        if self._kept + size > _KEPT_BYTES:
+            return  # asked again, it will be gathered again: no worse than before
+        old = self._last.pop(rank, None)
+        self._kept += size - (old[1] if old else 0)
+        self._last[rank] = (now, size, reply)
+
+    def _forget_before(self, when: float) -> None:
+        while self._last:
+            rank, (at, size, _) = next(iter(self._last.items()))
+            if at >= when:
+                return
+            del self._last[rank]
+            self._kept -= size
 
     def rank_gone(self, rank: int, why: str | None) -> list[Out]:
         return rank_gone(self._rounds, rank, why, self._finish)

@@ -27,7 +27,7 @@ from wsd import WorkspaceManager
 from wsd.agent.thread import Agent
 from wsd.config import MAX_LANES, MAX_UBATCHES, CoordinatorConfig, load_config
 from wsd.coordinator.loop import Coordinator
-from wsd.errors import ConfigError
+from wsd.errors import ConfigError, StateFileError
 from wsd.security import SecurityConfig
 from wsd.wire import protocol as p
 from wsd.wire.curve import ClientKeys, agent_keys, is_loopback, keygen, load_public, load_secret
@@ -435,3 +435,52 @@ def test_a_viewers_frame_is_decoded_once(monkeypatch):
     answer = p.decode_reply(reply)
     assert (answer.id, answer.code) == (8, ErrorCode.FORBIDDEN)
     assert (decoded, reached) == ([command], [query])
+
+
+# -- a local cluster belongs to its owner ----------------------------------------------------------
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="trying another user's connection needs root to become that user")
+def test_a_local_clusters_client_endpoint_admits_its_owner_only(tmp_path, start_coordinator):
+    """Without CURVE whoever reaches the client endpoint is an admin, and `wsd up`'s was TCP on
+    loopback: any user of a shared GPU node could lock, unlock or reserve another user's
+    cluster. Its endpoint is now a Unix socket in a folder only its owner may enter: another
+    user's connection is refused by the kernel; the owner's works."""
+    import socket
+
+    from wsd.programs.up import owner_only_endpoint
+
+    endpoint = owner_only_endpoint(str(tmp_path / "default-world2-tp2.state"))
+    assert endpoint == f"ipc://{tmp_path}/default-world2-tp2.run/client"
+    assert stat.S_IMODE(os.stat(tmp_path / "default-world2-tp2.run").st_mode) == 0o700
+    tmp_path.chmod(0o755)  # the folder above lets others pass, as a home or /tmp does
+    coordinator = start_coordinator(client_endpoint=endpoint)
+    with Client(coordinator.client_endpoint, timeout=5) as owner:
+        assert owner.lock(wait=False).seq == 1
+    path = endpoint.removeprefix("ipc://")
+    child = os.fork()
+    if child == 0:  # another user of the host: nobody
+        code = 3
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(path)
+            code = 0
+        except PermissionError:
+            code = 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 1, "another user connected to the cluster's client socket"
+    assert coordinator.core.engine().log.seq == 1
+
+
+def test_a_folder_for_the_client_socket_that_others_may_enter_is_refused(tmp_path):
+    from wsd.programs.up import owner_only_endpoint
+
+    (tmp_path / "c.run").mkdir(mode=0o755)
+    (tmp_path / "c.run").chmod(0o755)
+    with pytest.raises(StateFileError, match=r"c\.run: .* not a folder only this user may enter .*mode 0755"):
+        owner_only_endpoint(str(tmp_path / "c.state"))
+    assert owner_only_endpoint(str(tmp_path / ("x" * 120 + ".state"))) is None  # too long for a Unix socket

@@ -60,6 +60,8 @@ __all__ = ["ENGINE_ENV", "STATE_FILE_ENV", "check_backend", "cluster_engine", "d
 logger = logging.getLogger(__name__)
 
 STATE_FILE_ENV = "WSD_COORDINATOR_STATE_FILE"
+CLIENT_ENDPOINT_ENV = "WSD_COORDINATOR_CLIENT_ENDPOINT"
+_UNIX_PATH = 100  # what a Unix socket's path may hold (sun_path is 108 bytes), with room to spare
 """The variable through which ``wsd up`` hands its coordinator the state file it chose."""
 ENGINE_ENV = "WSD_COORDINATOR_ENGINE"
 """The variable through which ``wsd up`` names its coordinator's default engine after its cluster."""
@@ -156,6 +158,38 @@ def check_state_files(path: str) -> None:
                                  f"replayed; move it aside")
 
 
+def owner_only_endpoint(state_file: str) -> str | None:
+    """The client endpoint of a local cluster that only this user may steer: an ``ipc://`` socket
+    in a folder beside its state file (``NAME.run/client``) that only this user may enter
+    (mode 0700; connecting to a Unix socket needs both). None where that path is too long for a
+    Unix socket. StateFileError if the folder is there and is not this user's alone."""
+    stem = state_file[:-len(".state")] if state_file.endswith(".state") else state_file
+    folder = os.path.abspath(f"{stem}.run")
+    path = os.path.join(folder, "client")
+    if len(path.encode(errors="surrogateescape")) > _UNIX_PATH:
+        return None
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        info = os.lstat(folder)
+    except OSError as e:
+        raise StateFileError(f"{folder}: cannot create the cluster's client folder: {e.strerror}") from e
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise StateFileError(f"{folder}: wsd up keeps the cluster's client socket here, and it is not a folder "
+                             f"only this user may enter (owner uid {info.st_uid}, mode "
+                             f"{stat.S_IMODE(info.st_mode):04o}{', a link' if stat.S_ISLNK(info.st_mode) else ''}): "
+                             f"remove it")
+    return f"ipc://{path}"
+
+
+def _client_endpoint_chosen(config: WsdConfig, env: Mapping[str, str]) -> bool:
+    """Whether the operator chose the client endpoint (the environment, or the file)."""
+    if CLIENT_ENDPOINT_ENV in env:
+        return True
+    if config.source == "<defaults>":
+        return False
+    return "client_endpoint" in read_toml(config.source).get("coordinator", {})
+
+
 def forget_state(path: str) -> list[str]:
     """Remove the state file at ``path`` and its journal; the paths removed.
 
@@ -246,6 +280,16 @@ def up(nproc: int, config_path: str | None, *, fresh: bool = False,
         env[STATE_FILE_ENV] = state_file
         check_state_folder(os.path.dirname(state_file))
     check_state_files(state_file)
+    # Only this user steers it: clients on a socket only this user may reach, unless the
+    # operator chose an endpoint (then, without CURVE, whoever reaches it is an admin).
+    if not _client_endpoint_chosen(config, env):
+        endpoint = owner_only_endpoint(state_file)
+        if endpoint is not None:
+            env[CLIENT_ENDPOINT_ENV] = endpoint
+        else:
+            out(f"wsd up: the state folder's path is too long for a Unix socket: clients on "
+                f"{config.coordinator.client_endpoint}, which every user of this host may reach (set "
+                f"XDG_STATE_HOME to a shorter folder)")
     # Its engine is named after the cluster, so that a coordinator serving several (a fleet's,
     # or one this one's workers are pointed at) tells them apart; its workers name none.
     if config.coordinator.engine == DEFAULT_ENGINE and ENGINE_ENV not in env:

@@ -296,10 +296,10 @@ class CoordinatorCore:
         heard = self.gate.heard(now)
         for engine in list(self.engines.values()):
             out += engine.tick(now, heard)
-        self._forget_engines(now)
         self.profiles.tick(now)
         if now >= self._next_pulse:
             self._next_pulse = now + self.config.heartbeat_interval
+            self._forget_engines(now)  # once an interval: it looks at every engine's ranks
             suppressed = self.events.take_over_budget() + Counter(self.gate.take_suppressed())
             if suppressed:  # one line for a flood, at most once an interval
                 self.events.add(EventKind.SUPPRESSED, self.wall(), counts=dict(suppressed))

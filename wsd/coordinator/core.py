@@ -390,8 +390,8 @@ class CoordinatorCore:
             engine.check_group(message.body["group"])
             engine.dispatch.check(action, message.body["group"])
         return self._answer(route, message, engines,
-                            lambda e, answer: e.dispatch.command(action, message.body, answer, by=message.by,
-                                                                 proven=message.proven))
+                            lambda e, answer: e.dispatch.command(action, message.body, answer,
+                                                                 issuer=message.issuer()))
 
     def _stats_request(self, route: Route, message: p.Message) -> list[Out]:
         body = message.body
@@ -430,8 +430,7 @@ class CoordinatorCore:
             known = ", ".join(str(k) for k in list(self.profiles.profiles)[:8]) or "none"
             raise ProtocolError(ErrorCode.BAD_FIELD, f"key: no sizing profile {text!r} (known: {known})")
         saved = self.profiles.save()  # at once: an operator's change is durable when answered
-        who: dict[str, Any] = {k: v for k, v in (("by", message.by), ("proven", message.proven)) if v}
-        self.events.add(EventKind.PROFILE_DROPPED, self.wall(), key=text, **who)
+        self.events.add(EventKind.PROFILE_DROPPED, self.wall(), key=text, **message.issuer())
         return [(CLIENT, route, p.ok_reply(message.id, {"dropped": text, "saved": saved}))]
 
     def _events(self, route: Route, message: p.Message) -> list[Out]:

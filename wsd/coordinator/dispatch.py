@@ -80,11 +80,10 @@ class Dispatch:
                 raise ProtocolError(ErrorCode.CONFLICT, f"{action}: TP group(s) {locked} are locked; unlock first")
 
     def command(self, action: str, body: dict[str, Any], answer: Answer, *,
-                by: dict[str, str] | None = None, proven: dict[str, str] | None = None) -> list[Out]:
+                issuer: dict[str, Any] | None = None) -> list[Out]:
         """Number a command, send it to every live rank, and answer when its targets applied it
-        (``body["wait"]``) or at once with its number. ``check`` first. ``by``: who sent it, as
-        the client says (user and host); ``proven``: what CURVE proved (role, key name); both for
-        the event, apart."""
+        (``body["wait"]``) or at once with its number. ``check`` first. ``issuer``: who sent it,
+        for the event (``Message.issuer``: the client's claim, and what CURVE proved, apart)."""
         group = body["group"]
         args = {k: v for k, v in body.items() if k not in ("group", "wait", "timeout", "engine", "new_engine")}
         now = self.clock()
@@ -93,7 +92,7 @@ class Dispatch:
         while len(self._sent_at) > self.config.log_capacity:  # older ones left the log
             del self._sent_at[next(iter(self._sent_at))]
         self.event(EventKind.COMMAND, seq=command.seq, action=action, group=group, args=args,
-                   **{k: v for k, v in (("by", by), ("proven", proven)) if v})
+                   **(issuer or {}))
         live = self.registry.live()
         out = [self._frame(command, i) for i in live]  # every rank holds every seq
         targets = {i.rank for i in live if command.targets(i.tp_group)}

@@ -151,6 +151,10 @@ class Message:
     key file's name). Set by the coordinator only, never from the message; None without
     CURVE."""
 
+    def issuer(self) -> dict[str, Any]:
+        """Who sent it, for an event: ``by`` (the claim) and ``proven``, each where there is one."""
+        return {k: v for k, v in (("by", self.by), ("proven", self.proven)) if v}
+
 
 ISSUER_KEYS = ("user", "host")
 """What a client says of itself in a request's envelope (``by``)."""

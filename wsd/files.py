@@ -3,7 +3,8 @@
 ``read_owned`` refuses a file that another user could have written, or, for a
 secret, read, naming the file and the fix. A module of the shared floor: the
 wire's key files (``wsd.wire.curve``), the ``[security]`` section's agent token
-(``wsd.security``) and ``wsctl``'s contexts file read through it.
+(``wsd.security``) and ``wsctl``'s contexts file read through it; the configuration
+file's reader (``wsd.tomlread``) checks its owner and mode with ``check_owned``.
 """
 
 from __future__ import annotations
@@ -13,9 +14,25 @@ import stat
 
 from wsd.errors import ConfigError
 
-__all__ = ["read_owned"]
+__all__ = ["check_owned", "read_owned"]
 
 _SPECIAL = ("/proc/", "/sys/", "/dev/")
+
+
+def check_owned(info: os.stat_result, path: str | os.PathLike[str], what: str, *, private: bool) -> None:
+    """ConfigError naming ``what``, the file and the fix unless the file ``info`` describes is
+    owned by this user or root (a file of another user's is theirs to rewrite) and group and
+    others may not write it (``private``: nor read it)."""
+    if info.st_uid not in (os.getuid(), 0):
+        raise ConfigError(f"{what}: {path} belongs to uid {info.st_uid}, not to this user (uid {os.getuid()}) "
+                          f"or root: whoever owns it can rewrite it")
+    mode = stat.S_IMODE(info.st_mode)
+    if private and mode & 0o077:
+        raise ConfigError(f"{what}: {path} has mode {mode:04o}: group and others must have no access to it "
+                          f"(chmod 600 {path})")
+    if mode & 0o022:
+        raise ConfigError(f"{what}: {path} has mode {mode:04o}: group and others must not be able to write "
+                          f"it (chmod 644 {path})")
 
 
 def read_owned(path: str | os.PathLike[str], what: str, *, private: bool, limit: int = 64 << 10) -> bytes:
@@ -40,16 +57,7 @@ def read_owned(path: str | os.PathLike[str], what: str, *, private: bool, limit:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise ConfigError(f"{what}: {path} is not a regular file")
-        if info.st_uid not in (os.getuid(), 0):
-            raise ConfigError(f"{what}: {path} belongs to uid {info.st_uid}, not to this user (uid {os.getuid()}) "
-                              f"or root: whoever owns it can rewrite it")
-        mode = stat.S_IMODE(info.st_mode)
-        if private and mode & 0o077:
-            raise ConfigError(f"{what}: {path} has mode {mode:04o}: group and others must have no access to it "
-                              f"(chmod 600 {path})")
-        if mode & 0o022:
-            raise ConfigError(f"{what}: {path} has mode {mode:04o}: group and others must not be able to write "
-                              f"it (chmod 644 {path})")
+        check_owned(info, path, what, private=private)
         chunks, size = [], 0
         while size <= limit:
             chunk = os.read(fd, limit + 1 - size)

@@ -1,7 +1,7 @@
 """Reading a TOML file with a bounded cost: a regular file, of a bounded size, not nested
 beyond what the parser's stack allows; every failure a ConfigError naming the file.
-Imports nothing from wsd but its errors (the configuration loader and wsctl's contexts
-file both read TOML this way).
+Imports nothing from wsd but its errors and ``wsd.files`` (the configuration loader and
+wsctl's contexts file both read TOML this way).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from wsd.errors import ConfigError
+from wsd.files import check_owned
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -40,7 +41,8 @@ def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
             info = os.fstat(f.fileno())
             if not stat.S_ISREG(info.st_mode):
                 raise ConfigError(not_regular)
-            _owned(source, info)
+            # It names the token and key files and the endpoints to trust, as they are checked.
+            check_owned(info, source, "configuration file", private=False)
             data = f.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"{source}: configuration file not found") from None
@@ -51,18 +53,6 @@ def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     if len(data) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{source}: a configuration file of more than {MAX_CONFIG_BYTES} bytes: not one of wsd's")
     return parse_toml(data, source)
-
-
-def _owned(source: str, info: os.stat_result) -> None:
-    """A configuration names the token and key files, and the endpoints to trust: one that
-    another user may have written is refused, as those files are (``wsd.files.read_owned``)."""
-    mode = stat.S_IMODE(info.st_mode)
-    if info.st_uid not in (os.getuid(), 0):
-        raise ConfigError(f"{source}: belongs to uid {info.st_uid}, not to this user (uid {os.getuid()}) or root: "
-                          f"whoever owns it can rewrite the configuration")
-    if mode & 0o022:
-        raise ConfigError(f"{source}: has mode {mode:04o}: group and others must not be able to write a "
-                          f"configuration file (chmod 644 {source})")
 
 
 def parse_toml(data: bytes, source: str) -> dict[str, Any]:
